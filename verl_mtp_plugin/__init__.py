@@ -1,0 +1,62 @@
+"""verl-mtp-plugin: per-phase MTP control for verl + Megatron-Core HybridModel (Nemotron 3) and exact
+MTP weight sync into vLLM's drafter.
+
+``import verl_mtp_plugin`` is light (no torch, Megatron, verl or vLLM import): the policy names are
+eager, everything else is loaded on first attribute access. verl imports this package in every
+process that builds a model config when a recipe sets
+``actor_rollout_ref.model.external_lib: verl_mtp_plugin``; that import registers the plugin's engine
+with verl (:func:`register`) when verl is importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from verl_mtp_plugin._version import __version__
+from verl_mtp_plugin.policy import (
+    MTPConfigError,
+    MTPMode,
+    Phase,
+    mode_from_verl_mtp,
+    rollout_may_speculate,
+    run_mtp_forward,
+)
+
+# name -> module that defines it (loaded lazily)
+_LAZY = {
+    "hybrid_forward": "verl_mtp_plugin.control",
+    "forward_for_phase": "verl_mtp_plugin.control",
+    "freeze_mtp": "verl_mtp_plugin.control",
+    "configure_transformer_config": "verl_mtp_plugin.control",
+    "validate_model_for_mode": "verl_mtp_plugin.control",
+    "native_mtp_kwarg": "verl_mtp_plugin.control",
+    "unwrap_model": "verl_mtp_plugin.control",
+    "mtp_parameters": "verl_mtp_plugin.control",
+    "UnsupportedMTPModelError": "verl_mtp_plugin.control",
+    "collect_mtp_metrics": "verl_mtp_plugin.metrics",
+    "reset_mtp_metrics": "verl_mtp_plugin.metrics",
+}
+
+__all__ = [
+    "MTPConfigError",
+    "MTPMode",
+    "Phase",
+    "__version__",
+    "mode_from_verl_mtp",
+    "rollout_may_speculate",
+    "run_mtp_forward",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'verl_mtp_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
