@@ -12,6 +12,10 @@ attribute ``mtp_process`` (``hybrid_model.py``: ``mtp_forward_ran = self.mtp_pro
 the duration of the call gives exactly upstream's semantics; it is restored in ``finally``, so an
 exception inside the forward leaves the model as it was.
 
+``GPTModel`` (0.19.x) gates only the MTP block on ``mtp_process`` and runs ``process_mtp_loss``
+whenever ``config.mtp_num_layers`` is set, so for a ``GPTModel`` the config field is cleared for the
+call as well (read at call time only in that forward; restored the same way).
+
 This module is the only place in the package that changes a library object's attribute at call
 time. When the installed megatron-core has the native kwarg, :mod:`verl_mtp_plugin.control` passes
 the kwarg through and never imports this module; deleting this file (and its one import) is the
@@ -22,10 +26,18 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["ATTRIBUTE", "skip_mtp_forward"]
+__all__ = ["ATTRIBUTE", "CONFIG_FIELD", "skip_mtp_forward"]
 
-#: The one attribute this module touches.
+#: The model attribute this module touches.
 ATTRIBUTE = "mtp_process"
+#: The config field it also touches, on GPTModel only.
+CONFIG_FIELD = "mtp_num_layers"
+
+
+def _is_gpt_model(model) -> bool:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return isinstance(model, GPTModel)
 
 
 @contextlib.contextmanager
@@ -36,18 +48,25 @@ def skip_mtp_forward(model):
         model: the unwrapped ``HybridModel`` (or ``GPTModel``) instance.
 
     Yields:
-        the same model. Its ``mtp_process`` attribute is restored on exit, exception or not.
+        the same model. ``mtp_process`` (and, on GPTModel, ``config.mtp_num_layers``) are restored on
+        exit, exception or not.
     """
     saved = model.__dict__.get(ATTRIBUTE, _MISSING)
     if saved is _MISSING or not saved:
         # Ranks that own no MTP module: nothing to skip, nothing to touch.
         yield model
         return
+    config = model.config if _is_gpt_model(model) else None
+    saved_layers = getattr(config, CONFIG_FIELD, None)
     model.mtp_process = False
     try:
+        if config is not None:
+            setattr(config, CONFIG_FIELD, None)
         yield model
     finally:
         model.mtp_process = saved
+        if config is not None:
+            setattr(config, CONFIG_FIELD, saved_layers)
 
 
 class _Missing:

@@ -10,7 +10,7 @@ Everything here is real megatron-core (``HybridModel``, ``HybridStack``, ``Trans
 * :class:`LatentLinearRef`: megatron builds the latent-MoE projections (``fc1_latent_proj``,
   ``fc2_latent_proj``, Nemotron 3 Super's ``moe_latent_size``) only through TE's ``TELinear``; a
   plain ``y = x W^T`` module stands in, swapped in only while the model is constructed.
-* On machines without CUDA, Mamba's Triton kernels (fused scan, gated RMSNorm) are replaced by the
+* On machines without CUDA, Mamba's Triton kernels (fused training scan, chunked scan, gated RMSNorm) are replaced by the
   plain-torch reference in :mod:`verl_mtp_plugin.testing._mamba_ref`; on a GPU the real kernels run.
 * On machines without CUDA, ``torch.cuda.current_device`` answers ``"cpu"`` (megatron asks it for
   buffer placement in a few places); installed by :func:`init_megatron`.
@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "LatentLinearRef",
     "TinyHybridSpec",
+    "build_tiny_gpt",
     "build_tiny_hybrid",
     "causal_mask",
     "destroy_megatron",
@@ -175,7 +176,11 @@ def _install_mamba_reference_on_cpu() -> None:
         return
     import megatron.core.ssm.mamba_mixer as mm
 
-    from verl_mtp_plugin.testing._mamba_ref import GatedRMSNormRef, mamba_split_conv1d_scan_combined_ref
+    from verl_mtp_plugin.testing._mamba_ref import (
+        GatedRMSNormRef,
+        mamba_chunk_scan_combined_ref,
+        mamba_split_conv1d_scan_combined_ref,
+    )
 
     if not mm.HAVE_MAMBA_SSM:
         mm.HAVE_MAMBA_SSM = True
@@ -183,6 +188,7 @@ def _install_mamba_reference_on_cpu() -> None:
     else:  # mamba_ssm importable but its Triton norm cannot run on CPU tensors
         mm.ExtendedRMSNorm.forward = GatedRMSNormRef.forward
     mm.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined_ref
+    mm.mamba_chunk_scan_combined = mamba_chunk_scan_combined_ref
     if hasattr(mm, "MAMBA_HAS_STATE_DTYPE"):
         mm.MAMBA_HAS_STATE_DTYPE = False
     _MAMBA_REF_INSTALLED = True
@@ -353,7 +359,10 @@ def make_config(spec: TinyHybridSpec, **overrides):
     return TransformerConfig(**kw)
 
 
-def build_tiny_hybrid(spec: TinyHybridSpec | None = None, *, device=None, config_overrides=None, **fields):
+def build_tiny_hybrid(
+    spec: TinyHybridSpec | None = None, *, device=None, config_overrides=None, pre_process=True, post_process=True,
+    **fields,
+):
     """Build a real megatron-core ``HybridModel`` with MTP for ``spec`` (fields may be overridden).
 
     Call :func:`init_megatron` first. Returns the model in train mode on ``device``
@@ -379,6 +388,8 @@ def build_tiny_hybrid(spec: TinyHybridSpec | None = None, *, device=None, config
             hybrid_layer_pattern=spec.pattern,
             position_embedding_type="none",
             share_embeddings_and_output_weights=False,
+            pre_process=pre_process,
+            post_process=post_process,
         )
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
@@ -411,3 +422,30 @@ def make_batch(batch: int = 2, seq: int = 16, vocab: int = 128, prompt_len: int 
         attention_mask=causal_mask(seq, dev),
         response_mask=response_mask.to(dev),
     )
+
+
+def build_tiny_gpt(mtp_num_layers: int | None = 1, vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 2,
+                   mtp_detach_heads: bool = False, device=None):
+    """A tiny megatron ``GPTModel`` with MTP from megatron's own local spec (the other model type
+    :func:`verl_mtp_plugin.hybrid_forward` supports)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _install_cpu_current_device()
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=2 * hidden_size, num_attention_heads=4,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="RMSNorm", add_bias_linear=False, mtp_num_layers=mtp_num_layers,
+        mtp_detach_heads=mtp_detach_heads,
+    )
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size, max_sequence_length=256,
+        position_embedding_type="none", share_embeddings_and_output_weights=False, mtp_block_spec=mtp_spec,
+    )
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device)
+    model.train()
+    return model

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
-def selective_scan_sequential(x, dt, A, B, C):
+def selective_scan_sequential(x, dt, A, B, C, initial_state=None, return_final_state=False):
     """Mamba-2 SSD recurrence, one step at a time.
 
     Args:
@@ -30,14 +30,43 @@ def selective_scan_sequential(x, dt, A, B, C):
     g = B.shape[2]
     B = B.repeat_interleave(h // g, dim=2)  # [b, l, h, n]
     C = C.repeat_interleave(h // g, dim=2)
-    state = x.new_zeros(b, h, p, B.shape[-1])  # [b, h, p, n]
+    state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.float()  # [b, h, p, n]
     ys = []
     for t in range(l):
         decay = torch.exp(dt[:, t] * A.view(1, h))  # [b, h]
         inp = (dt[:, t, :, None, None] * x[:, t, :, :, None]) * B[:, t, :, None, :]  # [b, h, p, n]
         state = decay[:, :, None, None] * state + inp
         ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
-    return torch.stack(ys, dim=1)
+    y = torch.stack(ys, dim=1)
+    return (y, state) if return_final_state else y
+
+
+def mamba_chunk_scan_combined_ref(
+    x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+    cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **_unused,
+):
+    """Same math as mamba_ssm's ``mamba_chunk_scan_combined`` (the non-fused path megatron takes in
+    inference mode): ``x [b, l, h, p]``, ``dt [b, l, h]``, ``B, C [b, l, g, n]`` -> ``y [b, l, h, p]``."""
+    if seq_idx is not None or cu_seqlens is not None:
+        raise NotImplementedError("reference Mamba scan: no packed sequences")
+    dtype = x.dtype
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if tuple(dt_limit) != (0.0, float("inf")):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    y, last = selective_scan_sequential(
+        x.float(), dt, A.float(), B.float(), C.float(), initial_state=initial_states, return_final_state=True
+    )
+    if D is not None:
+        Df = D.float()
+        y = y + x.float() * (Df.view(1, 1, *Df.shape) if Df.dim() == 2 else Df.view(1, 1, -1, 1))
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(dtype)
+    return (y, last) if return_final_states else y
 
 
 def mamba_split_conv1d_scan_combined_ref(
