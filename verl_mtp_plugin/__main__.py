@@ -1,0 +1,5 @@
+import sys
+
+from verl_mtp_plugin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""``verl-mtp``: the plugin's command line.
+
+Subcommands:
+  demo     run every RL phase end to end on a tiny Nemotron-3-shaped model (CPU or GPU)
+  phases   print the per-phase MTP table
+  check    validate a verl recipe YAML and print the table it resolves to
+  keys     print the HF MTP tensor names the export produces for an HF config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _cmd_phases(args) -> int:
+    from verl_mtp_plugin.policy import format_table
+
+    print(format_table([args.mode] if args.mode else None))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from verl_mtp_plugin.demo import DemoInvariantError, run_demo
+
+    try:
+        run_demo(
+            mode=args.mode, steps=args.steps, seed=args.seed, device=args.device, out=args.out,
+            progress=not args.no_progress,
+        )
+    except DemoInvariantError as e:
+        print(f"\nverl-mtp demo: INVARIANT FAILED: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from verl_mtp_plugin.policy import MTPConfigError
+
+    try:
+        from verl_mtp_plugin.verl_config import check_recipe_file
+    except ImportError as e:  # pragma: no cover - verl is a runtime dependency
+        print(f"verl-mtp check needs verl installed: {e}", file=sys.stderr)
+        return 1
+    try:
+        report = check_recipe_file(args.config, overrides=args.overrides)
+    except MTPConfigError as e:
+        print(f"{args.config}: INVALID\n{e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
+def _cmd_keys(args) -> int:
+    from verl_mtp_plugin.export import expected_hf_mtp_keys
+
+    with open(args.hf_config) as f:
+        cfg = json.load(f)
+    keys = sorted(expected_hf_mtp_keys(cfg))
+    for k in keys:
+        print(k)
+    print(f"# {len(keys)} MTP tensors", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verl-mtp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="run every phase end to end on a tiny Nemotron-3-shaped model")
+    d.add_argument("--mode", default="online", choices=["off", "frozen", "online", "joint"])
+    d.add_argument("--steps", type=int, default=6)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, the plot and synced weights")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    d.set_defaults(fn=_cmd_demo)
+
+    t = sub.add_parser("phases", help="print the per-phase run_mtp_forward table")
+    t.add_argument("--mode", choices=["off", "frozen", "online", "joint"])
+    t.set_defaults(fn=_cmd_phases)
+
+    c = sub.add_parser("check", help="validate a verl recipe YAML with the plugin's rules")
+    c.add_argument("config", help="a recipe YAML (composed on top of verl's ppo_trainer)")
+    c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. actor_rollout_ref.model.mtp.enable=false")
+    c.set_defaults(fn=_cmd_check)
+
+    k = sub.add_parser("keys", help="print the HF MTP tensor names for an HF config.json")
+    k.add_argument("--hf-config", required=True)
+    k.set_defaults(fn=_cmd_keys)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
