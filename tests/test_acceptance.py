@@ -1,0 +1,560 @@
+"""In-trainer MTP acceptance estimate (issue 5): pure math, alignment, and the probe on a real HybridModel."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from verl_mtp_plugin.acceptance import (
+    ARGMAX_DRAFT_KEY,
+    EXPECTED_KEY,
+    GREEDY_KEY,
+    POSITIONS_KEY,
+    AcceptanceProbe,
+    acceptance_positions,
+    argmax_draft_acceptance,
+    expected_accept_length,
+    expected_speedup,
+    greedy_agreement,
+    per_position_acceptance,
+    select_positions,
+    speculative_overlap,
+)
+
+NEG = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------
+# brute-force references (python loops over positions and vocabulary)
+# --------------------------------------------------------------------------------------------------
+
+
+def _softmax_list(row, temperature):
+    xs = [float(x) / temperature for x in row]
+    m = max(xs)
+    es = [math.exp(x - m) for x in xs]
+    z = sum(es)
+    return [e / z for e in es]
+
+
+def _argmax_list(row):
+    best = 0
+    for i, x in enumerate(row):
+        if float(x) > float(row[best]):
+            best = i
+    return best
+
+
+def _brute_force(main, mtp, mask, temperature, depth=1):
+    """Mean overlap / greedy / argmax-draft over positions t with tokens t+1..t+1+depth in the response."""
+    b, s, v = main.shape
+    alphas, greedy, argmax_draft, positions = [], [], [], []
+    for bi in range(b):
+        for t in range(s):
+            if t + 1 + depth >= s:
+                continue
+            if not all(mask[bi, t + j] != 0 for j in range(1, depth + 2)):
+                continue
+            p = _softmax_list(main[bi, t + depth].tolist(), temperature)
+            q = _softmax_list(mtp[bi, t].tolist(), temperature)
+            alphas.append(sum(min(p[i], q[i]) for i in range(v)))
+            gp, gq = _argmax_list(main[bi, t + depth].tolist()), _argmax_list(mtp[bi, t].tolist())
+            greedy.append(1.0 if gp == gq else 0.0)
+            argmax_draft.append(p[gq])
+            positions.append((bi, t))
+    n = len(alphas)
+    return sum(alphas) / n, sum(greedy) / n, sum(argmax_draft) / n, positions
+
+
+def _means(res):
+    n = res["valid"].sum()
+    return (res["alpha"].sum() / n).item(), (res["greedy"].sum() / n).item(), (res["argmax_draft"].sum() / n).item()
+
+
+# --------------------------------------------------------------------------------------------------
+# pure functions
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_per_position_acceptance_equals_brute_force(temperature, depth):
+    g = torch.Generator().manual_seed(3)
+    b, s, v = 3, 9, 5
+    main = torch.randn(b, s, v, generator=g) * 2
+    mtp = torch.randn(b, s, v, generator=g) * 2
+    mask = torch.zeros(b, s)
+    mask[0, 2:] = 1
+    mask[1, 4:8] = 1  # right padding after the response
+    mask[2, 1:] = 1
+    mask[2, 5] = 0  # a hole (e.g. a tool-output token)
+    res = per_position_acceptance(main, mtp, mask, depth=depth, temperature=temperature)
+    a, gr, ad, positions = _brute_force(main, mtp, mask, temperature, depth)
+    assert sorted(map(tuple, res["valid"].nonzero().tolist())) == sorted(positions)
+    ra, rg, rad = _means(res)
+    assert ra == pytest.approx(a, abs=1e-6)
+    assert rg == pytest.approx(gr, abs=1e-6)
+    assert rad == pytest.approx(ad, abs=1e-6)
+    assert 0.0 < ra < 1.0
+
+
+def test_identical_distributions_accept_everything():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, 11, generator=g)
+    for t in (1.0, 0.3):
+        assert torch.allclose(speculative_overlap(x, x.clone(), t), torch.ones(4, 7), atol=1e-6)
+    assert torch.equal(greedy_agreement(x, x.clone()), torch.ones(4, 7))
+    # Same logits up to a per-row constant: same distribution.
+    assert torch.allclose(speculative_overlap(x, x + 5.0), torch.ones(4, 7), atol=1e-6)
+
+
+def test_disjoint_supports_accept_nothing():
+    p = torch.full((3, 6), NEG)
+    q = torch.full((3, 6), NEG)
+    p[:, :3] = torch.randn(3, 3)
+    q[:, 3:] = torch.randn(3, 3)
+    assert torch.equal(speculative_overlap(p, q), torch.zeros(3))
+    assert torch.equal(greedy_agreement(p, q), torch.zeros(3))
+    assert torch.equal(argmax_draft_acceptance(p, q), torch.zeros(3))
+
+
+def test_temperature_zero_is_greedy_and_temperature_matters():
+    g = torch.Generator().manual_seed(1)
+    p, q = torch.randn(50, 8, generator=g), torch.randn(50, 8, generator=g)
+    greedy = greedy_agreement(p, q)
+    assert 0 < greedy.sum() < 50
+    assert torch.equal(speculative_overlap(p, q, 0.0), greedy)
+    assert torch.equal(argmax_draft_acceptance(p, q, 0.0), greedy)
+    assert not torch.allclose(speculative_overlap(p, q, 1.0), speculative_overlap(p, q, 0.5))
+    # The overlap never exceeds the greedy-draft acceptance's upper bound of 1 and is a probability.
+    a = speculative_overlap(p, q, 0.7)
+    assert bool(((a >= 0) & (a <= 1)).all())
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_overlap(p, q, -1.0)
+    with pytest.raises(ValueError, match="same shape"):
+        speculative_overlap(p, q[:, :4])
+
+
+def _hand_built(s=12, v=16):
+    """p_main[u] puts mass c_u = 0.5 + 0.03*u on token u and the rest on sink token v-1;
+    q_mtp[t] is one-hot on token t+1. Only the correct alignment (q[t] vs p[t+1]) overlaps, with
+    value c_{t+1}; q[t] vs p[t] or p[t+2] overlaps nowhere (q has no sink mass)."""
+    main = torch.full((1, s, v), NEG)
+    for u in range(s):
+        c = 0.5 + 0.03 * u
+        main[0, u, u] = math.log(c)
+        main[0, u, v - 1] = math.log(1 - c)
+    mtp = torch.full((1, s, v), NEG)
+    for t in range(s):
+        mtp[0, t, (t + 1) % (v - 1)] = 0.0
+    return main, mtp
+
+
+def test_alignment_on_hand_built_case():
+    s = 12
+    main, mtp = _hand_built(s)
+    prompt_len = 4
+    mask = torch.zeros(1, s)
+    mask[0, prompt_len:] = 1
+    res = per_position_acceptance(main, mtp, mask)
+    # Counted: tokens t+1 and t+2 are response tokens -> t = prompt_len-1 .. s-3.
+    expected_t = list(range(prompt_len - 1, s - 2))
+    assert res["valid"][0].nonzero().flatten().tolist() == expected_t
+    for t in range(s):
+        want = (0.5 + 0.03 * (t + 1)) if t in expected_t else 0.0
+        assert res["alpha"][0, t].item() == pytest.approx(want, abs=1e-6)
+    mean = _means(res)[0]
+    assert mean == pytest.approx(sum(0.5 + 0.03 * (t + 1) for t in expected_t) / len(expected_t), abs=1e-6)
+    # greedy: argmax p[t+1] = t+1 = argmax q[t] (c_u > 0.5 beats the sink) everywhere counted.
+    assert _means(res)[1] == 1.0
+    # Off-by-one alignments give other values: q[t] vs p[t] and q[t] vs p[t+2] never overlap.
+    q = mtp[0, : s - 2]
+    assert torch.equal(speculative_overlap(main[0, : s - 2], q), torch.zeros(s - 2))
+    assert torch.equal(speculative_overlap(main[0, 2:], q), torch.zeros(s - 2))
+    assert torch.equal(greedy_agreement(main[0, 2:], q), torch.zeros(s - 2))
+    # A mask shifted by one (label coordinates instead of token coordinates) changes the counted set.
+    shifted = torch.roll(mask, -1, dims=1)
+    shifted[0, -1] = 0
+    assert _means(per_position_acceptance(main, mtp, shifted))[0] != pytest.approx(mean, abs=1e-4)
+
+
+def test_acceptance_positions_depths_and_edges():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]])
+    assert acceptance_positions(mask, 1)[0].nonzero().flatten().tolist() == [1, 2, 3]
+    assert acceptance_positions(mask, 2)[0].nonzero().flatten().tolist() == [1, 2]
+    assert acceptance_positions(mask, 3)[0].nonzero().flatten().tolist() == [1]
+    assert not acceptance_positions(torch.ones(2, 2), 1).any()  # too short for t, t+1, t+2
+    with pytest.raises(ValueError, match=r"\[b, s\]"):
+        acceptance_positions(torch.ones(8), 1)
+    with pytest.raises(ValueError, match="depth"):
+        acceptance_positions(mask, 0)
+
+
+def test_expected_accept_length_and_speedup():
+    for k in (1, 2, 3, 5):
+        assert expected_accept_length(0.0, k) == 1.0
+        assert expected_accept_length(1.0, k) == k + 1
+        assert expected_accept_length(1.0 - 1e-9, k) == pytest.approx(k + 1, abs=1e-6)
+        a = 0.37
+        assert expected_accept_length(a, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=1e-12)
+    assert expected_accept_length(0.8, 3) == pytest.approx(2.952, abs=1e-12)
+    assert expected_accept_length(0.5, 0) == 1.0
+    t = expected_accept_length(torch.tensor([0.0, 0.8, 1.0]), 3)
+    assert torch.allclose(t, torch.tensor([1.0, 2.952, 4.0]))
+    assert expected_speedup(0.8, 3, 0.1) == pytest.approx(2.952 / 1.3, rel=1e-12)
+    assert expected_speedup(1.0, 2, 0.0) == 3.0
+    with pytest.raises(ValueError, match="alpha"):
+        expected_accept_length(1.5, 2)
+    with pytest.raises(ValueError, match="k"):
+        expected_accept_length(0.5, -1)
+    with pytest.raises(ValueError, match="draft_cost"):
+        expected_speedup(0.5, 2, -0.1)
+
+
+def test_select_positions():
+    valid = torch.zeros(3, 40, dtype=torch.bool)
+    valid[:, 5:35] = True
+    bi, ti = select_positions(valid, 10)
+    assert bi.numel() == 10 and len(set(zip(bi.tolist(), ti.tolist()))) == 10
+    assert bool(valid[bi, ti].all())
+    assert torch.equal(torch.stack(select_positions(valid, 10)), torch.stack((bi, ti)))  # deterministic
+    # Evenly spaced: rows 0, 1 and 2 are all represented.
+    assert set(bi.tolist()) == {0, 1, 2}
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    r1, r2 = select_positions(valid, 10, g1), select_positions(valid, 10, g2)
+    assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1]) and bool(valid[r1].all())
+    allb, allt = select_positions(valid, 1000)
+    assert allb.numel() == 90
+    with pytest.raises(ValueError, match="max_positions"):
+        select_positions(valid, 0)
+
+
+_SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    import torch.multiprocessing as mp
+    from verl_mtp_plugin.acceptance import speculative_overlap, greedy_agreement, argmax_draft_acceptance
+    from verl_mtp_plugin.acceptance import _acceptance_stats
+
+    def work(rank, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        g = torch.Generator().manual_seed(11)
+        p = torch.randn(7, 10, generator=g) * 3
+        q = torch.randn(7, 10, generator=g) * 3
+        q[0] = 0.0; q[0, 2] = 5.0; q[0, 7] = 5.0     # tie across shards: first index (2) wins
+        p[1] = q[1]                                  # identical row
+        p[2, :5] = float("-inf"); q[2, 5:] = float("-inf")  # disjoint supports across shards
+        sl = slice(rank * 5, rank * 5 + 5)
+        grp = dist.group.WORLD
+        for t in (1.0, 0.7, 0.0):
+            a = speculative_overlap(p[:, sl], q[:, sl], t, group=grp)
+            assert torch.allclose(a, speculative_overlap(p, q, t), atol=1e-6), (t, a)
+            d = argmax_draft_acceptance(p[:, sl], q[:, sl], t, group=grp)
+            assert torch.allclose(d, argmax_draft_acceptance(p, q, t), atol=1e-6), (t, d)
+            fused = _acceptance_stats(p[:, sl], q[:, sl], t, grp)  # the probe's path
+            for got, want in zip(fused, _acceptance_stats(p, q, t, None)):
+                assert torch.allclose(got, want, atol=1e-6), (t, got, want)
+            assert torch.allclose(fused[0], speculative_overlap(p, q, t), atol=1e-6)
+        gr = greedy_agreement(p[:, sl], q[:, sl], group=grp)
+        assert torch.equal(gr, greedy_agreement(p, q)), gr
+        assert abs(float(speculative_overlap(p[:, sl], q[:, sl], group=grp)[1]) - 1) < 1e-6
+        assert float(speculative_overlap(p[:, sl], q[:, sl], group=grp)[2]) == 0.0
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(work, args=(int(sys.argv[1]),), nprocs=2, join=True)
+        print("SHARDED_OK")
+    """
+)
+
+
+def test_vocab_sharded_reductions_match_full_vocab(tmp_path):
+    """Tensor parallelism: a 2-rank gloo group, each rank holding half the vocabulary."""
+    from verl_mtp_plugin.testing import free_port
+
+    script = tmp_path / "sharded.py"
+    script.write_text(_SHARDED_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=170
+    )
+    assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# probe on the real tiny HybridModel
+# --------------------------------------------------------------------------------------------------
+
+SEQ, BATCH, PROMPT = 16, 2, 6
+
+
+@pytest.fixture(scope="module")
+def tiny(megatron_env):
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid()
+    with torch.no_grad():  # peakier distributions: acceptance away from the uniform-logits regime
+        model.output_layer.weight.mul_(6.0)
+    batch = make_batch(batch=BATCH, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=1)
+    return model, batch
+
+
+def _forward(model, batch, *, run_mtp=True, loss_mask="response"):
+    from verl_mtp_plugin.control import hybrid_forward
+
+    kw = {}
+    if loss_mask == "response":
+        kw["loss_mask"] = batch["response_mask"]
+    elif loss_mask == "ones":
+        kw["loss_mask"] = torch.ones_like(batch["response_mask"])
+    return hybrid_forward(
+        model, batch["input_ids"], batch["position_ids"], batch["attention_mask"], run_mtp_forward=run_mtp, **kw
+    )
+
+
+def _tracker():
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    t = MTPLossLoggingHelper.tracker
+    return {k: t[k].clone() for k in ("loss_values", "correct_values", "total_values")}
+
+
+def _ce_from_probe(logits, input_ids, mask, shift):
+    """Megatron's normalisation: sum(mask * CE) / sum(mask), labels = input_ids rolled by -shift
+    (zero-filled), mask rolled by -shift (zero-filled)."""
+    lab = torch.roll(input_ids, -shift, dims=1)
+    lab[:, -shift:] = 0
+    m = torch.roll(mask, -shift, dims=1)
+    m[:, -shift:] = 0
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), lab.flatten(), reduction="none")
+    ce = ce.view_as(m)
+    correct = ((logits.argmax(-1) == lab).float() * m).sum()
+    return (ce * m).sum() / m.sum(), correct, m.sum()
+
+
+@pytest.mark.parametrize("loss_mask", ["response", "ones"])
+def test_probe_mtp_logits_match_megatron_internal_loss(tiny, loss_mask):
+    """The probe's MTP logits are megatron's: its MTP loss equals CE(probe logits, input_ids rolled by 2)."""
+    from verl_mtp_plugin.testing import reset_mtp_globals
+
+    model, batch = tiny
+    reset_mtp_globals()
+    mask = batch["response_mask"] if loss_mask == "response" else torch.ones_like(batch["response_mask"])
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            _forward(model, batch, loss_mask=loss_mask)
+        tracked = _tracker()
+        logits = probe.mtp_logits(1)
+    assert logits.shape == (BATCH, SEQ, 128)
+    loss, correct, total = _ce_from_probe(logits, batch["input_ids"], mask, shift=2)
+    assert tracked["total_values"][0].item() == total.item()
+    assert tracked["loss_values"][0].item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert tracked["correct_values"][0].item() == correct.item()
+    # The neighbouring alignments give a different loss: the match pins the shift.
+    for wrong in (1, 3):
+        assert _ce_from_probe(logits, batch["input_ids"], mask, shift=wrong)[0].item() != pytest.approx(
+            loss.item(), rel=1e-3
+        )
+
+
+def test_probe_two_depths_match_megatron(megatron_env):
+    """Depth d's logits predict token t+1+d (loss against input_ids rolled by d+1); per-depth keys."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch, reset_mtp_globals
+
+    torch.manual_seed(1)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
+    batch = make_batch(batch=BATCH, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=2)
+    reset_mtp_globals()
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch)
+        tracked = _tracker()
+        for d in (1, 2):
+            loss, _, total = _ce_from_probe(probe.mtp_logits(d), batch["input_ids"], batch["response_mask"], d + 1)
+            assert tracked["total_values"][d - 1].item() == total.item()
+            assert tracked["loss_values"][d - 1].item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+        dense2 = per_position_acceptance(out, probe.mtp_logits(2), batch["response_mask"], depth=2)
+        est = probe.estimate(out, batch["response_mask"], max_positions=10_000)
+    assert est["mtp_expected_accept_rate_depth2"] == pytest.approx(_means(dense2)[0], abs=1e-6)
+    assert est["mtp_greedy_accept_rate_depth2"] == pytest.approx(_means(dense2)[1], abs=1e-6)
+
+
+def test_estimate_equals_dense_reference_on_real_model(tiny):
+    model, batch = tiny
+    mask = batch["response_mask"]
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch)
+        dense = per_position_acceptance(out, probe.mtp_logits(1), mask)
+        a, gr, ad = _means(dense)
+        est = probe.estimate(out, mask, max_positions=10_000)
+        assert not probe.has_capture  # estimate releases the capture
+    assert est[POSITIONS_KEY] == dense["valid"].sum().item() == BATCH * (SEQ - PROMPT - 1)
+    assert est[EXPECTED_KEY] == pytest.approx(a, abs=1e-6)
+    assert est[GREEDY_KEY] == pytest.approx(gr, abs=1e-6)
+    assert est[ARGMAX_DRAFT_KEY] == pytest.approx(ad, abs=1e-6)
+    assert 0.0 < est[EXPECTED_KEY] < 1.0 and 0.0 <= est[GREEDY_KEY] <= 1.0
+    for k in (1, 2, 3):
+        assert est[f"mtp_expected_accept_length_k{k}"] == pytest.approx(expected_accept_length(a, k), abs=1e-5)
+    assert all(not key.startswith("actor/") for key in est)
+
+
+def test_estimate_subsample_and_options(tiny):
+    model, batch = tiny
+    mask = batch["response_mask"]
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch)
+        dense = per_position_acceptance(out, probe.mtp_logits(1), mask)
+        cap = probe.captured
+        est5 = probe.estimate(out, mask, max_positions=5, generator=torch.Generator().manual_seed(4))
+        bi, ti = select_positions(dense["valid"], 5, torch.Generator().manual_seed(4))
+        assert est5[POSITIONS_KEY] == 5
+        assert est5[EXPECTED_KEY] == pytest.approx(dense["alpha"][bi, ti].mean().item(), abs=1e-6)
+        # Main logits recomputed from the captured main hidden states (forwards that return a loss).
+        probe._captured = cap
+        no_main = probe.estimate(None, mask, max_positions=10_000)
+        probe._captured = cap
+        full = probe.estimate(out, mask, max_positions=10_000)
+        for key in full:
+            assert no_main[key] == pytest.approx(full[key], abs=1e-5)
+        # Temperature: 0 is greedy; another temperature changes the overlap.
+        probe._captured = cap
+        t0 = probe.estimate(out, mask, max_positions=10_000, temperature=0.0)
+        assert t0[EXPECTED_KEY] == t0[GREEDY_KEY] == full[GREEDY_KEY]
+        probe._captured = cap
+        t05 = probe.estimate(out, mask, max_positions=10_000, temperature=0.5)
+        assert t05[EXPECTED_KEY] != pytest.approx(full[EXPECTED_KEY], abs=1e-4)
+        # Bad shapes name what is wrong.
+        probe._captured = cap
+        with pytest.raises(ValueError, match="response_mask"):
+            probe.estimate(out, mask[:, :-1])
+        probe._captured = cap
+        with pytest.raises(ValueError, match="main_logits"):
+            probe.estimate(out[:1], mask)
+        # No counted position (prompt only) -> {}.
+        probe._captured = cap
+        assert probe.estimate(out, torch.zeros_like(mask)) == {}
+
+
+def _train_step(model, batch, probe=None):
+    from verl_mtp_plugin.testing import reset_mtp_globals
+
+    for p in model.parameters():
+        p.grad = None
+    reset_mtp_globals()
+    logits = _forward(model, batch)
+    est = probe.estimate(logits, batch["response_mask"]) if probe is not None else None
+    labels = torch.roll(batch["input_ids"], -1, dims=1)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    loss = -(logp * batch["response_mask"]).sum() / batch["response_mask"].sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().clone(), grads, _tracker(), est
+
+
+def test_probe_leaves_logits_and_grads_bit_identical(tiny):
+    model, batch = tiny
+    logits0, grads0, tracker0, _ = _train_step(model, batch)
+    with AcceptanceProbe(model) as probe:
+        logits1, grads1, tracker1, est = _train_step(model, batch, probe)
+    logits2, grads2, _, _ = _train_step(model, batch)
+    assert est and 0.0 <= est[EXPECTED_KEY] <= 1.0
+    assert any(n.startswith("mtp.") for n in grads0)  # the MTP loss reached the MTP parameters
+    for other_logits, other_grads in ((logits1, grads1), (logits2, grads2)):
+        assert torch.equal(logits0, other_logits)
+        assert grads0.keys() == other_grads.keys()
+        for n in grads0:
+            assert torch.equal(grads0[n], other_grads[n]), n
+    for k in tracker0:
+        assert torch.equal(tracker0[k], tracker1[k])
+
+
+def test_capture_is_detached_and_released(tiny):
+    model, batch = tiny
+    with AcceptanceProbe(model) as probe:
+        out = _forward(model, batch)  # with grad: a real training forward
+        cap = probe.captured
+        assert cap is not None and cap.grad_fn is None and not cap.requires_grad
+        d = model.config.mtp_num_layers
+        assert cap.shape == ((1 + d) * SEQ, BATCH, model.config.hidden_size)
+        assert out.requires_grad  # the forward's own output still carries the graph
+        probe.release()
+        assert not probe.has_capture and probe.estimate(out, batch["response_mask"]) == {}
+
+
+def test_hooks_removed_on_close(tiny):
+    model, batch = tiny
+    pre_before = dict(model._forward_pre_hooks)
+    mtp_before = dict(model.mtp._forward_hooks)
+    probe = AcceptanceProbe(model)
+    assert len(model._forward_pre_hooks) == len(pre_before) + 1
+    assert len(model.mtp._forward_hooks) == len(mtp_before) + 1
+    with probe:
+        pass
+    assert dict(model._forward_pre_hooks) == pre_before
+    assert dict(model.mtp._forward_hooks) == mtp_before
+    with torch.no_grad():
+        _forward(model, batch)
+    assert not probe.has_capture and probe.estimate(None, batch["response_mask"]) == {}
+    probe.close()  # idempotent
+
+
+def test_nothing_captured_when_mtp_is_skipped(tiny):
+    """Choice: estimate() returns {} (no metric logged) when the forward skipped MTP; it never
+    reuses an earlier forward's capture."""
+    model, batch = tiny
+    mask = batch["response_mask"]
+    with AcceptanceProbe(model) as probe, torch.no_grad():
+        out = _forward(model, batch, run_mtp=False)
+        assert not probe.has_capture
+        assert probe.estimate(out, mask) == {}
+        _forward(model, batch, run_mtp=True)
+        assert probe.has_capture
+        out = _forward(model, batch, run_mtp=False)  # a later skipped forward drops the stale capture
+        assert not probe.has_capture and probe.estimate(out, mask) == {}
+        out = _forward(model, batch, run_mtp=True)
+        assert probe.estimate(out, mask) != {}
+        assert probe.estimate(out, mask) == {}  # the capture was used once
+
+
+def test_probe_on_wrapped_model(tiny):
+    from verl_mtp_plugin.control import hybrid_forward
+
+    model, batch = tiny
+
+    class Wrapper(torch.nn.Module):  # DDP / Float16Module keep the model in .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    wrapped = Wrapper(model)
+    with AcceptanceProbe(wrapped) as probe, torch.no_grad():
+        out = hybrid_forward(
+            wrapped, batch["input_ids"], batch["position_ids"], batch["attention_mask"], run_mtp_forward=True,
+            loss_mask=batch["response_mask"],
+        )
+        est = probe.estimate(out, batch["response_mask"], max_positions=10_000)
+        out_inner = _forward(model, batch)
+        est_inner = probe.estimate(out_inner, batch["response_mask"], max_positions=10_000)
+    assert est and est == est_inner
+
+
+def test_probe_rejects_model_without_mtp(megatron_env):
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    model = build_tiny_hybrid(pattern="M*-E")
+    with pytest.raises(MTPConfigError, match="mtp_num_layers"):
+        AcceptanceProbe(model)
+    with pytest.raises(ValueError, match="temperature"):
+        AcceptanceProbe(build_tiny_hybrid(pattern="*-/*-"), temperature=-1)

@@ -1,0 +1,342 @@
+"""Start-up validation (verl_mtp_plugin.verl_config) on verl 0.9.1's real composed trainer config:
+each error is raised with its key names; valid configs resolve to the expected settings."""
+
+import copy
+import json
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode
+from verl_mtp_plugin.verl_config import (
+    apply_mtp_overrides,
+    main,
+    resolve_engine_settings,
+    validate_verl_config,
+)
+from verl_mtp_plugin.verl_registry import MODEL_TYPE
+
+
+def write_hf_dir(path, num_nextn_predict_layers=1):
+    """A tiny Nemotron-H HF config dir (the tiny megatron model's shapes)."""
+    cfg = dict(
+        model_type="nemotron_h",
+        architectures=["NemotronHForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hybrid_override_pattern="M*-E",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        n_shared_experts=1,
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        mtp_hybrid_override_pattern="*E",
+        tie_word_embeddings=False,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def verl_base():
+    """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=["model_engine=megatron", "actor_rollout_ref.rollout.name=vllm"])
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {"mtp": write_hf_dir(root / "mtp", 1), "nomtp": write_hf_dir(root / "nomtp", 0)}
+
+
+def make(verl_base, hf_dirs, *, hf="mtp", **updates):
+    """A plugin config (online, speculation, vLLM settings of the recipes) with dotted-key updates."""
+    cfg = copy.deepcopy(verl_base)
+    base = {
+        "actor_rollout_ref.model.path": hf_dirs[hf],
+        "actor_rollout_ref.model.external_lib": "verl_mtp_plugin",
+        "actor_rollout_ref.model.model_type": MODEL_TYPE,
+        "actor_rollout_ref.model.mtp.enable": True,
+        "actor_rollout_ref.model.mtp.enable_train": True,
+        "actor_rollout_ref.model.mtp.detach_encoder": True,
+        "actor_rollout_ref.model.mtp.enable_rollout": True,
+        "actor_rollout_ref.model.mtp.num_speculative_tokens": 2,
+        "actor_rollout_ref.rollout.enable_prefix_caching": False,
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode": "align",
+    }
+    base.update({k.replace("__", "."): v for k, v in updates.items()})
+    with open_dict(cfg):
+        for key, value in base.items():
+            OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def errors_of(cfg, **kw):
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(cfg, **kw)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "enable,enable_train,detach,mode,trains",
+    [
+        (False, False, False, MTPMode.OFF, False),
+        (True, False, False, MTPMode.FROZEN, False),
+        (True, True, True, MTPMode.ONLINE, True),
+        (True, True, False, MTPMode.JOINT, True),
+    ],
+)
+def test_verl_mtp_keys_map_to_plugin_modes(verl_base, hf_dirs, enable, enable_train, detach, mode, trains):
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__model__mtp__enable=enable,
+        actor_rollout_ref__model__mtp__enable_train=enable_train,
+        actor_rollout_ref__model__mtp__detach_encoder=detach,
+        actor_rollout_ref__model__mtp__enable_rollout=enable,
+        actor_rollout_ref__model__mtp__mtp_loss_scaling_factor=0.25,
+    )
+    s = validate_verl_config(cfg)
+    assert s.engine_selected and s.strategy == "megatron" and s.mode is mode
+    assert s.run_mtp_forward == {
+        "load": False, "train": trains, "logprob": False, "ref": False, "sync": False, "rollout": False
+    }
+    assert s.mtp_loss_scaling_factor == (None if mode is MTPMode.OFF else 0.25)
+    assert s.hf_mtp_layers == 1 and s.hybrid_model is True
+    assert s.rollout_speculation is enable
+    if enable:
+        assert s.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+        assert s.sleep_level == 1  # verl's _resolve_sleep_level: MTP rollout keeps level-1 sleep
+
+
+def test_mtp_enabled_on_a_checkpoint_without_mtp_layers(verl_base, hf_dirs):
+    msg = errors_of(make(verl_base, hf_dirs, hf="nomtp"))
+    assert "actor_rollout_ref.model.mtp.enable=true" in msg and "num_nextn_predict_layers" in msg
+    assert "actor_rollout_ref.model.path" in msg
+
+
+def test_rollout_speculation_while_mtp_is_off(verl_base, hf_dirs):
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__model__mtp__enable=False,
+        actor_rollout_ref__model__mtp__enable_train=False,
+    )
+    msg = errors_of(cfg)
+    assert "actor_rollout_ref.model.mtp.enable_rollout=true" in msg
+    assert "actor_rollout_ref.model.mtp.enable=false" in msg
+
+
+def test_speculation_behind_verls_back_gets_level_2_sleep(verl_base, hf_dirs):
+    """vLLM speculation through engine_kwargs only: verl 0.9.1 does not know MTP rollout is on and
+    sleeps vLLM at level 2 (drafter weights discarded, acceptance 0 after wake-up)."""
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__model__mtp__enable_rollout=False,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+    )
+    msg = errors_of(cfg)
+    for key in (
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config",
+        "actor_rollout_ref.rollout.free_cache_engine=True",
+        "actor_rollout_ref.model.mtp.enable_rollout",
+        "level 2",
+    ):
+        assert key in msg
+    # without sleeping (free_cache_engine=false) the same setup is still refused (no drafter sync) but
+    # the message no longer claims level-2 sleep
+    cfg.actor_rollout_ref.rollout.free_cache_engine = False
+    msg = errors_of(cfg)
+    assert "level 2" not in msg and "speculative_config" in msg
+
+
+def test_hybrid_speculation_with_prefix_caching_needs_mamba_cache_mode_align(verl_base, hf_dirs):
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__rollout__enable_prefix_caching=True,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode="all",
+    )
+    msg = errors_of(cfg)
+    assert "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode=align" in msg
+    assert "actor_rollout_ref.rollout.enable_prefix_caching=true" in msg
+    # engine_kwargs.vllm.enable_prefix_caching wins over rollout.enable_prefix_caching (it is spread last)
+    cfg2 = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__enable_prefix_caching=True,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode=None,
+    )
+    assert "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true" in errors_of(cfg2)
+    # fixes: align, or prefix caching off
+    ok = make(verl_base, hf_dirs, actor_rollout_ref__rollout__enable_prefix_caching=True)
+    s = validate_verl_config(ok)
+    assert s.prefix_caching is True and s.mamba_cache_mode == "align"
+    s = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode=None))
+    assert s.prefix_caching is False
+
+
+def test_plugin_model_type_with_fsdp_strategy(verl_base, hf_dirs):
+    cfg = make(verl_base, hf_dirs, actor_rollout_ref__actor__strategy="fsdp", actor_rollout_ref__ref__strategy="fsdp")
+    msg = errors_of(cfg)
+    assert "actor_rollout_ref.actor.strategy='fsdp'" in msg and "model_engine=megatron" in msg
+    assert "actor_rollout_ref.ref.strategy='fsdp'" in msg
+
+
+def test_all_errors_are_collected_into_one_exception(verl_base, hf_dirs):
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        hf="nomtp",
+        actor_rollout_ref__actor__strategy="fsdp",
+        actor_rollout_ref__rollout__enable_prefix_caching=True,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode=None,
+        actor_rollout_ref__model__external_lib=None,
+    )
+    msg = errors_of(cfg)
+    assert msg.count("\n  - ") == 4
+    for key in (
+        "actor_rollout_ref.model.external_lib",
+        "actor_rollout_ref.actor.strategy",
+        "num_nextn_predict_layers",
+        "mamba_cache_mode",
+    ):
+        assert key in msg
+
+
+def test_repeated_mtp_layer_depth_must_match_the_checkpoint(verl_base, hf_dirs):
+    key = "actor_rollout_ref__actor__megatron__override_transformer_config__"
+    msg = errors_of(make(verl_base, hf_dirs, **{key + "mtp_num_layers": 2}))
+    assert "override_transformer_config.mtp_num_layers=2" in msg and "mtp_use_repeated_layer=true" in msg
+    s = validate_verl_config(
+        make(verl_base, hf_dirs, **{key + "mtp_num_layers": 2, key + "mtp_use_repeated_layer": True})
+    )
+    assert s.mtp_num_layers == 2 and s.hf_mtp_layers == 1
+
+
+def test_mtp_on_a_hybrid_model_without_the_plugin_engine(verl_base, hf_dirs):
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__model__model_type="language_model"))
+    assert "actor_rollout_ref.model.model_type=nemotron_h_mtp" in msg
+    # MTP off on verl's own engine is not the plugin's business
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__model__model_type="language_model",
+        actor_rollout_ref__model__mtp__enable=False,
+        actor_rollout_ref__model__mtp__enable_train=False,
+        actor_rollout_ref__model__mtp__enable_rollout=False,
+    )
+    s = validate_verl_config(cfg)
+    assert not s.engine_selected and s.mode is MTPMode.OFF and not s.rollout_speculation
+
+
+def test_engine_level_settings_the_plugin_cannot_run(verl_base, hf_dirs):
+    meg = "actor_rollout_ref__actor__megatron__"
+    cfg = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__model__use_fused_kernels=True,
+        **{
+            meg + "vanilla_mbridge": True,
+            meg + "context_parallel_size": 2,
+            meg + "router_replay__mode": "R3",
+            meg + "override_transformer_config__mtp_detach_heads": False,
+            meg + "override_transformer_config__mtp_loss_scaling_factor": 0.5,
+        },
+    )
+    msg = errors_of(cfg)
+    for key in (
+        "actor_rollout_ref.model.use_fused_kernels=true",
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge=true",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.router_replay.mode='R3'",
+        "override_transformer_config.mtp_detach_heads=False contradicts mode 'online'",
+        "override_transformer_config.mtp_loss_scaling_factor=0.5",
+    ):
+        assert key in msg, key
+
+
+def test_enable_train_without_enable(verl_base, hf_dirs):
+    cfg = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable=False, actor_rollout_ref__model__mtp__enable_rollout=False)
+    msg = errors_of(cfg)
+    assert "actor_rollout_ref.model.mtp.enable_train=true needs actor_rollout_ref.model.mtp.enable=true" in msg
+
+
+def test_engine_side_check_on_verls_real_dataclasses(hf_dirs):
+    """What the engine constructor runs: verl HFModelConfig (loads the HF config) + McoreEngineConfig."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
+
+    online = MtpConfig(enable=True, enable_train=True, detach_encoder=True, mtp_loss_scaling_factor=0.2)
+    mc = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=online)
+    s = resolve_engine_settings(mc, McoreEngineConfig())
+    assert s.mode is MTPMode.ONLINE and s.mtp_loss_scaling_factor == 0.2 and s.set_scaling_factor
+
+    # verl's reference model: MtpConfig(enable=False) -> off, whatever the actor overrides say
+    ref = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=MtpConfig(enable=False))
+    s = resolve_engine_settings(ref, McoreEngineConfig(forward_only=True, override_transformer_config={"mtp_num_layers": 2}))
+    assert s.mode is MTPMode.OFF and s.mtp_loss_scaling_factor is None
+
+    bad = HFModelConfig(path=hf_dirs["nomtp"], load_tokenizer=False, mtp=online)
+    with pytest.raises(MTPConfigError, match="num_nextn_predict_layers"):
+        resolve_engine_settings(bad, McoreEngineConfig())
+    with pytest.raises(MTPConfigError, match="use_fused_kernels"):
+        resolve_engine_settings(mc, McoreEngineConfig(use_fused_kernels=True))
+
+
+def test_apply_mtp_overrides_writes_the_mode_fields(hf_dirs):
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
+
+    def overrides_for(mtp, existing=None):
+        mc = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=mtp)
+        ec = McoreEngineConfig(override_transformer_config=dict(existing or {}))
+        return apply_mtp_overrides(dict(ec.override_transformer_config), resolve_engine_settings(mc, ec))
+
+    assert overrides_for(MtpConfig(enable=True, enable_train=True, detach_encoder=True)) == {
+        "mtp_detach_heads": True,
+        "mtp_loss_scaling_factor": 0.1,
+    }
+    assert overrides_for(MtpConfig(enable=True, mtp_loss_scaling_factor=0.3)) == {
+        "mtp_detach_heads": False,
+        "mtp_loss_scaling_factor": 0.3,
+    }
+    assert overrides_for(MtpConfig(enable=False)) == {"mtp_num_layers": None}
+    # a factor already in override_transformer_config is verl's (check_mtp_config keeps it): not rewritten
+    assert overrides_for(
+        MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.3), {"mtp_loss_scaling_factor": 0.3}
+    ) == {"mtp_loss_scaling_factor": 0.3, "mtp_detach_heads": False}
+
+
+def test_preflight_cli_composes_and_reports(tmp_path, hf_dirs, capsys):
+    (tmp_path / "bad.yaml").write_text(
+        "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\n"
+        "defaults:\n  - ppo_trainer\n  - _self_\n  - override model_engine: megatron\n"
+        "actor_rollout_ref:\n  model:\n"
+        f"    path: {hf_dirs['nomtp']}\n    external_lib: verl_mtp_plugin\n    model_type: {MODEL_TYPE}\n"
+        "    mtp:\n      enable: true\n"
+        "  rollout:\n    name: vllm\n"
+    )
+    assert main(["--config-path", str(tmp_path), "--config-name", "bad"]) == 1
+    assert "num_nextn_predict_layers" in capsys.readouterr().err
+    assert main(
+        ["--config-path", str(tmp_path), "--config-name", "bad", f"actor_rollout_ref.model.path={hf_dirs['mtp']}"]
+    ) == 0
+    out = capsys.readouterr().out
+    assert "mode: frozen" in out and "engine_selected: True" in out

@@ -1,0 +1,292 @@
+"""Real vLLM Nemotron-H target and MTP drafter models on CPU, matching a tiny megatron model.
+
+Used by the weight-sync tests and the sync benchmark. The models are built exactly as a vLLM worker
+builds them: ``EngineArgs(..., speculative_config={"method": "mtp"}).create_engine_config()``, then
+vLLM's own ``get_model`` (the drafter with ``get_draft_load_config``, the call
+``SpecDecodeBaseProposer._get_model`` makes), and the drafter is wired to the target's embedding and
+``lm_head`` by vLLM's own proposer methods (:func:`wire_drafter_to_target`).
+
+CPU workarounds, all test-only, installed by :func:`install_cpu_workarounds` (no-ops on CUDA):
+
+1. ``moe_platform_proxy``: vLLM's ``FusedMoEConfig`` refuses non-gated (squared-ReLU) experts unless
+   the platform is CUDA/ROCm/XPU. ``vllm.model_executor.layers.fused_moe.config`` gets a proxy of
+   ``current_platform`` whose ``is_cuda_alike()`` is True (its only use in that module).
+2. ``moe_backend_triton``: the CPU MoE experts support only gated activations, so the backend
+   oracle finds none. ``unquantized_fused_moe_method.select_unquantized_moe_backend`` returns the
+   Triton backend (vLLM's default for unquantized MoE on H100/H200; its checkpoint-to-kernel
+   conversion is ``.contiguous()``). No kernel is launched: the tests do no forward pass.
+3. ``accelerator_empty_cache``: CPU builds of torch raise from ``torch.accelerator.empty_cache()``,
+   which vLLM's loader calls; it becomes a no-op (only if it raises).
+4. ``conv1d_weight_pack``: without ``vllm._C`` (the CUDA wheel on CPU) but on an AVX512-BF16 CPU,
+   vLLM's CPU linear dispatch tries to prepack the target's Mamba conv weight through the missing
+   extension; ``vllm._custom_ops.causal_conv1d_weight_pack`` is removed (vLLM guards it with
+   ``hasattr``) so the weight keeps its checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = [
+    "VllmModels",
+    "build_vllm_models",
+    "hf_config_for_tiny",
+    "init_vllm_distributed",
+    "install_cpu_workarounds",
+    "wire_drafter_to_target",
+]
+
+_INSTALLED: set[str] = set()
+
+
+def install_cpu_workarounds() -> list[str]:
+    """Install the CPU-only workarounds listed in the module docstring (idempotent).
+
+    Returns:
+        list[str]: names of the workarounds active in this process (empty on a CUDA machine).
+    """
+    if torch.cuda.is_available():
+        return []
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if "accelerator_empty_cache" not in _INSTALLED:
+        try:
+            torch.accelerator.empty_cache()
+        except RuntimeError:
+            torch.accelerator.empty_cache = lambda: None
+            torch.accelerator.synchronize = lambda *a, **k: None
+            _INSTALLED.add("accelerator_empty_cache")
+
+    import vllm.model_executor.layers.fused_moe.config as fmc
+    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as ufm
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        backend_to_kernel_cls,
+    )
+
+    if "moe_platform_proxy" not in _INSTALLED:
+
+        class _CudaAlikePlatform:
+            """``current_platform`` for ``fused_moe.config`` only: claims CUDA-alike."""
+
+            def __init__(self, real):
+                self._real = real
+
+            def __getattr__(self, k):
+                return getattr(self._real, k)
+
+            def is_cuda_alike(self):
+                return True
+
+        fmc.current_platform = _CudaAlikePlatform(fmc.current_platform)
+        _INSTALLED.add("moe_platform_proxy")
+    if "moe_backend_triton" not in _INSTALLED:
+
+        def _select_triton(moe_config):
+            return UnquantizedMoeBackend.TRITON, backend_to_kernel_cls(UnquantizedMoeBackend.TRITON)[0]
+
+        ufm.select_unquantized_moe_backend = _select_triton
+        _INSTALLED.add("moe_backend_triton")
+    if "conv1d_weight_pack" not in _INSTALLED:
+        import vllm._custom_ops as ops
+
+        try:
+            import vllm._C  # noqa: F401
+
+            has_c = True
+        except ImportError:
+            has_c = False
+        if not has_c and hasattr(ops, "causal_conv1d_weight_pack"):
+            del ops.causal_conv1d_weight_pack
+            _INSTALLED.add("conv1d_weight_pack")
+    return sorted(_INSTALLED)
+
+
+def _split_pattern(pattern: str) -> tuple[str, list[str]]:
+    parts = pattern.split("/")
+    return parts[0].replace("|", ""), [p for p in parts[1:] if p]
+
+
+def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
+    """Nemotron-H ``config.json`` fields for the tiny megatron model of ``spec``.
+
+    Dimensions match :func:`verl_mtp_plugin.testing.build_tiny_hybrid`: ``head_dim = hidden / heads``,
+    ``num_key_value_heads = num_query_groups``, Mamba ``expand=2`` (megatron's default), experts,
+    shared expert and latent size from the spec. The vocab is the unpadded ``spec.vocab_size``.
+    A repeated-layer MTP (``mtp_use_repeated_layer``) or a single depth becomes
+    ``num_nextn_predict_layers=1`` (one physical block, as in Nemotron 3 Super's checkpoint).
+
+    Args:
+        spec (TinyHybridSpec | None): the tiny model's shape (default ``TinyHybridSpec()``).
+        **fields: overrides of ``spec`` fields.
+
+    Returns:
+        dict: ``config.json`` content (``model_type="nemotron_h"``).
+    """
+    from verl_mtp_plugin.testing import TinyHybridSpec
+
+    spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
+    main, mtp_parts = _split_pattern(spec.pattern)
+    if len(set(mtp_parts)) > 1:
+        raise ValueError(f"MTP depths must share one pattern, got {spec.pattern!r}")
+    n_mtp = 0 if not mtp_parts else (1 if spec.mtp_use_repeated_layer else len(mtp_parts))
+    expand = 2
+    d_inner = expand * spec.hidden_size
+    has_moe = "E" in spec.pattern
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[spec.params_dtype]
+    cfg = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": False,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_hidden_layers": len(main),
+        "hybrid_override_pattern": main,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "head_dim": spec.hidden_size // spec.num_attention_heads,
+        "mlp_hidden_act": "relu2",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "max_position_embeddings": spec.max_sequence_length,
+        "mamba_num_heads": d_inner // spec.mamba_head_dim,
+        "mamba_head_dim": spec.mamba_head_dim,
+        "ssm_state_size": spec.mamba_state_dim,
+        "n_groups": spec.mamba_num_groups,
+        "conv_kernel": 4,
+        "expand": expand,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "mamba_hidden_act": "silu",
+        "num_nextn_predict_layers": n_mtp,
+        "torch_dtype": dtype,
+    }
+    if mtp_parts:
+        cfg["mtp_hybrid_override_pattern"] = mtp_parts[0]
+    if has_moe:
+        cfg.update(
+            n_routed_experts=spec.num_experts,
+            n_shared_experts=1 if spec.moe_shared_expert_intermediate_size else 0,
+            num_experts_per_tok=spec.moe_topk,
+            moe_intermediate_size=spec.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size or 0,
+            moe_latent_size=spec.moe_latent_size,
+            routed_scaling_factor=1.0,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+        )
+    return cfg
+
+
+def init_vllm_distributed(vllm_config=None) -> None:
+    """vLLM's distributed state for one CPU process (world size 1, gloo), TP=PP=1.
+
+    If ``torch.distributed`` is already initialised (e.g. by megatron's gloo world of size 1), vLLM's
+    ``init_distributed_environment`` reuses that default group; megatron's and vLLM's model-parallel
+    groups are separate objects built from it. Idempotent.
+    """
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from verl_mtp_plugin.testing import free_port
+
+    if model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(vllm_config or VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+
+
+@dataclasses.dataclass
+class VllmModels:
+    """A vLLM engine config with the target model and the MTP drafter built from it."""
+
+    vllm_config: Any
+    draft_model_config: Any
+    target: torch.nn.Module | None
+    drafter: torch.nn.Module
+
+
+def build_vllm_models(
+    hf_config: dict,
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    build_target: bool = True,
+    wire: bool = True,
+) -> VllmModels:
+    """Build vLLM's ``NemotronHForCausalLM`` target and ``NemotronHMTP`` drafter on CPU.
+
+    Writes ``config.json`` to ``model_dir``; ``load_format="dummy"`` (random weights, what verl's
+    colocated rollout starts from). Call :func:`install_cpu_workarounds` and
+    :func:`init_vllm_distributed` first.
+
+    Args:
+        hf_config (dict): Nemotron-H ``config.json`` content (see :func:`hf_config_for_tiny`).
+        model_dir: a directory for ``config.json``.
+        dtype (str | None): model dtype (default: the config's ``torch_dtype``).
+        build_target (bool): also build the target model.
+        wire (bool): share the target's embedding and ``lm_head`` with the drafter like vLLM's
+            proposer (needs ``build_target``).
+
+    Returns:
+        VllmModels: config, draft model config, target (or None) and drafter.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    model_dir = pathlib.Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(hf_config, indent=1))
+    vc = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=dtype or hf_config.get("torch_dtype", "bfloat16"),
+        max_model_len=min(128, hf_config.get("max_position_embeddings", 128)),
+        enforce_eager=True,
+        load_format="dummy",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
+    dmc = vc.speculative_config.draft_model_config
+    with set_current_vllm_config(vc):
+        target = get_model(vllm_config=vc) if build_target else None
+        drafter = get_model(vllm_config=vc, model_config=dmc, load_config=get_draft_load_config(vc))
+    if wire:
+        if target is None:
+            raise ValueError("wire=True needs build_target=True")
+        wire_drafter_to_target(drafter, target, vc)
+    return VllmModels(vllm_config=vc, draft_model_config=dmc, target=target, drafter=drafter)
+
+
+def wire_drafter_to_target(drafter: torch.nn.Module, target: torch.nn.Module, vllm_config) -> None:
+    """Share the target's embedding and ``lm_head`` with the drafter, as vLLM's proposer does.
+
+    Calls vLLM's own ``SpecDecodeBaseProposer._maybe_share_embeddings`` / ``_maybe_share_lm_head``
+    (the proposer's ``load_model`` runs them after building the drafter). They read only
+    ``self.model`` (the drafter), ``self.vllm_config`` and ``self.use_local_argmax_reduction``,
+    which a namespace provides here instead of a GPU proposer.
+    """
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(model=drafter, vllm_config=vllm_config, use_local_argmax_reduction=False)
+    SpecDecodeBaseProposer._maybe_share_embeddings(proposer, target)
+    SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)

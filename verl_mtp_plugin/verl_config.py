@@ -1,0 +1,562 @@
+"""Start-up validation of a verl 0.9.x config that uses the plugin, and its resolved settings.
+
+:func:`validate_verl_config` reads a composed verl trainer config (the ``DictConfig`` Hydra builds for
+``python -m verl.trainer.main_ppo``, or a plain dict with the same tree), collects every problem into
+one :class:`~verl_mtp_plugin.policy.MTPConfigError` whose lines name the keys, and otherwise returns a
+:class:`ResolvedMTPSettings`. :func:`resolve_engine_settings` is the subset the Megatron engine can
+check itself from its ``HFModelConfig`` and ``McoreEngineConfig`` (it runs in every engine
+constructor). Run the full check before launching::
+
+    python -m verl_mtp_plugin.verl_config --config-path <dir> --config-name <name> [overrides ...]
+
+verl keys read (verl 0.9.1 names):
+
+* ``actor_rollout_ref.model.{path,external_lib,model_type,use_fused_kernels,trust_remote_code}``
+* ``actor_rollout_ref.model.mtp.{enable,enable_train,enable_rollout,detach_encoder,
+  mtp_loss_scaling_factor,method,num_speculative_tokens}``
+* ``actor_rollout_ref.{actor,ref}.strategy``
+* ``actor_rollout_ref.actor.megatron.{override_transformer_config,vanilla_mbridge,context_parallel_size,
+  dynamic_context_parallel,router_replay.mode}``
+* ``actor_rollout_ref.rollout.{name,free_cache_engine,enable_sleep_mode,enable_prefix_caching,
+  engine_kwargs.vllm.{speculative_config,enable_prefix_caching,mamba_cache_mode,worker_extension_cls}}``
+
+verl 0.9.1 has no sleep-level key: ``vLLMHttpServer._resolve_sleep_level`` picks level 1 when
+``mtp.enable and mtp.enable_rollout`` and level 2 otherwise (when ``rollout.free_cache_engine`` and
+``rollout.enable_sleep_mode``). Level 2 discards drafter-only state, so speculation switched on
+through ``engine_kwargs.vllm.speculative_config`` alone (behind verl's back) ends in level-2 sleep
+and zero acceptance after wake-up: that is the sleep-level check below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_verl_mtp, run_mtp_forward
+from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE
+
+__all__ = [
+    "PLUGIN_LIB",
+    "EngineMTPSettings",
+    "ResolvedMTPSettings",
+    "apply_mtp_overrides",
+    "hf_mtp_num_layers",
+    "is_hybrid_hf_config",
+    "main",
+    "resolve_engine_settings",
+    "validate_verl_config",
+]
+
+#: Value of ``actor_rollout_ref.model.external_lib`` that loads the plugin.
+PLUGIN_LIB = "verl_mtp_plugin"
+
+_M = "actor_rollout_ref.model"
+_MTP = "actor_rollout_ref.model.mtp"
+_ACTOR = "actor_rollout_ref.actor"
+_MEG = "actor_rollout_ref.actor.megatron"
+_RO = "actor_rollout_ref.rollout"
+_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+
+
+# --------------------------------------------------------------------------------------------------
+# small readers
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for DictConfig / dict / dataclass trees; ``default`` when any part is missing."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or hasattr(node, "keys") and hasattr(node, "get"):
+            try:
+                if part not in node:
+                    return default
+                node = node[part]
+            except Exception:  # omegaconf raises on missing keys in struct mode
+                return default
+        else:
+            if not hasattr(node, part):
+                return default
+            node = getattr(node, part)
+    return node
+
+
+def _plain(value: Any) -> Any:
+    """DictConfig/ListConfig -> dict/list (resolved); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _libs(value: Any) -> list[str]:
+    value = _plain(value)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def hf_mtp_num_layers(hf_config: Any) -> int:
+    """MTP layer count of an HF config, read like verl's ``check_mtp_config`` (``num_nextn_predict_layers``,
+    ``mtp_num_hidden_layers``, ``text_config.mtp_num_hidden_layers``); 0 when none."""
+    for owner, key in ((hf_config, "num_nextn_predict_layers"), (hf_config, "mtp_num_hidden_layers")):
+        value = getattr(owner, key, None) or 0
+        if value > 0:
+            return int(value)
+    text = getattr(hf_config, "text_config", None)
+    value = getattr(text, "mtp_num_hidden_layers", None) or 0 if text is not None else 0
+    return int(value) if value > 0 else 0
+
+
+def is_hybrid_hf_config(hf_config: Any) -> bool:
+    """True for hybrid Mamba models (Nemotron-H / Nemotron 3)."""
+    if getattr(hf_config, "model_type", None) in ("nemotron_h", "nemotron_h_puzzle"):
+        return True
+    blocks = getattr(hf_config, "layers_block_type", None) or []
+    if any(str(b).lower() == "mamba" for b in blocks):
+        return True
+    return "M" in str(getattr(hf_config, "hybrid_override_pattern", "") or "")
+
+
+def _load_hf_config(path: Any, trust_remote_code: bool):
+    if not path:
+        return None
+    path = os.path.expanduser(str(path))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None  # a hub id or remote path: checked by the engine once verl has downloaded it
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+# --------------------------------------------------------------------------------------------------
+# engine-level settings (what one Megatron engine sees)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMTPSettings:
+    """What the plugin engine needs at build time.
+
+    Attributes:
+        mode: the MTP mode for this engine (``off`` for verl's reference model, whose MTP config verl
+            forces to ``enable=false``).
+        mtp_loss_scaling_factor: the value Megatron will use (``override_transformer_config`` wins, as
+            in verl's ``check_mtp_config``), None for mode ``off``.
+        set_scaling_factor: whether the plugin must write ``mtp_loss_scaling_factor`` into the
+            overrides (False when the user already set it there).
+    """
+
+    mode: MTPMode
+    mtp_loss_scaling_factor: float | None
+    set_scaling_factor: bool
+
+
+def _engine_errors(
+    *,
+    mtp: Any,
+    hf_config: Any,
+    overrides: Mapping[str, Any],
+    use_fused_kernels: bool,
+    vanilla_mbridge: bool,
+    context_parallel_size: int,
+    dynamic_context_parallel: bool,
+    router_replay_mode: str,
+    errors: list[str],
+) -> EngineMTPSettings | None:
+    try:
+        mode = mode_from_verl_mtp(
+            _as_bool(_get(mtp, "enable", False)),
+            _as_bool(_get(mtp, "enable_train", False)),
+            _as_bool(_get(mtp, "detach_encoder", False)),
+        )
+    except MTPConfigError as e:
+        errors.append(str(e))
+        mode = None
+
+    if use_fused_kernels:
+        errors.append(
+            f"{_M}.use_fused_kernels=true is not supported by model_type={MODEL_TYPE}: verl's fused "
+            "forward patches GPTModel's output layer and HybridModel has no such hook; set it to false"
+        )
+    if vanilla_mbridge:
+        errors.append(
+            f"{_MEG}.vanilla_mbridge=true: the plugin engine needs Megatron-Bridge (vanilla_mbridge=false) to "
+            "install its pre-wrap hook (MTP freezing before DDP); the legacy mbridge has no Nemotron-H mapping"
+        )
+    if int(context_parallel_size or 1) > 1 or dynamic_context_parallel:
+        errors.append(
+            f"{_MEG}.context_parallel_size={context_parallel_size} / dynamic_context_parallel="
+            f"{dynamic_context_parallel}: the plugin engine supports context parallel size 1 only (its MTP loss "
+            "mask is packed for CP=1)"
+        )
+    if str(router_replay_mode or "disabled") != "disabled":
+        errors.append(
+            f"{_MEG}.router_replay.mode={router_replay_mode!r}: router replay is not supported by "
+            f"model_type={MODEL_TYPE} yet; set it to 'disabled'"
+        )
+
+    if mode is None:
+        return None
+
+    hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
+    if mode is not MTPMode.OFF and hf_layers == 0:
+        errors.append(
+            f"{_MTP}.enable=true but the model's HF config has no MTP layers (num_nextn_predict_layers / "
+            f"mtp_num_hidden_layers = 0 in {_M}.path); use a checkpoint with MTP or set {_MTP}.enable=false"
+        )
+
+    scale = _get(mtp, "mtp_loss_scaling_factor", 0.1)
+    over_scale = overrides.get("mtp_loss_scaling_factor")
+    if mode is MTPMode.OFF:
+        return EngineMTPSettings(mode, None, False)
+
+    depth = overrides.get("mtp_num_layers", hf_layers)
+    if depth is not None and hf_layers and int(depth) != hf_layers and not _as_bool(
+        overrides.get("mtp_use_repeated_layer", False)
+    ):
+        errors.append(
+            f"{_MEG}.override_transformer_config.mtp_num_layers={depth} differs from the checkpoint's "
+            f"num_nextn_predict_layers={hf_layers} without mtp_use_repeated_layer=true: Megatron would build "
+            f"{depth} separate MTP layers the checkpoint does not have (and vLLM's drafter ignores layers past "
+            "the first); set override_transformer_config.mtp_use_repeated_layer=true (Nemotron 3 Super: "
+            "mtp_num_layers=2 applies the one MTP block twice)"
+        )
+    if "mtp_detach_heads" in overrides and _as_bool(overrides["mtp_detach_heads"]) != (mode is MTPMode.ONLINE):
+        errors.append(
+            f"{_MEG}.override_transformer_config.mtp_detach_heads={overrides['mtp_detach_heads']} contradicts "
+            f"mode '{mode}' ({_MTP}.detach_encoder={_get(mtp, 'detach_encoder', False)}); remove the override: "
+            f"the plugin sets it from {_MTP}.detach_encoder"
+        )
+    if over_scale is not None and scale is not None and float(over_scale) != float(scale):
+        errors.append(
+            f"{_MEG}.override_transformer_config.mtp_loss_scaling_factor={over_scale} and "
+            f"{_MTP}.mtp_loss_scaling_factor={scale} disagree (verl silently keeps the override); set one"
+        )
+    effective = float(over_scale if over_scale is not None else scale)
+    if effective < 0:
+        errors.append(f"{_MTP}.mtp_loss_scaling_factor={effective} must be >= 0")
+    return EngineMTPSettings(mode, effective, over_scale is None)
+
+
+def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPSettings:
+    """Engine-side validation (runs in the plugin engine's constructor).
+
+    Args:
+        model_config: verl ``HFModelConfig`` (``mtp``, ``hf_config``, ``use_fused_kernels``).
+        engine_config: verl ``McoreEngineConfig``.
+
+    Returns:
+        EngineMTPSettings.
+
+    Raises:
+        MTPConfigError: every problem found, one per line, naming the verl keys.
+    """
+    errors: list[str] = []
+    strategy = _get(engine_config, "strategy", BACKEND)
+    if strategy != BACKEND:
+        errors.append(_strategy_error(strategy))
+    settings = _engine_errors(
+        mtp=_get(model_config, "mtp"),
+        hf_config=_get(model_config, "hf_config"),
+        overrides=dict(_plain(_get(engine_config, "override_transformer_config", {})) or {}),
+        use_fused_kernels=_as_bool(_get(engine_config, "use_fused_kernels", False))
+        or _as_bool(_get(model_config, "use_fused_kernels", False)),
+        vanilla_mbridge=_as_bool(_get(engine_config, "vanilla_mbridge", False)),
+        context_parallel_size=_get(engine_config, "context_parallel_size", 1),
+        dynamic_context_parallel=_as_bool(_get(engine_config, "dynamic_context_parallel", False)),
+        router_replay_mode=_get(engine_config, "router_replay.mode", "disabled"),
+        errors=errors,
+    )
+    if errors:
+        raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
+    assert settings is not None
+    return settings
+
+
+def _strategy_error(strategy: str) -> str:
+    return (
+        f"{_M}.model_type={MODEL_TYPE} needs the Megatron backend but {_ACTOR}.strategy={strategy!r}; set "
+        f"model_engine=megatron (actor/ref strategy megatron) or drop {_M}.model_type"
+    )
+
+
+def apply_mtp_overrides(overrides: dict, settings: EngineMTPSettings) -> dict:
+    """Write the build-time Megatron fields for ``settings.mode`` into verl's
+    ``override_transformer_config`` dict (before verl builds the Megatron-Bridge provider).
+
+    off: ``mtp_num_layers=None``; online: ``mtp_detach_heads=True``; frozen/joint:
+    ``mtp_detach_heads=False``; ``mtp_loss_scaling_factor`` unless the user set it there.
+    """
+    from verl_mtp_plugin.control import configure_transformer_config
+
+    return configure_transformer_config(
+        overrides,
+        settings.mode,
+        mtp_loss_scaling_factor=settings.mtp_loss_scaling_factor if settings.set_scaling_factor else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# full-config validation
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMTPSettings:
+    """The plugin-relevant view of a verl config after validation.
+
+    Attributes:
+        model_type: ``actor_rollout_ref.model.model_type``.
+        engine_selected: True when that selects the plugin engine.
+        strategy: actor strategy (verl backend).
+        mode: MTP mode from ``actor_rollout_ref.model.mtp``.
+        run_mtp_forward: phase name -> whether the Megatron MTP forward runs (policy table).
+        mtp_loss_scaling_factor: effective factor (None for mode off).
+        mtp_num_layers: MTP depths Megatron applies (override or HF count; None when unknown/off).
+        hf_mtp_layers: MTP layers in the checkpoint's HF config (None: config not readable here).
+        hybrid_model: the checkpoint is a hybrid Mamba model (None: unknown).
+        rollout_speculation: vLLM will draft with the MTP block.
+        speculative_config: the ``speculative_config`` verl passes to vLLM (None without speculation).
+        sleep_level: the vLLM sleep level verl 0.9.1 will use (None when the engine never sleeps).
+        prefix_caching: effective vLLM ``enable_prefix_caching``.
+        mamba_cache_mode: ``engine_kwargs.vllm.mamba_cache_mode`` (None when unset).
+        worker_extension_cls: ``engine_kwargs.vllm.worker_extension_cls`` (None: verl's default).
+    """
+
+    model_type: str
+    engine_selected: bool
+    strategy: str
+    mode: MTPMode
+    run_mtp_forward: dict[str, bool]
+    mtp_loss_scaling_factor: float | None
+    mtp_num_layers: int | None
+    hf_mtp_layers: int | None
+    hybrid_model: bool | None
+    rollout_speculation: bool
+    speculative_config: dict | None
+    sleep_level: int | None
+    prefix_caching: bool
+    mamba_cache_mode: str | None
+    worker_extension_cls: str | None
+
+
+def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
+    """Validate a composed verl trainer config for the plugin and resolve its MTP settings.
+
+    Args:
+        config: the trainer config (``DictConfig`` from Hydra, or a nested dict).
+        hf_config: the checkpoint's HF config; when None it is read from ``actor_rollout_ref.model.path``
+            if that is a local directory with ``config.json`` (otherwise the HF-dependent checks are
+            left to the engine, which runs them once verl has the config).
+
+    Returns:
+        ResolvedMTPSettings.
+
+    Raises:
+        MTPConfigError: all problems found, one per line, each naming its keys.
+    """
+    if isinstance(config, Mapping) and not hasattr(config, "_metadata"):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.create(dict(config))
+    errors: list[str] = []
+
+    model_type = str(_get(config, f"{_M}.model_type", "language_model") or "language_model")
+    selected = model_type == MODEL_TYPE
+    libs = _libs(_get(config, f"{_M}.external_lib"))
+    mtp = _get(config, _MTP, {}) or {}
+    if hf_config is None:
+        hf_config = _load_hf_config(
+            _get(config, f"{_M}.path"), _as_bool(_get(config, f"{_M}.trust_remote_code", False))
+        )
+    hybrid = is_hybrid_hf_config(hf_config) if hf_config is not None else (True if selected else None)
+    mtp_enable = _as_bool(_get(mtp, "enable", False))
+
+    # --- engine selection -------------------------------------------------------------------------
+    strategy = str(_get(config, f"{_ACTOR}.strategy", "") or "")
+    if selected:
+        if PLUGIN_LIB not in libs:
+            errors.append(
+                f"{_M}.model_type={MODEL_TYPE} needs {_M}.external_lib={PLUGIN_LIB} (got {libs or None}): verl "
+                "imports it in every worker so the engine is registered before EngineRegistry.new"
+            )
+        if strategy != BACKEND:
+            errors.append(_strategy_error(strategy))
+        ref_strategy = _get(config, "actor_rollout_ref.ref.strategy")
+        if ref_strategy is not None and str(ref_strategy) != BACKEND:
+            errors.append(
+                f"actor_rollout_ref.ref.strategy={ref_strategy!r}: the reference model shares "
+                f"{_M}.model_type={MODEL_TYPE} and needs the Megatron backend too"
+            )
+    elif mtp_enable and (PLUGIN_LIB in libs or hybrid):
+        errors.append(
+            f"{_MTP}.enable=true on a hybrid (Nemotron-H) model with {_M}.model_type={model_type!r}: verl's "
+            "built-in Megatron engine drives MTP through its GPTModel patch, which does not apply to "
+            f"HybridModel; set {_M}.model_type={MODEL_TYPE} (with {_M}.external_lib={PLUGIN_LIB})"
+        )
+
+    # --- model / engine checks (shared with the engine constructor) ------------------------------
+    overrides = dict(_plain(_get(config, f"{_MEG}.override_transformer_config", {})) or {})
+    settings = None
+    if selected:
+        settings = _engine_errors(
+            mtp=mtp,
+            hf_config=hf_config,
+            overrides=overrides,
+            use_fused_kernels=_as_bool(_get(config, f"{_M}.use_fused_kernels", False)),
+            vanilla_mbridge=_as_bool(_get(config, f"{_MEG}.vanilla_mbridge", False)),
+            context_parallel_size=_get(config, f"{_MEG}.context_parallel_size", 1),
+            dynamic_context_parallel=_as_bool(_get(config, f"{_MEG}.dynamic_context_parallel", False)),
+            router_replay_mode=_get(config, f"{_MEG}.router_replay.mode", "disabled"),
+            errors=errors,
+        )
+        mode = settings.mode if settings is not None else None
+    else:
+        try:
+            mode = mode_from_verl_mtp(
+                mtp_enable, _as_bool(_get(mtp, "enable_train", False)), _as_bool(_get(mtp, "detach_encoder", False))
+            )
+        except MTPConfigError as e:
+            errors.append(str(e))
+            mode = None
+
+    # --- rollout speculation ---------------------------------------------------------------------
+    rollout_name = str(_get(config, f"{_RO}.name", "vllm") or "vllm")
+    enable_rollout = _as_bool(_get(mtp, "enable_rollout", False))
+    vllm_kwargs = dict(_plain(_get(config, _VLLM, {})) or {})
+    user_spec = vllm_kwargs.get("speculative_config")
+    if isinstance(user_spec, str):
+        import json
+
+        user_spec = json.loads(user_spec)
+    verl_speculates = mtp_enable and enable_rollout  # vllm_async_server: mtp.enable and mtp.enable_rollout
+    speculation = verl_speculates or bool(user_spec)
+
+    if enable_rollout and mode is MTPMode.OFF:
+        errors.append(
+            f"{_MTP}.enable_rollout=true while MTP is off ({_MTP}.enable=false): vLLM would not speculate "
+            f"(verl ignores enable_rollout) and the plugin has no MTP weights to sync; set {_MTP}.enable=true "
+            f"(frozen: enable_train=false) or {_MTP}.enable_rollout=false"
+        )
+    if user_spec and not verl_speculates:
+        free_cache = _as_bool(_get(config, f"{_RO}.free_cache_engine", True))
+        sleep_mode = _as_bool(_get(config, f"{_RO}.enable_sleep_mode", True))
+        detail = (
+            f"verl then sleeps vLLM at level 2 ({_RO}.free_cache_engine={free_cache}, "
+            f"{_RO}.enable_sleep_mode={sleep_mode}), which discards the drafter weights: acceptance drops to 0 "
+            "after the first wake-up (verl PR #6661)"
+            if free_cache and sleep_mode
+            else "verl does not treat the rollout as MTP speculation (drafter weight sync and sleep level)"
+        )
+        errors.append(
+            f"{_VLLM}.speculative_config={user_spec} enables speculation behind verl's back "
+            f"({_MTP}.enable={mtp_enable}, {_MTP}.enable_rollout={enable_rollout}): {detail}; enable it with "
+            f"{_MTP}.enable=true and {_MTP}.enable_rollout=true ({_MTP}.num_speculative_tokens) instead"
+        )
+    if speculation and rollout_name != "vllm":
+        errors.append(
+            f"{_RO}.name={rollout_name!r}: the plugin's MTP drafter sync supports vLLM only; set {_RO}.name=vllm "
+            f"or {_MTP}.enable_rollout=false"
+        )
+
+    prefix_caching = _as_bool(vllm_kwargs.get("enable_prefix_caching", _get(config, f"{_RO}.enable_prefix_caching", True)))
+    mamba_cache_mode = vllm_kwargs.get("mamba_cache_mode")
+    if speculation and hybrid and prefix_caching and mamba_cache_mode != "align":
+        where = (
+            f"{_VLLM}.enable_prefix_caching=true"
+            if "enable_prefix_caching" in vllm_kwargs
+            else f"{_RO}.enable_prefix_caching=true"
+        )
+        errors.append(
+            f"MTP speculation on a hybrid Mamba model with prefix caching ({where}) needs "
+            f"{_VLLM}.mamba_cache_mode=align (got {mamba_cache_mode!r}): the recurrent state must roll back "
+            f"when drafts are rejected (vLLM #39809); set mamba_cache_mode: align or {_RO}.enable_prefix_caching=false"
+        )
+
+    if errors:
+        raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
+    assert mode is not None
+
+    spec = None
+    if speculation:
+        spec = {
+            "method": _get(mtp, "method", "mtp") if verl_speculates else (user_spec or {}).get("method"),
+            "num_speculative_tokens": int(_get(mtp, "num_speculative_tokens", 1))
+            if verl_speculates
+            else (user_spec or {}).get("num_speculative_tokens"),
+            **{k: v for k, v in (user_spec or {}).items() if v is not None},
+        }
+    free_cache = _as_bool(_get(config, f"{_RO}.free_cache_engine", True))
+    sleep_level = (1 if verl_speculates else 2) if free_cache else None
+    hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
+    depth = None
+    if mode is not MTPMode.OFF:
+        depth = overrides.get("mtp_num_layers", hf_layers)
+        depth = int(depth) if depth is not None else None
+    scale = settings.mtp_loss_scaling_factor if settings is not None else None
+    return ResolvedMTPSettings(
+        model_type=model_type,
+        engine_selected=selected,
+        strategy=strategy,
+        mode=mode,
+        run_mtp_forward={p.value: run_mtp_forward(mode, p) for p in Phase},
+        mtp_loss_scaling_factor=scale,
+        mtp_num_layers=depth,
+        hf_mtp_layers=hf_layers,
+        hybrid_model=hybrid,
+        rollout_speculation=speculation,
+        speculative_config=spec,
+        sleep_level=sleep_level,
+        prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba_cache_mode,
+        worker_extension_cls=vllm_kwargs.get("worker_extension_cls"),
+    )
+
+
+def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | None = None):
+    """Compose a recipe exactly as ``python -m verl.trainer.main_ppo --config-path ... --config-name ...``
+    would (Hydra compose API; the recipe's ``hydra.searchpath`` reaches verl's ``ppo_trainer``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m verl_mtp_plugin.verl_config --config-path DIR --config-name NAME [overrides]``:
+    compose the recipe, validate it, print the resolved settings; exit 1 with the errors otherwise."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config-path", required=True)
+    parser.add_argument("--config-name", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = compose_recipe(args.config_path, args.config_name, args.overrides)
+    try:
+        settings = validate_verl_config(cfg)
+    except MTPConfigError as e:
+        print(f"verl_mtp_plugin: {e}", file=sys.stderr)
+        return 1
+    for field in dataclasses.fields(settings):
+        print(f"{field.name}: {getattr(settings, field.name)}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,508 @@
+"""verl Megatron engine that drives a Megatron-Core ``HybridModel`` (Nemotron 3) per phase.
+
+:class:`NemotronHMTPMegatronEngine` is a verl ``MegatronEngineWithLMHead`` registered as
+``model_type="nemotron_h_mtp"``, ``backend="megatron"`` (:mod:`verl_mtp_plugin.verl_registry`).
+It changes four things and inherits everything else (optimizer, checkpointing, offload, weight
+export, micro-batching, loss post-processing) from verl:
+
+* **Build**: before verl builds the Megatron-Bridge provider it writes the mode's Megatron fields into
+  ``override_transformer_config`` (online: ``mtp_detach_heads=True``; off: ``mtp_num_layers=None``;
+  ``mtp_loss_scaling_factor``) and registers :func:`make_mtp_pre_wrap_hook` as a Bridge pre-wrap hook,
+  which freezes the MTP parameters in frozen mode before DDP and the optimizer exist and validates
+  every model chunk for its mode.
+* **Forward**: :meth:`~NemotronHMTPMegatronEngine.forward_step` calls :func:`forward_micro_batch`, which
+  runs the model through :func:`verl_mtp_plugin.control.hybrid_forward` with
+  ``run_mtp_forward = policy.run_mtp_forward(mode, phase)``, ``labels=None`` (logits come back) and,
+  when MTP runs, a token-coordinate MTP loss mask built from verl's response mask
+  (:mod:`verl_mtp_plugin.loss_mask`). Phase: actor update -> ``train``; actor forward-only
+  (log-prob recompute) -> ``logprob``; forward-only engine (verl's reference model) -> ``ref``.
+  Packed (THD) batches also get ``PackedSeqParams.seq_idx`` so Mamba state is reset between packed
+  samples.
+* **Metrics**: after a pass that ran MTP, ``mtp_losses/mtp_{k}_loss`` and ``mtp_accuracy/mtp_{k}_top1``
+  (averaged over data-parallel ranks) are added to the engine's metrics; verl logs them as
+  ``actor/mtp_losses/...`` and ``actor/mtp_accuracy/...``.
+* **verl's GPTModel MTP code stays off**: the engine keeps a private shallow copy of ``HFModelConfig``
+  whose ``mtp`` block reads ``enable=false`` everywhere except inside verl's ``_build_tf_config`` (where
+  ``check_mtp_config`` must see the user's block to keep the MTP layers). So verl never applies
+  ``patch_engine_mtp`` to the HybridModel, never passes rolled ``labels`` (which would make
+  HybridModel return a loss instead of logits) and never reads the MTP tracker itself.
+
+Importing this module imports verl's Megatron engine (and megatron-core).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from megatron.core import parallel_state as mpu
+from tensordict import TensorDict
+
+import verl.utils.torch_functional as verl_F
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.device import get_device_id
+from verl.workers.engine.base import BaseEngine
+from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
+from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
+from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, run_mtp_forward
+from verl_mtp_plugin.verl_config import EngineMTPSettings, _strategy_error, apply_mtp_overrides, resolve_engine_settings
+
+__all__ = [
+    "NemotronHMTPMegatronEngine",
+    "UnsupportedStrategyEngine",
+    "forward_micro_batch",
+    "hybrid_forward_micro_batch",
+    "make_mtp_pre_wrap_hook",
+    "mtp_token_mask",
+    "phase_for_pass",
+    "with_mamba_seq_idx",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# phase and masks
+
+
+def phase_for_pass(*, forward_only: bool, engine_forward_only: bool) -> Phase:
+    """The policy phase of one ``forward_backward_batch`` call.
+
+    Args:
+        forward_only (bool): the call's ``forward_only`` (False: actor update).
+        engine_forward_only (bool): the engine was built forward-only (``engine.forward_only=true``:
+            verl's reference model).
+
+    Returns:
+        Phase: ``train``, ``logprob`` or ``ref``.
+    """
+    if not forward_only:
+        if engine_forward_only:
+            raise RuntimeError("a forward-only engine (reference model) cannot run a training pass")
+        return Phase.TRAIN
+    return Phase.REF if engine_forward_only else Phase.LOGPROB
+
+
+def mtp_token_mask(batch: TensorDict) -> torch.Tensor:
+    """Token-coordinate MTP loss mask for a verl micro-batch (``left_right_2_no_padding`` layout).
+
+    Args:
+        batch (TensorDict): ``input_ids`` nested ``[b, n_i]``; ``loss_mask`` (verl's response mask)
+            padded ``[b, R]`` with ``attention_mask`` ``[b, P + R]``, or nested ``[b, r_i]``.
+
+    Returns:
+        Tensor: nested ``[b, n_i]`` float32, 0 on prompt tokens, the response mask on response tokens.
+    """
+    input_ids = batch["input_ids"]
+    if not input_ids.is_nested:
+        raise ValueError("mtp_token_mask expects verl's no-padding batch (nested input_ids)")
+    lengths = input_ids.offsets().diff()
+    loss_mask = batch["loss_mask"]
+    if loss_mask.is_nested:
+        return token_mask_from_response_mask(loss_mask, lengths)
+    attention_mask = batch.get("attention_mask", None)
+    if attention_mask is None:
+        raise ValueError("a padded loss_mask [b, R] needs the padded attention_mask to find response lengths")
+    return token_mask_from_response_mask(loss_mask, lengths, response_lengths(attention_mask, loss_mask.shape[-1]))
+
+
+def with_mamba_seq_idx(packed_seq_params):
+    """``PackedSeqParams`` with ``total_tokens`` set, so megatron computes ``seq_idx`` ``[1, T]`` and the
+    Mamba scan restarts at every packed sample (verl 0.9.1's ``preprocess_thd_engine`` leaves it unset,
+    which carries SSM state from one sample into the next)."""
+    if packed_seq_params is None or getattr(packed_seq_params, "seq_idx", None) is not None:
+        return packed_seq_params
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    return dataclasses.replace(packed_seq_params, total_tokens=int(cu[-1]))
+
+
+def _bshd_attention_mask(seq_len: int, device) -> torch.Tensor | None:
+    # Right-padded rows + causal attention: padding never reaches a real token, so the causal mask is
+    # the whole mask. On CUDA, TE / megatron apply the causal mask type themselves (None); megatron's
+    # own default mask is allocated on CUDA, so on CPU the [1, 1, s, s] mask (True = masked) is explicit.
+    if torch.device(device).type == "cuda":
+        return None
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-micro-batch forward
+
+
+def hybrid_forward_micro_batch(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    run_mtp_forward: bool,
+    mtp_token_mask: torch.Tensor | None = None,
+    logits_processor=None,
+    logits_processor_args: dict | None = None,
+    data_format: str = "thd",
+    pad_to_length_bucket: int | None = None,
+    forced_max_seqlen: int | None = None,
+):
+    """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
+
+    Mirrors verl's ``gptmodel_forward_model_engine`` (same packing/padding helpers from
+    ``verl.models.mcore.util``) but never passes ``labels`` (HybridModel then returns logits) and
+    passes the MTP loss mask in token coordinates, which megatron's derived-label path rolls itself.
+
+    Args:
+        model: megatron ``HybridModel`` (DDP/Float16Module-wrapped or not).
+        input_ids (Tensor): nested jagged ``[b, n_i]`` token ids.
+        run_mtp_forward (bool): run the MTP block and its loss in this forward.
+        mtp_token_mask (Tensor | None): nested ``[b, n_i]`` token-coordinate mask (:func:`mtp_token_mask`);
+            required when ``run_mtp_forward``.
+        logits_processor: ``f(logits, **args) -> dict[str, Tensor]`` (verl's
+            ``_lm_head_logits_processor``), applied on the last pipeline stage; None returns logits.
+        logits_processor_args (dict | None): nested ``[b, n_i]`` tensors (``label``, ``temperature``);
+            ``label`` is rolled like verl does (position ``j`` scores token ``j + 1``).
+        data_format (str): ``"thd"`` (packed, ``use_remove_padding=true``) or ``"bshd"`` (padded).
+        pad_to_length_bucket (int | None): verl's ``pad_to_length`` bucket (THD only).
+        forced_max_seqlen (int | None): verl's BSHD padding target.
+
+    Returns:
+        dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
+        ``logits_processor`` is given, else nested logits ``[b, n_i, V/tp]``; on an intermediate
+        pipeline stage, the stage's hidden states.
+    """
+    from verl.models.mcore.util import (
+        postprocess_bshd_engine,
+        postprocess_thd_engine,
+        preprocess_bshd_engine,
+        preprocess_thd_engine,
+    )
+
+    if data_format not in ("thd", "bshd"):
+        raise ValueError(f"data_format must be 'thd' or 'bshd', got {data_format!r}")
+    inner = unwrap_model(model)
+    pre_process, post_process = inner.pre_process, inner.post_process
+    use_fp8_padding = getattr(inner.config, "fp8", None) in ("e4m3", "hybrid")
+    mtp_here = bool(run_mtp_forward) and post_process
+    if mtp_here and mtp_token_mask is None:
+        raise ValueError("run_mtp_forward=True needs mtp_token_mask (token-coordinate MTP loss mask)")
+    batch_size = input_ids.shape[0]
+    logits_processor_args = dict(logits_processor_args or {})
+
+    if data_format == "thd":
+        ids, psp, position_ids = preprocess_thd_engine(
+            input_ids,
+            pre_process=pre_process or mtp_here,
+            use_fp8_padding=use_fp8_padding,
+            pad_to_length_bucket=pad_to_length_bucket,
+        )
+        psp = with_mamba_seq_idx(psp)
+        kwargs: dict[str, Any] = {"packed_seq_params": psp}
+        if mtp_here:
+            kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
+        output = hybrid_forward(
+            model, ids.contiguous(), position_ids, None, run_mtp_forward=bool(run_mtp_forward), **kwargs
+        )
+        if not post_process:
+            return output
+        if logits_processor is None:
+            return postprocess_thd_engine(output, psp, input_ids, batch_size, post_process=True)
+        args = {
+            k: preprocess_thd_engine(
+                v,
+                pre_process=True,
+                need_roll=(k == "label"),
+                use_fp8_padding=use_fp8_padding,
+                pad_to_length_bucket=pad_to_length_bucket,
+            )[0]
+            for k, v in logits_processor_args.items()
+        }
+        out = logits_processor(output, **args)
+        return {k: postprocess_thd_engine(v, psp, input_ids, batch_size, post_process=True) for k, v in out.items()}
+
+    ids, valid, position_ids = preprocess_bshd_engine(
+        input_ids,
+        pre_process=pre_process or mtp_here,
+        use_fp8_padding=use_fp8_padding,
+        forced_max_seqlen=forced_max_seqlen,
+    )
+    kwargs = {}
+    if mtp_here:
+        from verl_mtp_plugin.loss_mask import token_to_label_mask; kwargs["loss_mask"] = token_to_label_mask(pad_token_mask(mtp_token_mask, ids.shape[1])).to(ids.device)
+    output = hybrid_forward(
+        model,
+        ids,
+        position_ids,
+        _bshd_attention_mask(ids.shape[1], ids.device),
+        run_mtp_forward=bool(run_mtp_forward),
+        **kwargs,
+    )
+    if not post_process:
+        return output
+    if logits_processor is None:
+        return postprocess_bshd_engine(output, valid, post_process=True)
+    args = {
+        k: preprocess_bshd_engine(
+            v,
+            pre_process=True,
+            need_roll=(k == "label"),
+            use_fp8_padding=use_fp8_padding,
+            forced_max_seqlen=forced_max_seqlen,
+        )[0]
+        for k, v in logits_processor_args.items()
+    }
+    out = logits_processor(output, **args)
+    return {k: postprocess_bshd_engine(v, valid, post_process=True) for k, v in out.items()}
+
+
+def forward_micro_batch(
+    model,
+    batch: TensorDict,
+    *,
+    phase: "Phase | str",
+    mode: "MTPMode | str",
+    logits_processor=None,
+    logits_processor_args: dict | None = None,
+    data_format: str = "thd",
+    pad_to_length_bucket: int | None = None,
+):
+    """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
+
+    Args:
+        model: the (wrapped) HybridModel chunk megatron's schedule hands to ``forward_step``.
+        batch (TensorDict): one verl micro-batch (``input_ids`` nested ``[b, n_i]``, ``loss_mask``,
+            ``attention_mask``; optional non-tensor ``forced_max_seqlen``).
+        phase: ``train``, ``logprob`` or ``ref``.
+        mode: ``off``, ``frozen``, ``online`` or ``joint``.
+        logits_processor, logits_processor_args, data_format, pad_to_length_bucket: see
+            :func:`hybrid_forward_micro_batch`.
+
+    Returns:
+        what :func:`hybrid_forward_micro_batch` returns.
+    """
+    run = run_mtp_forward(mode, phase)
+    return hybrid_forward_micro_batch(
+        model,
+        batch["input_ids"],
+        run_mtp_forward=run,
+        mtp_token_mask=mtp_token_mask(batch) if run else None,
+        logits_processor=logits_processor,
+        logits_processor_args=logits_processor_args,
+        data_format=data_format,
+        pad_to_length_bucket=pad_to_length_bucket,
+        forced_max_seqlen=tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# build time
+
+
+def make_mtp_pre_wrap_hook(mode: "MTPMode | str"):
+    """Megatron-Bridge pre-wrap hook for ``mode`` (runs on the model chunks before DDP and the optimizer).
+
+    frozen: ``requires_grad=False`` on every MTP parameter (no gradient buffer, no optimizer state;
+    checkpoint keys unchanged). Every mode: :func:`verl_mtp_plugin.control.validate_model_for_mode`
+    on each chunk (e.g. online needs ``mtp_detach_heads``; MTP layers must exist unless off).
+
+    Returns:
+        ``hook(list[MegatronModule]) -> list[MegatronModule]``.
+    """
+    mode = MTPMode.parse(mode, "mode")
+
+    def mtp_pre_wrap_hook(model):
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if mode is MTPMode.FROZEN:
+            freeze_mtp(chunks)
+        for chunk in chunks:
+            validate_model_for_mode(chunk, mode)
+        return model
+
+    mtp_pre_wrap_hook.mode = mode
+    return mtp_pre_wrap_hook
+
+
+def _set_items(target, updates: dict) -> None:
+    """``target[k] = v`` for a dict or an omegaconf DictConfig (struct mode opened for new keys)."""
+    try:
+        from omegaconf import DictConfig, open_dict
+    except ImportError:  # pragma: no cover
+        DictConfig = ()  # type: ignore[assignment]
+    if isinstance(target, DictConfig):
+        with open_dict(target):
+            for k, v in updates.items():
+                target[k] = v
+    else:
+        for k, v in updates.items():
+            target[k] = v
+
+
+# --------------------------------------------------------------------------------------------------
+# the engines
+
+
+class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
+    """verl Megatron engine for Nemotron 3 (HybridModel) with per-phase MTP control.
+
+    Selected by ``actor_rollout_ref.model.model_type: nemotron_h_mtp``; the MTP mode comes from verl's
+    ``actor_rollout_ref.model.mtp`` block (``policy.mode_from_verl_mtp``). verl's reference model
+    uses this engine too (same ``model_type``) with MTP off.
+    """
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        self.mtp_settings: EngineMTPSettings = resolve_engine_settings(model_config, engine_config)
+        super().__init__(
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=checkpoint_config,
+        )
+        self.mtp_mode: MTPMode = self.mtp_settings.mode
+        self._user_mtp = model_config.mtp
+        # verl's own MTP paths (patch_engine_mtp, labels in the forward, get_megatron_mtp_loss) read
+        # self.model_config.mtp: give the engine a private copy that reads "off" (see module docstring).
+        self._verl_mtp_view = dataclasses.replace(model_config.mtp, enable=False, enable_train=False)
+        view = copy.copy(model_config)
+        view.mtp = self._verl_mtp_view
+        self.model_config = view
+        self._mtp_phase: Phase | None = None
+
+    # ---- build -----------------------------------------------------------------------------------
+    def apply_mtp_overrides(self) -> dict:
+        """Write the mode's Megatron fields into ``engine_config.override_transformer_config``."""
+        updates = apply_mtp_overrides({}, self.mtp_settings)
+        _set_items(self.engine_config.override_transformer_config, updates)
+        return updates
+
+    def _build_tf_config(self):
+        self.apply_mtp_overrides()
+        self.model_config.mtp = self._user_mtp  # check_mtp_config must keep the MTP layers
+        try:
+            super()._build_tf_config()
+        finally:
+            self.model_config.mtp = self._verl_mtp_view
+        if self.provider is None:
+            raise MTPConfigError(
+                "actor_rollout_ref.actor.megatron.vanilla_mbridge=true: the plugin engine needs the "
+                "Megatron-Bridge provider to register its pre-wrap hook; set vanilla_mbridge=false"
+            )
+        self.provider.register_pre_wrap_hook(make_mtp_pre_wrap_hook(self.mtp_mode))
+
+    # ---- one pass ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def mtp_pass(self, forward_only: bool):
+        """Scope of one ``forward_backward_batch``: sets the phase ``forward_step`` reads and starts the
+        MTP tracker clean when this phase runs MTP.
+
+        Yields:
+            Phase: the phase of this pass.
+        """
+        if self._mtp_phase is not None:
+            raise RuntimeError(f"nested forward_backward_batch (phase {self._mtp_phase} is active)")
+        phase = phase_for_pass(forward_only=forward_only, engine_forward_only=bool(self.engine_config.forward_only))
+        if run_mtp_forward(self.mtp_mode, phase):
+            reset_mtp_metrics()
+        self._mtp_phase = phase
+        try:
+            yield phase
+        finally:
+            self._mtp_phase = None
+
+    def add_mtp_metrics(self, output: dict, data: TensorDict, phase: "Phase | str") -> dict[str, float]:
+        """After a pass: reduce megatron's MTP tracker over data-parallel ranks and add
+        ``mtp_losses/mtp_{k}_loss`` and ``mtp_accuracy/mtp_{k}_top1`` to ``output["metrics"]`` (on the
+        rank verl collects from). Runs on every rank of the last pipeline stage (collectives).
+
+        Returns:
+            dict[str, float]: the metrics (empty when this phase did not run MTP).
+        """
+        if not run_mtp_forward(self.mtp_mode, phase) or not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        n_micro = tu.get_non_tensor_data(data, key="num_micro_batch", default=None)
+        if n_micro is None:
+            raise RuntimeError("num_micro_batch missing from the batch (set by verl's forward_backward_batch)")
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        # Reduce first, on every rank: collect_mtp_metrics decides locally whether anything was
+        # recorded, which must not differ between ranks that take part in the all-reduce.
+        MTPLossLoggingHelper.reduce_metrics_in_tracker()
+        metrics = collect_mtp_metrics(int(n_micro), reset=True, reduce=False)
+        if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
+            output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
+        return metrics
+
+    def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False) -> Any:
+        with self.mtp_pass(forward_only) as phase:
+            output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            self.add_mtp_metrics(output, data, phase)
+        return output
+
+    # ---- one micro-batch -----------------------------------------------------------------------------
+    def forward_step(
+        self, batch_iter: Iterator[TensorDict], model, logits_processor_func, postprocess_micro_batch_func
+    ):
+        """Megatron ``forward_step_func`` for one micro-batch (called by megatron's schedule)."""
+        if self._mtp_phase is None:
+            raise RuntimeError("forward_step outside forward_backward_batch / mtp_pass: the MTP phase is unknown")
+        batch: TensorDict = next(batch_iter)
+        batch = batch.to(get_device_id())
+        if bool(tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False)):
+            raise MTPConfigError(
+                "use_fused_kernels=true is not supported by model_type=nemotron_h_mtp "
+                "(actor_rollout_ref.model.use_fused_kernels)"
+            )
+        if tu.get_non_tensor_data(batch, key="local_cp_size", default=None) is not None:
+            raise MTPConfigError("dynamic context parallel is not supported by model_type=nemotron_h_mtp")
+        pad_mode = tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+        if pad_mode != DatasetPadMode.NO_PADDING:
+            raise NotImplementedError(f"Pad mode {pad_mode} is not supported for megatron engine")
+        multi_modal = batch.get("multi_modal_inputs", None)
+        if multi_modal is not None:
+            from verl.utils.model import extract_multi_modal_inputs
+
+            if extract_multi_modal_inputs(multi_modal):
+                raise MTPConfigError("multi-modal inputs are not supported by model_type=nemotron_h_mtp")
+
+        input_ids = batch["input_ids"]
+        temperature = batch["temperature"]
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.tensor([temperature] * input_ids.shape[0], device=input_ids.device)
+        temperature = verl_F.expand_as_nested(temperature.to(torch.float32), input_ids)
+        data_format = "thd" if self.engine_config.use_remove_padding else "bshd"
+        pad_to_length_bucket = (
+            self.engine_config.pad_to_length_bucket
+            if self.engine_config.pad_to_length and self.engine_config.use_remove_padding
+            else None
+        )
+        logits_processor = partial(
+            self._lm_head_logits_processor,
+            calculate_sum_pi_squared=tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False),
+            calculate_entropy=tu.get_non_tensor_data(batch, key="calculate_entropy", default=False),
+            distillation_use_topk=tu.get_non_tensor_data(batch, key="distillation_use_topk", default=False),
+            distillation_only=tu.get_non_tensor_data(batch, key="distillation_only", default=False),
+            logits_processor_func=logits_processor_func,
+            batch=batch,
+            data_format=data_format,
+        )
+        output = forward_micro_batch(
+            model,
+            batch,
+            phase=self._mtp_phase,
+            mode=self.mtp_mode,
+            logits_processor=logits_processor,
+            logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
+            data_format=data_format,
+            pad_to_length_bucket=pad_to_length_bucket,
+        )
+        return output, partial(postprocess_micro_batch_func, data=batch)
+
+
+class UnsupportedStrategyEngine(BaseEngine):
+    """Registered under ``model_type="nemotron_h_mtp"`` for verl's non-Megatron backends: constructing it
+    raises :class:`MTPConfigError` naming the keys (verl's own error would be ``Unknown backend``)."""
+
+    def __init__(self, model_config=None, engine_config=None, *args, **kwargs):
+        raise MTPConfigError(_strategy_error(getattr(engine_config, "strategy", "?")))

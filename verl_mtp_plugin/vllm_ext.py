@@ -1,0 +1,550 @@
+"""vLLM side of the MTP weight sync (issue 4): MTP tensors to the drafter only, verified, once per update.
+
+verl's colocated worker extension (``vLLMColocateWorkerExtension``) hands every received bucket to
+``load_weights`` of every model in ``_iter_all_models()``: the target *and* the MTP drafter, so the
+drafter parses the whole model each sync, per bucket (vLLM loaders that need every MTP layer in one
+call break), relies on its loader to drop what it does not know (silently), and is post-processed
+by ``process_weights_after_loading`` after every update.
+
+This module replaces that for the drafter:
+
+* :func:`route_weights` / :class:`MTPDrafterSync` — plain code over a target model and a drafter
+  model object (CPU tests drive it with real vLLM models from vLLM's own ``get_model``):
+
+  - non-MTP names go to the target only; ``mtp.*`` names go to the drafter only; the embedding and
+    ``lm_head`` also go to the drafter only when the drafter does not share them with the target,
+    decided by module identity (vLLM 0.31's ``NemotronHMTP`` owns ``model.embed_tokens`` and
+    ``lm_head`` until the proposer swaps in the target's; 0.33 has none);
+  - the MTP tensors of one update are accumulated (copied out of the reused transfer buffer) and
+    loaded in **one** drafter ``load_weights`` call inside vLLM's layerwise-reload lifecycle
+    (``initialize_layerwise_reload`` -> ``load_weights`` -> ``finalize_layerwise_reload``), scoped to
+    the drafter's own modules: checkpoint-format weights are processed exactly once, parameter
+    storage is kept (CUDA graphs stay valid) and the shared target modules are not touched;
+  - every update is verified: the names sent must equal the HF MTP key set of the drafter's config
+    (checked *before* loading) and the names the drafter reports loaded must cover its own
+    parameters; otherwise :class:`MTPSyncError` names the missing and unexpected keys. Optional
+    checksum mode compares a digest of every drafter tensor with the digest of the HF tensors
+    recomposed like vLLM stores them (``qkv = cat(q, k, v)``, ``w13 = stack(up_proj)``,
+    ``w2 = stack(down_proj)``);
+  - ``frozen`` mode loads the drafter once (from the checkpoint, or the first sync when vLLM
+    started from dummy weights) and skips it afterwards: no copy, no load, no post-processing;
+  - per-sync metrics: ``sync/bytes_target``, ``sync/bytes_drafter``, ``sync/drafter_seconds``, ...
+
+* ``MTPColocateWorkerExtension`` — set
+  ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension``.
+  A subclass of verl's extension (verl's bucketed IPC transfer, quantisation and LoRA paths are
+  kept) built on first attribute access, so importing this module imports only torch.
+  Configuration: ``VERL_MTP_DRAFTER_SYNC=online|frozen`` (default ``online``),
+  ``VERL_MTP_SYNC_CHECKSUM=1`` (default off), or the RPC ``mtp_configure_sync``. Extra RPCs:
+  ``mtp_sync_metrics``, ``mtp_drafter_digests``, ``mtp_mark_drafter_stale``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from verl_mtp_plugin.export import canonical_drafter_name, expected_hf_mtp_keys, hf_mtp_digests, tensor_digest
+
+__all__ = [
+    "DRAFTER_MODES",
+    "ENV_CHECKSUM",
+    "ENV_MODE",
+    "MTPColocateWorkerExtension",
+    "MTPDrafterSync",
+    "MTPSyncError",
+    "drafter_digests",
+    "drafter_shared_param_names",
+    "is_mtp_name",
+    "route_weights",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_MODE = "VERL_MTP_DRAFTER_SYNC"
+ENV_CHECKSUM = "VERL_MTP_SYNC_CHECKSUM"
+DRAFTER_MODES = ("online", "frozen")
+
+# Drafter parameters outside the MTP layers that a drafter may own, and their HF names.
+_DRAFTER_SHARED_TO_HF = {"model.embed_tokens.weight": "backbone.embeddings.weight", "lm_head.weight": "lm_head.weight"}
+
+WeightList = list[tuple[str, torch.Tensor]]
+
+
+class MTPSyncError(RuntimeError):
+    """The drafter would not hold exactly the trained MTP weights (the message names the keys)."""
+
+
+def is_mtp_name(name: str) -> bool:
+    """True for HF MTP names (``mtp.*``, also under a VL ``language_model.`` prefix)."""
+    return name.removeprefix("language_model.").startswith("mtp.")
+
+
+def route_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], drafter_extra: Iterable[str] = ()
+) -> tuple[WeightList, WeightList]:
+    """Split HF-named tensors between the target and the drafter.
+
+    Args:
+        weights: ``(hf_name, tensor)`` pairs (one bucket or a whole stream).
+        drafter_extra: non-MTP HF names the drafter also needs (``backbone.embeddings.weight`` /
+            ``lm_head.weight`` when it does not share them with the target).
+
+    Returns:
+        (target, drafter): ``mtp.*`` only in ``drafter``; everything else in ``target``; names in
+        ``drafter_extra`` in both.
+    """
+    extra = frozenset(drafter_extra)
+    target: WeightList = []
+    drafter: WeightList = []
+    for name, t in weights:
+        if is_mtp_name(name):
+            drafter.append((name, t))
+        else:
+            target.append((name, t))
+            if name.removeprefix("language_model.") in extra:
+                drafter.append((name, t))
+    return target, drafter
+
+
+def drafter_shared_param_names(drafter: torch.nn.Module, target: torch.nn.Module | None) -> set[str]:
+    """Names of drafter parameters that are the target's parameter objects (shared by identity)."""
+    if target is None:
+        return set()
+    ids = {id(p) for p in target.parameters()}
+    return {n for n, p in drafter.named_parameters() if id(p) in ids}
+
+
+def drafter_digests(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> dict[str, str]:
+    """:func:`~verl_mtp_plugin.export.tensor_digest` of every drafter-owned parameter, by canonical
+    name (compare with the trainer's :func:`~verl_mtp_plugin.export.hf_mtp_digests`)."""
+    shared = drafter_shared_param_names(drafter, target)
+    return {
+        canonical_drafter_name(n): tensor_digest(p) for n, p in drafter.named_parameters() if n not in shared
+    }
+
+
+def _nbytes(weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in weights)
+
+
+def _owned_roots(drafter: torch.nn.Module, target: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """Maximal drafter submodules that contain no module of the target (the reload scope)."""
+    if target is None:
+        return [drafter]
+    target_ids = {id(m) for m in target.modules()}
+    roots: list[torch.nn.Module] = []
+
+    def walk(m: torch.nn.Module, name: str) -> None:
+        if id(m) in target_ids:
+            return
+        if not any(id(s) in target_ids for s in m.modules()):
+            roots.append(m)
+            return
+        direct = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+        if direct:
+            raise MTPSyncError(
+                f"drafter module {name or '<root>'} holds tensors {[n for n, _ in direct]} next to modules "
+                "shared with the target; cannot scope the reload to the drafter's own modules"
+            )
+        for child_name, c in m.named_children():
+            walk(c, f"{name}.{child_name}" if name else child_name)
+
+    walk(drafter, "")
+    return roots
+
+
+def _text_config(model_config: Any) -> Any:
+    hf = getattr(model_config, "hf_config", model_config)
+    get_text = getattr(hf, "get_text_config", None)
+    return get_text() if callable(get_text) else hf
+
+
+class MTPDrafterSync:
+    """Routes one update's tensors, loads the MTP drafter once per update and verifies it.
+
+    One object per (target, drafter) pair, reused across updates (it remembers whether the
+    drafter holds real weights, for ``frozen`` mode). Per update::
+
+        sync.begin()
+        for bucket in buckets:
+            target_part = sync.route(bucket)   # load into the target as before
+        metrics = sync.finish()                # drafter: one load_weights call + checks
+
+    Args:
+        target (nn.Module | None): vLLM's target model (``model_runner.model``); used to detect the
+            modules the drafter shares with it.
+        drafter (nn.Module): vLLM's drafter model (``model_runner.drafter.model``).
+        draft_model_config: vLLM ``ModelConfig`` of the drafter (``speculative_config.draft_model_config``).
+        vllm_config: vLLM config made current while loading (optional).
+        mode (str): ``"online"`` (load every update) or ``"frozen"`` (load once).
+        drafter_loaded (bool): the drafter already holds real MTP weights (vLLM loaded them from the
+            checkpoint, i.e. ``load_format`` is not ``"dummy"``). ``frozen`` then never loads it.
+        verify_checksums (bool): compare tensor digests after every drafter load.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module | None,
+        drafter: torch.nn.Module,
+        draft_model_config: Any,
+        *,
+        vllm_config: Any = None,
+        mode: str = "online",
+        drafter_loaded: bool = False,
+        verify_checksums: bool = False,
+    ) -> None:
+        if mode not in DRAFTER_MODES:
+            raise ValueError(f"{ENV_MODE}/mode={mode!r}; allowed: {list(DRAFTER_MODES)}")
+        self.target = target
+        self.drafter = drafter
+        self.draft_model_config = draft_model_config
+        self.vllm_config = vllm_config
+        self.mode = mode
+        self.drafter_loaded = bool(drafter_loaded)
+        self.verify_checksums = bool(verify_checksums)
+        self.expected_mtp_keys = frozenset(expected_hf_mtp_keys(_text_config(draft_model_config)))
+        if not self.expected_mtp_keys:
+            raise MTPSyncError("the drafter's config declares no MTP layers (num_nextn_predict_layers=0)")
+        self.post_process_count = 0  # drafter reload/post-processing cycles run
+        self.sync_count = 0
+        self.last_metrics: dict[str, float] = {}
+        self._active = False
+        self._pending: WeightList = []
+
+    # ---------------------------------------------------------------- structure
+    def drafter_structure(self) -> tuple[set[str], set[str], dict[str, str]]:
+        """``(own, shared, extra)``: drafter-owned parameter names, names shared with the target,
+        and the HF name -> parameter name of owned non-MTP parameters (embedding / ``lm_head``)."""
+        shared = drafter_shared_param_names(self.drafter, self.target)
+        own = {n for n, _ in self.drafter.named_parameters()} - shared
+        extra: dict[str, str] = {}
+        for n in sorted(own):
+            if n.startswith("model.layers."):
+                continue
+            hf = _DRAFTER_SHARED_TO_HF.get(n)
+            if hf is None:
+                raise MTPSyncError(
+                    f"drafter parameter {n!r} is neither an MTP layer parameter nor the embedding/lm_head "
+                    f"({type(self.drafter).__qualname__}); unknown drafter structure"
+                )
+            extra[hf] = n
+        return own, shared, extra
+
+    # ---------------------------------------------------------------- update lifecycle
+    def begin(self) -> None:
+        """Start an update (decides whether the drafter is loaded this time)."""
+        if self._active:
+            raise MTPSyncError("begin() called twice without finish()/abort()")
+        self._own, self._shared, self._extra = self.drafter_structure()
+        self._load = self.mode == "online" or not self.drafter_loaded
+        self._pending = []
+        self._bytes = {"received": 0, "target": 0, "drafter": 0, "skipped": 0}
+        self._ntensors = {"target": 0, "drafter": 0}
+        self._t0 = time.perf_counter()
+        self._active = True
+
+    def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightList:
+        """Route one bucket: returns the target's part; keeps a copy of the drafter's part.
+
+        The copy is needed because transfer buffers are reused between buckets.
+        """
+        if not self._active:
+            raise MTPSyncError("route() outside begin()/finish()")
+        weights = list(weights)
+        target, drafter = route_weights(weights, self._extra)
+        self._bytes["received"] += _nbytes(weights)
+        self._bytes["target"] += _nbytes(target)
+        self._ntensors["target"] += len(target)
+        if self._load:
+            self._pending.extend((n, t.detach().clone()) for n, t in drafter)
+            self._bytes["drafter"] += _nbytes(drafter)
+            self._ntensors["drafter"] += len(drafter)
+        else:
+            self._bytes["skipped"] += _nbytes(drafter)
+        return target
+
+    def abort(self) -> None:
+        """Drop an update in progress (the drafter is untouched)."""
+        self._active = False
+        self._pending = []
+
+    def finish(self) -> dict[str, float]:
+        """Load the accumulated MTP tensors into the drafter (one call), verify, return metrics.
+
+        Raises:
+            MTPSyncError: names missing/unexpected (before loading), parameters not loaded, or a
+                checksum mismatch.
+        """
+        if not self._active:
+            raise MTPSyncError("finish() without begin()")
+        t1 = time.perf_counter()
+        try:
+            if self._load:
+                self._load_drafter(self._pending)
+                self.drafter_loaded = True
+        finally:
+            self._active = False
+            self._pending = []
+        t2 = time.perf_counter()
+        self.sync_count += 1
+        received = self._bytes["received"]
+        self.last_metrics = {
+            "sync/bytes_received": float(received),
+            "sync/bytes_target": float(self._bytes["target"]),
+            "sync/bytes_drafter": float(self._bytes["drafter"]),
+            "sync/bytes_drafter_skipped": float(self._bytes["skipped"]),
+            "sync/drafter_share": float(self._bytes["drafter"]) / received if received else 0.0,
+            "sync/tensors_target": float(self._ntensors["target"]),
+            "sync/tensors_drafter": float(self._ntensors["drafter"]),
+            "sync/drafter_loaded": 1.0 if self._load else 0.0,
+            "sync/drafter_seconds": t2 - t1,
+            "sync/seconds": t2 - self._t0,
+            "sync/count": float(self.sync_count),
+        }
+        return dict(self.last_metrics)
+
+    def sync(
+        self,
+        buckets: Iterable[Iterable[tuple[str, torch.Tensor]]],
+        load_target: Callable[[WeightList], Any] | None = None,
+    ) -> dict[str, float]:
+        """One whole update: :meth:`begin`, :meth:`route` each bucket (its target part goes to
+        ``load_target``), :meth:`finish`."""
+        self.begin()
+        try:
+            for bucket in buckets:
+                part = self.route(bucket)
+                if load_target is not None and part:
+                    load_target(part)
+        except BaseException:
+            self.abort()
+            raise
+        return self.finish()
+
+    # ---------------------------------------------------------------- drafter load
+    def _check_names(self, names: list[str]) -> None:
+        sent = [n.removeprefix("language_model.") for n in names]
+        dup = sorted(n for n, c in Counter(sent).items() if c > 1)
+        expected = set(self.expected_mtp_keys) | set(self._extra)
+        missing = sorted(expected - set(sent))
+        unexpected = sorted(set(sent) - expected)
+        if missing or unexpected or dup:
+            raise MTPSyncError(
+                "MTP update does not match the drafter (nothing was loaded): "
+                f"{len(missing)} missing {missing[:20]}{' ...' if len(missing) > 20 else ''}; "
+                f"{len(unexpected)} unexpected {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+                f"{f'; duplicated {dup}' if dup else ''}. Expected the HF MTP keys of the drafter's config"
+                f"{' plus ' + str(sorted(self._extra)) if self._extra else ''}."
+            )
+
+    def _vllm_context(self):
+        if self.vllm_config is None:
+            return contextlib.nullcontext()
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.vllm_config)
+
+    def _load_drafter(self, pending: WeightList) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        self._check_names([n for n, _ in pending])
+        roots = _owned_roots(self.drafter, self.target)
+        with self._vllm_context():
+            for r in roots:
+                initialize_layerwise_reload(r)
+            try:
+                loaded = set(self.drafter.load_weights(iter(pending)))
+            finally:
+                # Always finalize: it processes what was loaded and puts the kept tensors back.
+                for r in roots:
+                    finalize_layerwise_reload(r, self.draft_model_config)
+                self.post_process_count += 1
+        params = {n for n, _ in self.drafter.named_parameters()}
+        missing = sorted(self._own - loaded)
+        unexpected = sorted(loaded - params)
+        if missing or unexpected:
+            raise MTPSyncError(
+                f"drafter {type(self.drafter).__qualname__} did not load exactly its own parameters: "
+                f"missing {missing}; unexpected {unexpected} (vLLM drops unknown names silently)"
+            )
+        if self.verify_checksums:
+            self._verify_digests(pending)
+
+    def _verify_digests(self, pending: WeightList) -> None:
+        expected = hf_mtp_digests([(n.removeprefix("language_model."), t) for n, t in pending])
+        params = dict(self.drafter.named_parameters())
+        actual = {canonical_drafter_name(n): p for n, p in params.items() if n in self._own}
+        problems = []
+        for name in sorted(set(expected) | set(actual)):
+            if name not in actual or name not in expected:
+                problems.append(f"{name}: {'no drafter parameter' if name not in actual else 'nothing sent'}")
+                continue
+            got = tensor_digest(actual[name])
+            if got.split(":")[0] != expected[name].split(":")[0]:
+                problems.append(
+                    f"{name}: {actual[name].numel()} elements, sent {expected[name].split(':')[0]} "
+                    "(checksum mode compares unsharded tensors: TP=EP=1 only)"
+                )
+            elif got != expected[name]:
+                problems.append(f"{name}: digest {got} != sent {expected[name]}")
+        if problems:
+            raise MTPSyncError(f"drafter checksum mismatch for {len(problems)} tensor(s): {problems}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker extension (built on first access: importing this module does not import verl or vLLM)
+# ------------------------------------------------------------------------------------------------
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _drafter_loaded_at_start(vllm_config: Any) -> bool:
+    """vLLM loaded real drafter weights at start-up unless the draft load format is ``dummy``."""
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    return "dummy" not in str(get_draft_load_config(vllm_config).load_format).lower()
+
+
+def _build_extension_class() -> type:
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    class MTPColocateWorkerExtension(vLLMColocateWorkerExtension):
+        """verl's colocated worker extension with MTP-only, verified drafter sync.
+
+        Targets of ``update_weights_from_ipc`` are unchanged for the target model (verl's bucketed
+        IPC receive, per-bucket ``load_weights``, one post-processing at the end); the drafter is
+        handled by :class:`MTPDrafterSync` (see the module docstring). LoRA adapter-only updates
+        and engines without an MTP drafter take verl's path untouched.
+        """
+
+        # ---------------------------------------------------------- helpers
+        def _mtp_drafter_sync(self) -> MTPDrafterSync | None:
+            if not vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync(self):
+                return None
+            target, drafter = self.model_runner.model, self._get_drafter_model()
+            sync = getattr(self, "_mtp_sync_state", None)
+            if sync is None or sync.drafter is not drafter or sync.target is not target:
+                vc = self.model_runner.vllm_config
+                opts = getattr(self, "_mtp_sync_options", {})
+                sync = MTPDrafterSync(
+                    target,
+                    drafter,
+                    self._get_draft_model_config(),
+                    vllm_config=vc,
+                    mode=opts.get("mode") or os.environ.get(ENV_MODE, "online").strip().lower(),
+                    drafter_loaded=_drafter_loaded_at_start(vc),
+                    verify_checksums=opts.get("verify_checksums", _env_flag(ENV_CHECKSUM)),
+                )
+                self._mtp_sync_state = sync
+            return sync
+
+        def _use_mtp_drafter_weight_sync(self):
+            # While our sync runs, verl's per-bucket loading and post-processing see the target only.
+            if getattr(self, "_mtp_active_sync", None) is not None:
+                return False
+            return super()._use_mtp_drafter_weight_sync()
+
+        def _mtp_begin_update(self) -> MTPDrafterSync | None:
+            sync = self._mtp_drafter_sync()
+            if sync is not None:
+                sync.begin()
+            self._mtp_active_sync = sync
+            return sync
+
+        def _mtp_finish_update(self) -> dict[str, float]:
+            sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
+            if sync is None:
+                return {}
+            metrics = sync.finish()
+            logger.info("MTP drafter sync: %s", metrics)
+            return metrics
+
+        def _mtp_abort_update(self) -> None:
+            sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
+            if sync is not None:
+                sync.abort()
+
+        # ---------------------------------------------------------- verl overrides
+        def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+            """verl's bucketed IPC update; MTP tensors go to the drafter only, once, verified."""
+            if peft_config and base_sync_done:  # LoRA adapter-only update: no MTP weights
+                return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            self._mtp_begin_update()
+            try:
+                result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            except BaseException:
+                self._mtp_abort_update()
+                raise
+            self._mtp_finish_update()
+            return result
+
+        def _update_weights(self, weights, peft_config, base_sync_done):
+            sync = getattr(self, "_mtp_active_sync", None)
+            if sync is None or (peft_config and base_sync_done):
+                return super()._update_weights(weights, peft_config, base_sync_done)
+            target_part = sync.route(weights)
+            if target_part:
+                return super()._update_weights(target_part, peft_config, base_sync_done)
+            return None
+
+        # ---------------------------------------------------------- RPCs (collective_rpc)
+        def mtp_configure_sync(self, mode: str | None = None, verify_checksums: bool | None = None) -> dict:
+            """Set the drafter sync mode (``online``/``frozen``) and checksum mode; returns the settings."""
+            opts = dict(getattr(self, "_mtp_sync_options", {}))
+            if mode is not None:
+                if mode not in DRAFTER_MODES:
+                    raise ValueError(f"mode={mode!r}; allowed: {list(DRAFTER_MODES)}")
+                opts["mode"] = mode
+            if verify_checksums is not None:
+                opts["verify_checksums"] = bool(verify_checksums)
+            self._mtp_sync_options = opts
+            sync = self._mtp_drafter_sync()
+            if sync is None:
+                raise MTPSyncError("this worker has no vLLM MTP drafter (speculative_config.method != 'mtp')")
+            sync.mode = opts.get("mode", sync.mode)
+            sync.verify_checksums = opts.get("verify_checksums", sync.verify_checksums)
+            return {"mode": sync.mode, "verify_checksums": sync.verify_checksums, "drafter_loaded": sync.drafter_loaded}
+
+        def mtp_sync_metrics(self) -> dict[str, float]:
+            """Metrics of the last update (``sync/bytes_target``, ``sync/bytes_drafter``, ...)."""
+            sync = getattr(self, "_mtp_sync_state", None)
+            return dict(sync.last_metrics) if sync is not None else {}
+
+        def mtp_drafter_digests(self) -> dict[str, str]:
+            """Digests of the drafter's own parameters (compare with ``export.hf_mtp_digests``)."""
+            drafter = self._get_drafter_model()
+            if drafter is None:
+                raise MTPSyncError("this worker has no vLLM MTP drafter")
+            return drafter_digests(drafter, self.model_runner.model)
+
+        def mtp_mark_drafter_stale(self) -> None:
+            """Make the next update load the drafter even in ``frozen`` mode (e.g. after its weights
+            were discarded by a level-2 sleep)."""
+            sync = self._mtp_drafter_sync()
+            if sync is not None:
+                sync.drafter_loaded = False
+
+    MTPColocateWorkerExtension.__module__ = __name__
+    MTPColocateWorkerExtension.__qualname__ = "MTPColocateWorkerExtension"
+    return MTPColocateWorkerExtension
+
+
+def __getattr__(name: str):
+    if name == "MTPColocateWorkerExtension":
+        cls = _build_extension_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
