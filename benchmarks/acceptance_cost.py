@@ -9,7 +9,8 @@ Run (CPU, ~2-4 minutes on 2 cores):
 
     .venv/bin/python benchmarks/acceptance_cost.py
 
-Options: ``--hidden 256 --vocab 4096 --seq 256 --batch 4 --prompt 64 --rounds 8 --max-positions 256``.
+Options: ``--hidden 256 --vocab 4096 --seq 256 --batch 4 --prompt 64 --rounds 8 --max-positions 256
+--sweep 64 128 256 512``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-positions", type=int, default=256)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256, 512])
+    ap.add_argument("--sweep-rounds", type=int, default=5)
     args = ap.parse_args(argv)
 
-    from verl_mtp_plugin.acceptance import EXPECTED_KEY, GREEDY_KEY, AcceptanceProbe
+    from verl_mtp_plugin.acceptance import EXPECTED_KEY, GREEDY_KEY, AcceptanceProbe, acceptance_positions
     from verl_mtp_plugin.control import hybrid_forward
     from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
 
@@ -95,6 +98,21 @@ def main(argv=None) -> dict:
         probed.append(t)
         est_times.append(te)
 
+    # estimate() alone for other subsample sizes, on no-grad forwards of the same batch.
+    sweep = {}
+    for n in args.sweep:
+        times = []
+        for _ in range(args.sweep_rounds):
+            with AcceptanceProbe(model) as probe, torch.no_grad():
+                logits = hybrid_forward(
+                    model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                    run_mtp_forward=True, loss_mask=mask,
+                )
+                te = time.perf_counter()
+                probe.estimate(logits, mask, max_positions=n)
+                times.append(time.perf_counter() - te)
+        sweep[n] = statistics.median(times)
+
     med_a, med_b, med_e = statistics.median(base), statistics.median(probed), statistics.median(est_times)
     res = dict(
         step_without_probe_s=med_a,
@@ -113,6 +131,11 @@ def main(argv=None) -> dict:
     print(f"ratio with/without (medians):     {res['ratio_with_over_without']:.4f}")
     print(f"estimate() alone:                 median {med_e * 1e3:8.2f} ms = {100 * res['estimate_over_step']:.2f}% "
           "of the step without probe")
+    counted = int(acceptance_positions(mask, 1).sum())
+    print(f"estimate() alone by max_positions (no-grad forwards, {counted} counted positions in the batch):")
+    for n, t in sweep.items():
+        print(f"  max_positions {n:5d}: median {t * 1e3:7.2f} ms = {100 * t / med_a:.2f}% of the step")
+    res["sweep"] = sweep
     print(f"last estimate: {EXPECTED_KEY}={est.get(EXPECTED_KEY):.4f} {GREEDY_KEY}={est.get(GREEDY_KEY):.4f}")
     return res
 

@@ -210,7 +210,7 @@ def main(keep_online_model: bool = False, rounds: int = 4, warmup: int = 2, iter
     )
     if persistent:
         print("[P2] persistent memory", {k: v for k, v in persistent.items()}, flush=True)
-    if prof and "by_category" in prof:
+    if prof and "by_category" in prof and prof["kernel_time_overhead"] is not None:
         print("[P2] GPU kernel time per step (profiler):", {k: round(v, 1) for k, v in prof["kernel_total_ms"].items()},
               f"overhead {prof['kernel_time_overhead'] * 100:.1f}%", flush=True)
         print("[P2] extra kernel ms by category:",

@@ -239,7 +239,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
     import os, sys, torch, torch.distributed as dist
     import torch.multiprocessing as mp
     from verl_mtp_plugin.acceptance import speculative_overlap, greedy_agreement, argmax_draft_acceptance
-    from verl_mtp_plugin.acceptance import _acceptance_stats
+    from verl_mtp_plugin.acceptance import _acceptance_stats, _rows_at
 
     def work(rank, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -261,6 +261,11 @@ _SHARDED_SCRIPT = textwrap.dedent(
             for got, want in zip(fused, _acceptance_stats(p, q, t, None)):
                 assert torch.allclose(got, want, atol=1e-6), (t, got, want)
             assert torch.allclose(fused[0], speculative_overlap(p, q, t), atol=1e-6)
+        # Sequence parallelism: rank r holds positions [r*s/2, (r+1)*s/2) of a [s, b, h] hidden state.
+        hid = torch.randn(8, 3, 4, generator=g)
+        bi, ti = torch.tensor([0, 2, 1, 1, 0]), torch.tensor([7, 0, 3, 4, 5])
+        rows = _rows_at(hid[rank * 4 : rank * 4 + 4], bi, ti, grp)
+        assert torch.equal(rows, hid[ti, bi]), rows
         gr = greedy_agreement(p[:, sl], q[:, sl], group=grp)
         assert torch.equal(gr, greedy_agreement(p, q)), gr
         assert abs(float(speculative_overlap(p[:, sl], q[:, sl], group=grp)[1]) - 1) < 1e-6
@@ -284,6 +289,69 @@ def test_vocab_sharded_reductions_match_full_vocab(tmp_path):
         [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=170
     )
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+_TP2_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def work(rank, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from verl_mtp_plugin.acceptance import AcceptanceProbe, per_position_acceptance
+        from verl_mtp_plugin.control import hybrid_forward
+        from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
+
+        init_megatron(seed=5, tp=2)
+        reset_mtp_globals()
+        model = build_tiny_hybrid(pattern="*-/*-", config_overrides=dict(tensor_model_parallel_size=2))
+        with torch.no_grad():
+            model.output_layer.weight.mul_(6.0)
+        batch = make_batch(batch=2, seq=16, vocab=128, prompt_len=6, seed=1)
+        mask = batch["response_mask"]
+        with AcceptanceProbe(model) as probe, torch.no_grad():
+            out = hybrid_forward(model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                 run_mtp_forward=True, loss_mask=mask)
+            assert out.shape == (2, 16, 64), out.shape  # vocabulary-sharded logits
+            full_main = gather_from_tensor_model_parallel_region(out, group=model.tp_group)
+            mtp_full = gather_from_tensor_model_parallel_region(probe.mtp_logits(1), group=model.tp_group)
+            ref = per_position_acceptance(full_main, mtp_full, mask)
+            n = ref["valid"].sum()
+            want = [(ref[k].sum() / n).item() for k in ("alpha", "greedy", "argmax_draft")]
+            results = []
+            for main in (out, full_main, None):  # sharded, gathered, recomputed from hidden states
+                est = probe.estimate(main, mask, max_positions=1000, release=False)
+                got = [est["mtp_expected_accept_rate"], est["mtp_greedy_accept_rate"],
+                       est["mtp_argmax_draft_accept_rate"]]
+                assert all(abs(a - b) < 1e-6 for a, b in zip(got, want)), (got, want)
+                results.append(got)
+        assert 0.0 < want[0] < 1.0, want
+        both = [None, None]
+        dist.all_gather_object(both, results[0])
+        assert both[0] == both[1], both  # every TP rank reports the same numbers
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(work, args=(int(sys.argv[1]),), nprocs=2, join=True)
+        print("TP2_OK")
+    """
+)
+
+
+def test_probe_under_tensor_parallelism(tmp_path):
+    """TP=2 (gloo, 2 processes): the probe's estimate from vocabulary-sharded logits, from gathered
+    logits and from the captured main hidden states all equal the full-vocabulary reference."""
+    from verl_mtp_plugin.testing import free_port
+
+    script = tmp_path / "tp2.py"
+    script.write_text(_TP2_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=170
+    )
+    assert proc.returncode == 0 and "TP2_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,35 +480,28 @@ def test_estimate_subsample_and_options(tiny):
         with torch.no_grad():
             out = _forward(model, batch)
         dense = per_position_acceptance(out, probe.mtp_logits(1), mask)
-        cap = probe.captured
-        est5 = probe.estimate(out, mask, max_positions=5, generator=torch.Generator().manual_seed(4))
+        est5 = probe.estimate(out, mask, max_positions=5, generator=torch.Generator().manual_seed(4), release=False)
         bi, ti = select_positions(dense["valid"], 5, torch.Generator().manual_seed(4))
         assert est5[POSITIONS_KEY] == 5
         assert est5[EXPECTED_KEY] == pytest.approx(dense["alpha"][bi, ti].mean().item(), abs=1e-6)
         # Main logits recomputed from the captured main hidden states (forwards that return a loss).
-        probe._captured = cap
-        no_main = probe.estimate(None, mask, max_positions=10_000)
-        probe._captured = cap
-        full = probe.estimate(out, mask, max_positions=10_000)
+        no_main = probe.estimate(None, mask, max_positions=10_000, release=False)
+        full = probe.estimate(out, mask, max_positions=10_000, release=False)
         for key in full:
             assert no_main[key] == pytest.approx(full[key], abs=1e-5)
         # Temperature: 0 is greedy; another temperature changes the overlap.
-        probe._captured = cap
-        t0 = probe.estimate(out, mask, max_positions=10_000, temperature=0.0)
+        t0 = probe.estimate(out, mask, max_positions=10_000, temperature=0.0, release=False)
         assert t0[EXPECTED_KEY] == t0[GREEDY_KEY] == full[GREEDY_KEY]
-        probe._captured = cap
-        t05 = probe.estimate(out, mask, max_positions=10_000, temperature=0.5)
+        t05 = probe.estimate(out, mask, max_positions=10_000, temperature=0.5, release=False)
         assert t05[EXPECTED_KEY] != pytest.approx(full[EXPECTED_KEY], abs=1e-4)
         # Bad shapes name what is wrong.
-        probe._captured = cap
         with pytest.raises(ValueError, match="response_mask"):
-            probe.estimate(out, mask[:, :-1])
-        probe._captured = cap
+            probe.estimate(out, mask[:, :-1], release=False)
         with pytest.raises(ValueError, match="main_logits"):
-            probe.estimate(out[:1], mask)
-        # No counted position (prompt only) -> {}.
-        probe._captured = cap
+            probe.estimate(out[:1], mask, release=False)
+        # No counted position (prompt only) -> {}; the capture is then released.
         assert probe.estimate(out, torch.zeros_like(mask)) == {}
+        assert not probe.has_capture
 
 
 def _train_step(model, batch, probe=None):

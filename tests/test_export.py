@@ -21,7 +21,7 @@ from verl_mtp_plugin.export import (
     split_fused_qkv,
     tensor_digest,
 )
-from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid
+from verl_mtp_plugin.testing import build_tiny_hybrid
 
 pytestmark = pytest.mark.usefixtures("megatron_env")
 

@@ -274,6 +274,15 @@ def test_engine_level_settings_the_plugin_cannot_run(verl_base, hf_dirs):
         assert key in msg, key
 
 
+def test_lora_with_mtp_training(verl_base, hf_dirs):
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__model__lora__rank=16))
+    assert "actor_rollout_ref.model.lora.rank=16" in msg and "enable_train" in msg
+    frozen = make(
+        verl_base, hf_dirs, actor_rollout_ref__model__lora__rank=16, actor_rollout_ref__model__mtp__enable_train=False
+    )
+    assert validate_verl_config(frozen).mode is MTPMode.FROZEN
+
+
 def test_enable_train_without_enable(verl_base, hf_dirs):
     cfg = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable=False, actor_rollout_ref__model__mtp__enable_rollout=False)
     msg = errors_of(cfg)

@@ -26,8 +26,10 @@ from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase
 from verl_mtp_plugin.verl_registry import MODEL_TYPE
 
 # prompt/response lengths of the 4 samples (P=6 prompt slots, R=8 response slots); sample 0 has two
-# tool-output tokens (response positions 3 and 4) masked out of the response mask.
-PROMPT_LENS = [6, 4, 5, 3]
+# tool-output tokens (response positions 3 and 4) masked out of the response mask. Sample 3's prompt
+# has 2 tokens: its first response token (token 2) is the depth-1 target of position 0, which only a
+# token-coordinate mask counts.
+PROMPT_LENS = [6, 4, 5, 2]
 RESP_LENS = [8, 5, 7, 2]
 P, R = 6, 8
 N_RESPONSE_TARGETS = sum(RESP_LENS) - 2  # 20 response tokens count for MTP
@@ -362,8 +364,20 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
 
     ddp.zero_grad_buffer()
     online = attach(new_engine(hf_dir, enable=True, enable_train=True, detach=True), ddp)
+    seen = []  # what the engine hands the HybridModel (a kwargs pre-hook on this test's model)
+    handle = ddp.module.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((kwargs.get("labels"), kwargs.get("loss_mask"))), with_kwargs=True
+    )
     output, before, phase = run_pass(online, ppo_loss_fn, forward_only=False)
+    handle.remove()
     assert phase is Phase.TRAIN and len(calls) == 2  # two micro-batches, MTP ran in each
+    # labels=None (logits back) and the token-coordinate response mask, micro-batch by micro-batch
+    token_rows = [[0.0] * p + [1.0] * r for p, r in zip(PROMPT_LENS, RESP_LENS)]
+    token_rows[0][P + 3 : P + 5] = [0.0, 0.0]
+    for (labels, mask), rows in zip(seen, (token_rows[:2], token_rows[2:])):
+        width = max(len(r) for r in rows)
+        assert labels is None
+        assert mask.tolist() == [r + [0.0] * (width - len(r)) for r in rows]
     g = grads(ddp)
     mtp_names = [n for n in g if n.startswith("mtp.")]
     assert all(float(g[n].abs().sum()) > 0 for n in mtp_names if "expert_bias" not in n)
@@ -468,7 +482,7 @@ def test_mtp_token_mask_from_a_verl_micro_batch():
     mask = mtp_token_mask(verl_batch())
     rows = [m.tolist() for m in mask.unbind()]
     assert rows[0] == [0] * 6 + [1, 1, 1, 0, 0, 1, 1, 1]
-    assert rows[3] == [0] * 3 + [1, 1]
+    assert rows[3] == [0] * 2 + [1, 1]
     assert [len(r) for r in rows] == [p + r for p, r in zip(PROMPT_LENS, RESP_LENS)]
     assert sum(sum(r) for r in rows) == N_RESPONSE_TARGETS
 

@@ -235,14 +235,14 @@ def test_wrong_or_missing_names_raise(env):
 
     missing = {k: v for k, v in hf.items() if k != "mtp.layers.1.mixer.experts.3.down_proj.weight"}
     with pytest.raises(MTPSyncError, match=r"1 missing \['mtp\.layers\.1\.mixer\.experts\.3\.down_proj\.weight'\]"):
-        sync.sync([missing.items()])
+        sync.sync(missing.items())
     second_depth = {**hf, "mtp.layers.2.enorm.weight": hf["mtp.layers.0.enorm.weight"]}
     with pytest.raises(MTPSyncError, match=r"1 unexpected \['mtp\.layers\.2\.enorm\.weight'\]"):
-        sync.sync([second_depth.items()])
+        sync.sync(second_depth.items())
     native = {k: v for k, v in hf.items() if not re.search(r"mtp\.layers\.0\.mixer\.[qkv]_proj", k)}
     native["mtp.layers.0.mixer.linear_qkv.weight"] = torch.cat([hf[f"mtp.layers.0.mixer.{x}_proj.weight"] for x in "qkv"])
     with pytest.raises(MTPSyncError, match=r"3 missing .*1 unexpected \['mtp\.layers\.0\.mixer\.linear_qkv\.weight'\]"):
-        sync.sync([native.items()])
+        sync.sync(native.items())
     for n, p in own.items():  # nothing was loaded
         assert torch.equal(p, keep[n]), n
     assert sync.post_process_count == 0
@@ -251,13 +251,13 @@ def test_wrong_or_missing_names_raise(env):
     sync.expected_mtp_keys = sync.expected_mtp_keys - {"mtp.layers.0.enorm.weight"}
     no_enorm = {k: v for k, v in hf.items() if k != "mtp.layers.0.enorm.weight"}
     with pytest.raises(MTPSyncError, match=r"missing \['model\.layers\.0\.enorm\.weight'\]"):
-        sync.sync([no_enorm.items()])
+        sync.sync(no_enorm.items())
 
     bad = {**hf, "mtp.layers.0.eh_proj.weight": torch.zeros(SPEC.hidden_size, SPEC.hidden_size)}
     with pytest.raises(Exception):
-        _new_sync(env).sync([bad.items()])
+        _new_sync(env).sync(bad.items())
     assert not any(p.is_meta for p in vm.drafter.parameters())
-    _new_sync(env).sync([hf.items()])  # a correct update still loads afterwards
+    _new_sync(env).sync(hf.items())  # a correct update still loads afterwards
     assert torch.equal(own["model.layers.0.enorm.weight"], hf["mtp.layers.0.enorm.weight"])
 
 
@@ -335,7 +335,7 @@ def test_drafter_with_own_embedding_and_head_gets_them(env):
     assert torch.equal(lone.drafter.lm_head.weight, full["lm_head.weight"])
     mtp_only = {n: t for n, t in full.items() if n.startswith("mtp.")}
     with pytest.raises(MTPSyncError, match=r"2 missing \['backbone\.embeddings\.weight', 'lm_head\.weight'\]"):
-        sync.sync([mtp_only.items()])
+        sync.sync(mtp_only.items())
 
 
 def test_frozen_mode_loads_once_then_skips(env, post_processing):
@@ -346,7 +346,7 @@ def test_frozen_mode_loads_once_then_skips(env, post_processing):
     sync = _new_sync(env, mode="frozen", drafter_loaded=False)
     _train_step(env.megatron, 6)
     hf1 = dict(export_mtp_weights(env.megatron))
-    m1 = sync.sync([hf1.items()])
+    m1 = sync.sync(hf1.items())
     own = _own(vm.drafter, vm.target)
     loaded = _snapshot(own)
     n_post = len(post_processing)
@@ -356,7 +356,7 @@ def test_frozen_mode_loads_once_then_skips(env, post_processing):
 
     _train_step(env.megatron, 7)
     hf2 = dict(export_mtp_weights(env.megatron))
-    m2 = sync.sync([hf2.items()])
+    m2 = sync.sync(hf2.items())
     assert m2["sync/drafter_loaded"] == 0.0 and m2["sync/bytes_drafter"] == 0
     assert m2["sync/bytes_drafter_skipped"] == _nbytes(hf2.values())
     assert len(post_processing) == n_post and sync.post_process_count == 1
@@ -365,7 +365,7 @@ def test_frozen_mode_loads_once_then_skips(env, post_processing):
     assert not torch.equal(own["model.layers.0.eh_proj.weight"], hf2["mtp.layers.0.eh_proj.weight"])
 
     from_ckpt = _new_sync(env, mode="frozen", drafter_loaded=True)
-    assert from_ckpt.sync([hf2.items()])["sync/drafter_loaded"] == 0.0
+    assert from_ckpt.sync(hf2.items())["sync/drafter_loaded"] == 0.0
     assert len(post_processing) == n_post
     for n, p in own.items():
         assert torch.equal(p, loaded[n]), n
@@ -379,7 +379,7 @@ def test_checksum_mode_catches_corrupting_post_processing(env, monkeypatch):
     vm = env.vllm
     _train_step(env.megatron, 8)
     hf = dict(export_mtp_weights(env.megatron))
-    _new_sync(env, verify_checksums=True).sync([hf.items()])
+    _new_sync(env, verify_checksums=True).sync(hf.items())
     assert drafter_digests(vm.drafter, vm.target) == hf_mtp_digests(hf)  # trainer-side comparison
 
     real = lw._layerwise_process
@@ -390,12 +390,12 @@ def test_checksum_mode_catches_corrupting_post_processing(env, monkeypatch):
             layer.w2_weight.data[0, 0, 0] += 1.0  # e.g. a repack applied to already-processed weights
 
     monkeypatch.setattr(lw, "_layerwise_process", corrupting)
-    _new_sync(env).sync([hf.items()])  # names all fine: without checksums this passes silently
+    _new_sync(env).sync(hf.items())  # names all fine: without checksums this passes silently
     assert drafter_digests(vm.drafter, vm.target) != hf_mtp_digests(hf)
     with pytest.raises(MTPSyncError, match=r"checksum mismatch for 1 tensor.*experts\.w2_weight"):
-        _new_sync(env, verify_checksums=True).sync([hf.items()])
+        _new_sync(env, verify_checksums=True).sync(hf.items())
     monkeypatch.setattr(lw, "_layerwise_process", real)
-    _new_sync(env, verify_checksums=True).sync([hf.items()])
+    _new_sync(env, verify_checksums=True).sync(hf.items())
 
 
 def test_worker_extension_class_contract():

@@ -405,6 +405,23 @@ def select_positions(
     return idx[:, 0], idx[:, 1]
 
 
+def _rows_at(chunk: torch.Tensor, bi: torch.Tensor, ti: torch.Tensor, seq_group=None) -> torch.Tensor:
+    """Rows ``chunk[ti, bi]`` -> ``[n, h]`` of a ``[s, b, h]`` hidden state.
+
+    With ``seq_group`` (sequence parallelism) ``chunk`` is this rank's contiguous sequence shard
+    ``[s/tp, b, h]`` (megatron's ``scatter_to_sequence_parallel_region``: rank ``r`` holds positions
+    ``[r*s/tp, (r+1)*s/tp)``); each rank fills the rows it owns and a sum over the group completes
+    them, so every rank returns all ``n`` rows.
+    """
+    if seq_group is None or _group_size(seq_group) == 1:
+        return chunk[ti, bi]
+    s_local = chunk.shape[0]
+    local = ti - torch.distributed.get_rank(group=seq_group) * s_local
+    owned = (local >= 0) & (local < s_local)
+    rows = chunk[local.clamp(0, s_local - 1), bi] * owned.unsqueeze(-1).to(chunk.dtype)
+    return _all_reduce(rows.contiguous(), torch.distributed.ReduceOp.SUM, seq_group)
+
+
 # --------------------------------------------------------------------------------------------------
 # Probe on a megatron HybridModel
 # --------------------------------------------------------------------------------------------------
@@ -431,13 +448,24 @@ class AcceptanceProbe:
     :meth:`release`, the next forward or :meth:`close`. On a pipeline stage without the MTP block,
     :meth:`estimate` returns ``{}``.
 
-    Supported parallelism: data, tensor (vocabulary-sharded logits: the softmaxes and argmaxes are
-    reduced over the TP group), sequence parallel, expert, pipeline, packed (THD) sequences when
-    every packed sequence starts with a prompt token. Not supported: context parallelism (raises).
+    Parallelism: data and expert parallelism need nothing (each rank estimates its own micro-batch;
+    average across DP like other metrics). Tensor parallelism: vocabulary-sharded logits (the
+    forward's default) or gathered ones; softmaxes, argmaxes and sums are reduced over the TP group,
+    so every TP rank returns the same numbers (tested with TP=2 on gloo). Sequence parallelism: the
+    captured hidden states are sequence shards and the selected rows are completed by a sum over the
+    TP group (the row logic is tested on 2 ranks; a whole-model SP run needs Transformer Engine's
+    norms and was not run here). Pipeline parallelism: the probe is inactive on stages without the
+    MTP block. Packed (THD) sequences: pass ``response_mask`` in the packed layout; every packed
+    sequence must begin with a prompt token so no counted position crosses a boundary. Context
+    parallelism: not supported (raises).
 
     Args:
         model: the (possibly DDP/Float16Module-wrapped) model.
         temperature (float): default sampling temperature for both distributions (``0`` = greedy).
+
+    Attributes:
+        active (bool): False on a rank whose model chunk has no MTP block (or no output layer):
+            no hook is attached and :meth:`estimate` returns ``{}``.
 
     Raises:
         MTPConfigError: the model has no MTP layers (``config.mtp_num_layers`` unset).
@@ -537,14 +565,7 @@ class AcceptanceProbe:
 
     def _rows(self, chunk: torch.Tensor, bi: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:
         """Hidden rows ``chunk[t, b]`` for global positions ``ti`` -> ``[n, h]``."""
-        if not self._sequence_parallel():
-            return chunk[ti, bi]
-        s_local = chunk.shape[0]
-        lo = torch.distributed.get_rank(group=self._tp_group) * s_local
-        local = ti - lo
-        owned = (local >= 0) & (local < s_local)
-        rows = chunk[local.clamp(0, s_local - 1), bi] * owned.unsqueeze(-1).to(chunk.dtype)
-        return _all_reduce(rows.contiguous(), torch.distributed.ReduceOp.SUM, self._tp_group)
+        return _rows_at(chunk, bi, ti, self._tp_group if self._sequence_parallel() else None)
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows @ W^T (+ b)`` with the model's output weight (local vocab shard), MuP-scaled -> ``[n, V_local]``."""
@@ -601,6 +622,7 @@ class AcceptanceProbe:
         generator: torch.Generator | None = None,
         *,
         temperature: float | None = None,
+        release: bool = True,
     ) -> dict[str, float]:
         """Estimate acceptance for the forward just run, on a subsample of counted positions.
 
@@ -613,13 +635,15 @@ class AcceptanceProbe:
             max_positions (int): at most this many positions per depth (see :func:`select_positions`).
             generator (torch.Generator | None): random subsample; ``None`` = evenly spaced.
             temperature (float | None): overrides the probe's temperature for this call.
+            release (bool): drop the capture afterwards (default). ``False`` keeps it for another
+                call on the same forward (e.g. another temperature); the next forward drops it anyway.
 
         Returns:
             dict[str, float]: :data:`EXPECTED_KEY`, :data:`GREEDY_KEY`, :data:`ARGMAX_DRAFT_KEY`,
             ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY`, and per-depth rates for
             depths ``>= 2``. ``{}`` when nothing can be estimated: this rank owns no MTP block, the
             last forward skipped MTP (or the capture was already used/released), or no position
-            counts (no two consecutive response tokens). The capture is released.
+            counts (no two consecutive response tokens).
 
         Raises:
             ValueError: ``response_mask`` / ``main_logits`` shapes do not match the captured forward.
@@ -675,4 +699,5 @@ class AcceptanceProbe:
                         out[DEPTH_GREEDY_KEY.format(d=d)] = greedy
             return out
         finally:
-            self._captured = None
+            if release:
+                self._captured = None

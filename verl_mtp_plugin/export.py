@@ -33,7 +33,7 @@ stores them) and :func:`hf_mtp_digests` / :func:`tensor_digest` for the sync's c
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch

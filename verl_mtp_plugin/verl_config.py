@@ -174,6 +174,7 @@ def _engine_errors(
     context_parallel_size: int,
     dynamic_context_parallel: bool,
     router_replay_mode: str,
+    lora_rank: int,
     errors: list[str],
 ) -> EngineMTPSettings | None:
     try:
@@ -222,6 +223,12 @@ def _engine_errors(
     over_scale = overrides.get("mtp_loss_scaling_factor")
     if mode is MTPMode.OFF:
         return EngineMTPSettings(mode, None, False)
+    if int(lora_rank or 0) > 0 and mode in (MTPMode.ONLINE, MTPMode.JOINT):
+        errors.append(
+            f"{_M}.lora.rank={lora_rank} with MTP training ({_MTP}.enable_train=true): LoRA freezes every base "
+            "parameter, the MTP block included, so it would never train; use mode frozen (enable_train=false) "
+            "or full fine-tuning"
+        )
 
     depth = overrides.get("mtp_num_layers", hf_layers)
     if depth is not None and hf_layers and int(depth) != hf_layers and not _as_bool(
@@ -278,12 +285,18 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         context_parallel_size=_get(engine_config, "context_parallel_size", 1),
         dynamic_context_parallel=_as_bool(_get(engine_config, "dynamic_context_parallel", False)),
         router_replay_mode=_get(engine_config, "router_replay.mode", "disabled"),
+        lora_rank=_lora_rank(model_config),
         errors=errors,
     )
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
     assert settings is not None
     return settings
+
+
+def _lora_rank(model_cfg: Any) -> int:
+    """Megatron LoRA rank (``model.lora.rank``) or the FSDP-style ``model.lora_rank``."""
+    return int(_get(model_cfg, "lora.rank", 0) or 0) or int(_get(model_cfg, "lora_rank", 0) or 0)
 
 
 def _strategy_error(strategy: str) -> str:
@@ -420,6 +433,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             context_parallel_size=_get(config, f"{_MEG}.context_parallel_size", 1),
             dynamic_context_parallel=_as_bool(_get(config, f"{_MEG}.dynamic_context_parallel", False)),
             router_replay_mode=_get(config, f"{_MEG}.router_replay.mode", "disabled"),
+            lora_rank=_lora_rank(_get(config, _M)),
             errors=errors,
         )
         mode = settings.mode if settings is not None else None

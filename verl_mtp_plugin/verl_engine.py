@@ -231,7 +231,7 @@ def hybrid_forward_micro_batch(
     )
     kwargs = {}
     if mtp_here:
-        from verl_mtp_plugin.loss_mask import token_to_label_mask; kwargs["loss_mask"] = token_to_label_mask(pad_token_mask(mtp_token_mask, ids.shape[1])).to(ids.device)
+        kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
     output = hybrid_forward(
         model,
         ids,

@@ -51,7 +51,13 @@ from typing import Any
 
 import torch
 
-from verl_mtp_plugin.export import canonical_drafter_name, expected_hf_mtp_keys, hf_mtp_digests, tensor_digest
+from verl_mtp_plugin.export import (
+    canonical_drafter_name,
+    expected_hf_mtp_keys,
+    hf_mtp_digests,
+    hf_mtp_pattern,
+    tensor_digest,
+)
 
 __all__ = [
     "DRAFTER_MODES",
@@ -59,6 +65,7 @@ __all__ = [
     "ENV_MODE",
     "MTPColocateWorkerExtension",
     "MTPDrafterSync",
+    "MTPDrafterSyncWorkerExtension",
     "MTPSyncError",
     "drafter_digests",
     "drafter_shared_param_names",
@@ -178,6 +185,8 @@ class MTPDrafterSync:
             target_part = sync.route(bucket)   # load into the target as before
         metrics = sync.finish()                # drafter: one load_weights call + checks
 
+    or ``sync.sync(named_tensors, load_target=...)`` for all three.
+
     Args:
         target (nn.Module | None): vLLM's target model (``model_runner.model``); used to detect the
             modules the drafter shares with it.
@@ -254,7 +263,9 @@ class MTPDrafterSync:
     def route(self, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightList:
         """Route one bucket: returns the target's part; keeps a copy of the drafter's part.
 
-        The copy is needed because transfer buffers are reused between buckets.
+        The copy is needed because transfer buffers are reused between buckets; it is made on the
+        tensors' device and lives until :meth:`finish` (Nemotron 3 Super: ~5.5 GiB of MTP weights in
+        bf16 per rollout rank). Nothing is copied when the drafter is skipped (``frozen``).
         """
         if not self._active:
             raise MTPSyncError("route() outside begin()/finish()")
@@ -313,15 +324,20 @@ class MTPDrafterSync:
 
     def sync(
         self,
-        buckets: Iterable[Iterable[tuple[str, torch.Tensor]]],
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
         load_target: Callable[[WeightList], Any] | None = None,
+        bucket_tensors: int | None = None,
     ) -> dict[str, float]:
-        """One whole update: :meth:`begin`, :meth:`route` each bucket (its target part goes to
-        ``load_target``), :meth:`finish`."""
+        """One whole update from ``(hf_name, tensor)`` pairs: :meth:`begin`, :meth:`route` (in buckets
+        of ``bucket_tensors`` tensors, like a bucketed transport; default one bucket), the target's
+        part of each bucket to ``load_target``, :meth:`finish`. Returns the metrics."""
         self.begin()
         try:
-            for bucket in buckets:
-                part = self.route(bucket)
+            pairs = list(weights)
+            step = bucket_tensors or max(len(pairs), 1)
+            for i in range(0, len(pairs), step):
+                part = self.route(pairs[i : i + step])
                 if load_target is not None and part:
                     load_target(part)
         except BaseException:
@@ -418,31 +434,45 @@ def _drafter_loaded_at_start(vllm_config: Any) -> bool:
     return "dummy" not in str(get_draft_load_config(vllm_config).load_format).lower()
 
 
+_DRAIN = object()  # active-sync marker: receive the stream, load nothing
+
+
 def _build_extension_class() -> type:
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
     class MTPColocateWorkerExtension(vLLMColocateWorkerExtension):
         """verl's colocated worker extension with MTP-only, verified drafter sync.
 
-        Targets of ``update_weights_from_ipc`` are unchanged for the target model (verl's bucketed
-        IPC receive, per-bucket ``load_weights``, one post-processing at the end); the drafter is
-        handled by :class:`MTPDrafterSync` (see the module docstring). LoRA adapter-only updates
-        and engines without an MTP drafter take verl's path untouched.
+        For the target model ``update_weights_from_ipc`` is verl's (bucketed IPC receive, per-bucket
+        ``load_weights`` of the non-MTP names, one post-processing at the end); the drafter is
+        handled by :class:`MTPDrafterSync` (see the module docstring). LoRA adapter-only updates,
+        engines without an MTP drafter and non-Nemotron-H drafters take verl's path untouched.
         """
 
         # ---------------------------------------------------------- helpers
         def _mtp_drafter_sync(self) -> MTPDrafterSync | None:
+            """The sync object for this worker's drafter; None without an MTP drafter or for a
+            drafter that is not a Nemotron-H MTP (those keep verl's path, with a warning)."""
             if not vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync(self):
                 return None
             target, drafter = self.model_runner.model, self._get_drafter_model()
             sync = getattr(self, "_mtp_sync_state", None)
             if sync is None or sync.drafter is not drafter or sync.target is not target:
+                draft_config = self._get_draft_model_config()
+                if not hf_mtp_pattern(_text_config(draft_config)):
+                    if not getattr(self, "_mtp_warned_unsupported", False):
+                        logger.warning(
+                            "MTP drafter %s has no Nemotron-H MTP pattern: verl's drafter sync is used unchanged",
+                            type(drafter).__qualname__,
+                        )
+                        self._mtp_warned_unsupported = True
+                    return None
                 vc = self.model_runner.vllm_config
                 opts = getattr(self, "_mtp_sync_options", {})
                 sync = MTPDrafterSync(
                     target,
                     drafter,
-                    self._get_draft_model_config(),
+                    draft_config,
                     vllm_config=vc,
                     mode=opts.get("mode") or os.environ.get(ENV_MODE, "online").strip().lower(),
                     drafter_loaded=_drafter_loaded_at_start(vc),
@@ -466,7 +496,7 @@ def _build_extension_class() -> type:
 
         def _mtp_finish_update(self) -> dict[str, float]:
             sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
-            if sync is None:
+            if sync is None or sync is _DRAIN:
                 return {}
             metrics = sync.finish()
             logger.info("MTP drafter sync: %s", metrics)
@@ -474,7 +504,7 @@ def _build_extension_class() -> type:
 
         def _mtp_abort_update(self) -> None:
             sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
-            if sync is not None:
+            if sync is not None and sync is not _DRAIN:
                 sync.abort()
 
         # ---------------------------------------------------------- verl overrides
@@ -482,17 +512,27 @@ def _build_extension_class() -> type:
             """verl's bucketed IPC update; MTP tensors go to the drafter only, once, verified."""
             if peft_config and base_sync_done:  # LoRA adapter-only update: no MTP weights
                 return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
-            self._mtp_begin_update()
+            try:
+                self._mtp_begin_update()
+                setup_error = None
+            except Exception as e:  # e.g. an unknown drafter structure
+                # Still receive (and drop) the stream, so the trainer's sender does not block, then fail.
+                setup_error, self._mtp_active_sync = e, _DRAIN
             try:
                 result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
             except BaseException:
                 self._mtp_abort_update()
                 raise
+            if setup_error is not None:
+                self._mtp_active_sync = None
+                raise MTPSyncError(f"MTP drafter sync setup failed; no weights were loaded: {setup_error}") from setup_error
             self._mtp_finish_update()
             return result
 
         def _update_weights(self, weights, peft_config, base_sync_done):
             sync = getattr(self, "_mtp_active_sync", None)
+            if sync is _DRAIN:
+                return None
             if sync is None or (peft_config and base_sync_done):
                 return super()._update_weights(weights, peft_config, base_sync_done)
             target_part = sync.route(weights)
@@ -542,9 +582,13 @@ def _build_extension_class() -> type:
     return MTPColocateWorkerExtension
 
 
+# ``MTPDrafterSyncWorkerExtension``: alias of the same class (name used by the Super recipe).
+_EXTENSION_NAMES = ("MTPColocateWorkerExtension", "MTPDrafterSyncWorkerExtension")
+
+
 def __getattr__(name: str):
-    if name == "MTPColocateWorkerExtension":
-        cls = _build_extension_class()
-        globals()[name] = cls
+    if name in _EXTENSION_NAMES:
+        cls = globals().get("MTPColocateWorkerExtension") or _build_extension_class()
+        globals()["MTPColocateWorkerExtension"] = globals()["MTPDrafterSyncWorkerExtension"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -339,7 +339,9 @@ def make_config(spec: TinyHybridSpec, **overrides):
         mamba_state_dim=spec.mamba_state_dim,
         mamba_head_dim=spec.mamba_head_dim,
         mamba_num_groups=spec.mamba_num_groups,
-        use_mamba_mem_eff_path=not torch.cuda.is_available() or False,
+        # CPU: the torch reference replaces the fused path; GPU: the fused path needs causal_conv1d's
+        # CUDA kernel (testing.gpu.gpu_config_overrides picks it there).
+        use_mamba_mem_eff_path=not torch.cuda.is_available(),
     )
     if has_moe:
         kw.update(
@@ -373,6 +375,10 @@ def build_tiny_hybrid(
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     _install_cpu_current_device()
     if "M" in spec.pattern:
+        if torch.cuda.is_available():
+            from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+
+            install_mamba_ssm_triton()
         _install_mamba_reference_on_cpu()
     config = make_config(spec, **(config_overrides or {}))
     vocab = spec.vocab_size

@@ -21,6 +21,11 @@ CPU workarounds, all test-only, installed by :func:`install_cpu_workarounds` (no
    vLLM's CPU linear dispatch tries to prepack the target's Mamba conv weight through the missing
    extension; ``vllm._custom_ops.causal_conv1d_weight_pack`` is removed (vLLM guards it with
    ``hasattr``) so the weight keeps its checkpoint layout.
+
+Not a patch but a choice: on CPU the models are built in float32 (:func:`build_vllm_models`). In
+bf16 on AMX CPUs vLLM's CPU GEMM dispatch repacks small linear weights through ``vllm._C`` (absent
+from the CUDA wheel) and empties ``layer.weight``; float32 keeps plain ``F.linear`` and
+checkpoint-layout weights. A bf16 trainer's tensors load into float32 exactly (upcast).
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ import torch
 
 __all__ = [
     "VllmModels",
+    "build_drafter_for_spec",
     "build_vllm_models",
     "hf_config_for_tiny",
     "init_vllm_distributed",
     "install_cpu_workarounds",
+    "make_syncer",
     "wire_drafter_to_target",
 ]
 
@@ -48,6 +55,9 @@ _INSTALLED: set[str] = set()
 
 def install_cpu_workarounds() -> list[str]:
     """Install the CPU-only workarounds listed in the module docstring (idempotent).
+
+    vLLM picks its platform when first used: ``VLLM_TARGET_DEVICE=cpu`` must be set before that
+    (``tests/conftest.py`` and ``./run`` do); it is only defaulted here.
 
     Returns:
         list[str]: names of the workarounds active in this process (empty on a CUDA machine).
@@ -241,7 +251,8 @@ def build_vllm_models(
     Args:
         hf_config (dict): Nemotron-H ``config.json`` content (see :func:`hf_config_for_tiny`).
         model_dir: a directory for ``config.json``.
-        dtype (str | None): model dtype (default: the config's ``torch_dtype``).
+        dtype (str | None): model dtype (default: float32 without CUDA, see the module docstring;
+            else the config's ``torch_dtype``).
         build_target (bool): also build the target model.
         wire (bool): share the target's embedding and ``lm_head`` with the drafter like vLLM's
             proposer (needs ``build_target``).
@@ -260,7 +271,7 @@ def build_vllm_models(
     vc = EngineArgs(
         model=str(model_dir),
         skip_tokenizer_init=True,
-        dtype=dtype or hf_config.get("torch_dtype", "bfloat16"),
+        dtype=dtype or ("float32" if not torch.cuda.is_available() else hf_config.get("torch_dtype", "bfloat16")),
         max_model_len=min(128, hf_config.get("max_position_embeddings", 128)),
         enforce_eager=True,
         load_format="dummy",
@@ -290,3 +301,27 @@ def wire_drafter_to_target(drafter: torch.nn.Module, target: torch.nn.Module, vl
     proposer = SimpleNamespace(model=drafter, vllm_config=vllm_config, use_local_argmax_reduction=False)
     SpecDecodeBaseProposer._maybe_share_embeddings(proposer, target)
     SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+
+
+def build_drafter_for_spec(spec=None, *, workdir: str | os.PathLike, dtype: str | None = None) -> VllmModels:
+    """Everything at once for a tiny megatron spec: CPU workarounds, vLLM distributed state, the
+    target and the MTP drafter wired like vLLM's proposer (see :func:`build_vllm_models`)."""
+    install_cpu_workarounds()
+    init_vllm_distributed()
+    return build_vllm_models(hf_config_for_tiny(spec), workdir, dtype=dtype)
+
+
+def make_syncer(models: VllmModels, *, frozen: bool = False, checksum: bool = False):
+    """The plugin's :class:`~verl_mtp_plugin.vllm_ext.MTPDrafterSync` for these models (the code the
+    worker extension runs). ``syncer.sync(export_mtp_weights(model))`` returns the sync metrics."""
+    from verl_mtp_plugin.vllm_ext import MTPDrafterSync
+
+    return MTPDrafterSync(
+        models.target,
+        models.drafter,
+        models.draft_model_config,
+        vllm_config=models.vllm_config,
+        mode="frozen" if frozen else "online",
+        drafter_loaded=False,
+        verify_checksums=checksum,
+    )
