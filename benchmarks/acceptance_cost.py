@@ -66,26 +66,34 @@ def main(argv=None) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
 
-    def step(with_probe: bool) -> tuple[float, float, dict]:
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time
+
+    def now():
+        return {k: f() for k, f in clocks.items()}
+
+    def since(t0):
+        return {k: f() - t0[k] for k, f in clocks.items()}
+
+    def step(with_probe: bool):
         for p in params:
             p.grad = None
         reset_mtp_globals()
-        t0 = time.perf_counter()
+        t0 = now()
         probe = AcceptanceProbe(model) if with_probe else None
         logits = hybrid_forward(
             model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
             run_mtp_forward=True, loss_mask=mask,
         )
-        est, t_est = {}, 0.0
+        est, t_est = {}, None
         if probe is not None:
-            te = time.perf_counter()
+            te = now()
             est = probe.estimate(logits, mask, max_positions=args.max_positions)
-            t_est = time.perf_counter() - te
+            t_est = since(te)
             probe.close()
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
-        return time.perf_counter() - t0, t_est, est
+        return since(t0), t_est, est
 
     for _ in range(args.warmup):
         step(False)
@@ -108,33 +116,36 @@ def main(argv=None) -> dict:
                     model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                     run_mtp_forward=True, loss_mask=mask,
                 )
-                te = time.perf_counter()
+                te = now()
                 probe.estimate(logits, mask, max_positions=n)
-                times.append(time.perf_counter() - te)
-        sweep[n] = statistics.median(times)
+                times.append(since(te))
+        sweep[n] = times
 
-    med_a, med_b, med_e = statistics.median(base), statistics.median(probed), statistics.median(est_times)
-    res = dict(
-        step_without_probe_s=med_a,
-        step_with_probe_s=med_b,
-        ratio_with_over_without=med_b / med_a,
-        estimate_s=med_e,
-        estimate_over_step=med_e / med_a,
-    )
+    def stat(rows, clock, fn=statistics.median):
+        return fn([r[clock] for r in rows])
+
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, device cpu")
+          f"threads {torch.get_num_threads()}, device cpu, load average at end {os.getloadavg()[0]:.1f}")
     print(f"model: HybridModel pattern {model.hybrid_layer_pattern!r}, hidden {h}, vocab {args.vocab}, "
           f"{n_params / 1e6:.2f}M params; batch {args.batch} x seq {args.seq} (prompt {args.prompt}); "
           f"max_positions {args.max_positions}; {args.rounds} interleaved rounds after {args.warmup} warm-up")
-    print(f"train step fwd+bwd without probe: median {med_a * 1e3:8.1f} ms  (min {min(base) * 1e3:.1f})")
-    print(f"train step fwd+bwd with probe:    median {med_b * 1e3:8.1f} ms  (min {min(probed) * 1e3:.1f})")
-    print(f"ratio with/without (medians):     {res['ratio_with_over_without']:.4f}")
-    print(f"estimate() alone:                 median {med_e * 1e3:8.2f} ms = {100 * res['estimate_over_step']:.2f}% "
-          "of the step without probe")
+    print("(wall = perf_counter; cpu = process CPU time, robust to other processes on a shared machine)")
+    res = {}
+    for clock in ("cpu", "wall"):
+        a, b, e = stat(base, clock), stat(probed, clock), stat(est_times, clock)
+        amin, bmin = stat(base, clock, min), stat(probed, clock, min)
+        res[clock] = dict(step_without=a, step_with=b, ratio=b / a, estimate=e, estimate_over_step=e / a)
+        print(f"[{clock:4s}] train step fwd+bwd: without probe median {a * 1e3:8.1f} ms (min {amin * 1e3:.1f}), "
+              f"with probe median {b * 1e3:8.1f} ms (min {bmin * 1e3:.1f}); ratio of medians {b / a:.4f}, "
+              f"of mins {bmin / amin:.4f}")
+        print(f"[{clock:4s}] estimate() inside the step: median {e * 1e3:7.2f} ms = {100 * e / a:.2f}% of the step")
     counted = int(acceptance_positions(mask, 1).sum())
-    print(f"estimate() alone by max_positions (no-grad forwards, {counted} counted positions in the batch):")
-    for n, t in sweep.items():
-        print(f"  max_positions {n:5d}: median {t * 1e3:7.2f} ms = {100 * t / med_a:.2f}% of the step")
+    print(f"estimate() alone by max_positions (no-grad forwards, {counted} counted positions in the batch), "
+          "median cpu / wall, % of the step's median:")
+    for n, times in sweep.items():
+        c, w = stat(times, "cpu"), stat(times, "wall")
+        print(f"  max_positions {n:5d}: cpu {c * 1e3:7.2f} ms = {100 * c / res['cpu']['step_without']:.2f}%   "
+              f"wall {w * 1e3:7.2f} ms = {100 * w / res['wall']['step_without']:.2f}%")
     res["sweep"] = sweep
     print(f"last estimate: {EXPECTED_KEY}={est.get(EXPECTED_KEY):.4f} {GREEDY_KEY}={est.get(GREEDY_KEY):.4f}")
     return res

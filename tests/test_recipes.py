@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from verl_mtp_plugin.policy import MTPMode, Phase
 from verl_mtp_plugin.verl_config import compose_recipe, main, validate_verl_config

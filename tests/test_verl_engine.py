@@ -9,12 +9,15 @@ megatron's ``forward_backward_no_pipelining``, which allocates its token counter
 ``forward_backward_no_pipelining``) with the engine's real ``forward_step``, verl's real
 ``postprocess_micro_batch_func`` and verl's real ``ppo_loss``, inside the engine's
 ``mtp_pass`` / ``add_mtp_metrics`` (exactly what the engine's ``forward_backward_batch`` wraps around
-verl's). Batches are verl's ``left_right_2_no_padding`` layout, run padded (BSHD): megatron's local
-attention cannot take packed (THD) sequences on CPU; the THD pieces are tested as tensor logic.
+verl's). Batches are verl's ``left_right_2_no_padding`` layout. The Nemotron-shaped model
+("M*-E/*E") runs padded (BSHD): megatron's local attention and the CPU Mamba reference cannot take
+packed (THD) sequences. The packed path is run end to end on an attention- and Mamba-free tiny
+HybridModel ("-E/-E": MLP + MoE, MTP "-E") and must match the padded path exactly.
 """
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 from functools import partial
@@ -92,14 +95,14 @@ def ppo_loss_fn():
     return partial(ppo_loss, config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
 
 
-def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_only=False):
+def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_only=False, packed=False):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
     from verl.workers.engine import EngineRegistry
 
     mtp = MtpConfig(enable=enable, enable_train=enable_train, detach_encoder=detach)
     model_config = HFModelConfig(path=hf_dir, load_tokenizer=False, mtp=mtp)
-    engine_config = McoreEngineConfig(use_remove_padding=False, use_dynamic_bsz=False, forward_only=forward_only)
+    engine_config = McoreEngineConfig(use_remove_padding=packed, use_dynamic_bsz=False, forward_only=forward_only)
     return EngineRegistry.new(
         model_type=MODEL_TYPE,
         backend="megatron",
@@ -110,7 +113,7 @@ def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_o
     )
 
 
-def tiny_ddp(seed=7, *, detach=False, hook_mode=None):
+def tiny_ddp(seed=7, *, detach=False, hook_mode=None, pattern="M*-E/*E"):
     """Tiny HybridModel ("M*-E/*E", MTP depth 1) wrapped in megatron's real DDP (optionally after the
     plugin's pre-wrap hook, as Megatron-Bridge would run it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -119,7 +122,7 @@ def tiny_ddp(seed=7, *, detach=False, hook_mode=None):
     from verl_mtp_plugin.verl_engine import make_mtp_pre_wrap_hook
 
     torch.manual_seed(seed)
-    model = build_tiny_hybrid(mtp_detach_heads=detach)
+    model = build_tiny_hybrid(mtp_detach_heads=detach, pattern=pattern)
     if hook_mode is not None:
         make_mtp_pre_wrap_hook(hook_mode)([model])
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
@@ -352,7 +355,6 @@ def test_pre_wrap_hook_validates_each_chunk_for_its_mode(megatron_env):
 def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     megatron_env, registered, hf_dir, ppo_loss_fn
 ):
-    from verl.trainer.ppo.metric_utils import reduce_metrics  # noqa: F401  (verl's own reducer exists)
     from verl.utils.py_functional import rename_dict
 
     ddp = tiny_ddp(detach=True)
@@ -474,6 +476,29 @@ def test_forward_step_needs_a_pass(megatron_env, registered, hf_dir):
 
 
 # ---------------------------------------------------------------------------------------------- layout
+
+
+def test_packed_thd_pass_matches_the_padded_pass(megatron_env, registered, hf_dir, ppo_loss_fn):
+    """use_remove_padding=true (verl's THD packing, the plugin's packed MTP mask, megatron's packed
+    roll, verl's THD label roll and unpacking) gives the padded pass's log-probs, MTP loss, MTP targets
+    and gradients. Model without attention/Mamba (see module docstring)."""
+    results = {}
+    for packed in (False, True):
+        ddp = tiny_ddp(seed=11, detach=True, pattern="-E/-E")
+        engine = attach(new_engine(hf_dir, packed=packed), ddp)
+        output, before, phase = run_pass(engine, ppo_loss_fn, forward_only=False)
+        assert phase is Phase.TRAIN
+        logprobs, _, _ = run_pass(engine, None, forward_only=True)
+        results[packed] = (output, before, grads(ddp), logprobs)
+    (pad_out, pad_tr, pad_g, pad_lp), (thd_out, thd_tr, thd_g, thd_lp) = results[False], results[True]
+    assert int(thd_tr["total_values"].sum()) == int(pad_tr["total_values"].sum()) == N_RESPONSE_TARGETS
+    assert thd_out["metrics"]["mtp_losses/mtp_1_loss"][0] == pytest.approx(pad_out["metrics"]["mtp_losses/mtp_1_loss"][0])
+    # every position but each sequence's last, whose rolled label wraps differently in verl's packed and
+    # padded label roll (it scores no token: verl's no_padding_2_padding drops it)
+    for a, b in zip(thd_lp["model_output"]["log_probs"].unbind(), pad_lp["model_output"]["log_probs"].unbind()):
+        torch.testing.assert_close(a[:-1], b[:-1])
+    for n in pad_g:
+        torch.testing.assert_close(thd_g[n], pad_g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_mtp_token_mask_from_a_verl_micro_batch():

@@ -406,7 +406,11 @@ def test_worker_extension_class_contract():
 
     from verl_mtp_plugin.vllm_ext import MTPColocateWorkerExtension as Ext
 
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
     assert issubclass(Ext, vLLMColocateWorkerExtension)
+    for qualname in ("verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension", "verl_mtp_plugin.vllm_ext.MTPDrafterSyncWorkerExtension"):
+        assert resolve_obj_by_qualname(qualname) is Ext  # how vLLM resolves worker_extension_cls
     assert Ext.__module__ == "verl_mtp_plugin.vllm_ext" and Ext.__qualname__ == "MTPColocateWorkerExtension"
     assert [a for a in dir(Ext) if not a.startswith("__") and hasattr(Worker, a)] == []
     for rpc in ("mtp_sync_metrics", "mtp_configure_sync", "mtp_drafter_digests", "mtp_mark_drafter_stale"):

@@ -35,6 +35,11 @@ _LAZY = {
     "UnsupportedMTPModelError": "verl_mtp_plugin.control",
     "collect_mtp_metrics": "verl_mtp_plugin.metrics",
     "reset_mtp_metrics": "verl_mtp_plugin.metrics",
+    "export_mtp_weights": "verl_mtp_plugin.export",
+    "expected_hf_mtp_keys": "verl_mtp_plugin.export",
+    "MTPExportError": "verl_mtp_plugin.export",
+    "MTPDrafterSync": "verl_mtp_plugin.vllm_ext",
+    "MTPSyncError": "verl_mtp_plugin.vllm_ext",
 }
 
 __all__ = [

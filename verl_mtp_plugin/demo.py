@@ -475,7 +475,7 @@ class _Log:
             self.bar.close()
         cols = [("step", "{:d}"), ("reward", "{:.3f}"), ("policy_loss", "{:+.4f}"), ("mtp_loss", "{:.3f}"),
                 ("mtp_top1", "{:.3f}"), ("expected_accept_rate", "{:.3f}"), ("greedy_accept_rate", "{:.3f}"),
-                ("expected_accept_length_k3", "{:.2f}"), ("sync/bytes_target", "{:,}"), ("sync/bytes_drafter", "{:,}"),
+                ("expected_accept_length_k3", "{:.2f}"), ("sync/bytes_target", "{:,.0f}"), ("sync/bytes_drafter", "{:,.0f}"),
                 ("time/rollout", "{:.2f}"), ("time/logprob", "{:.2f}"), ("time/train", "{:.2f}"), ("time/sync", "{:.2f}")]
         heads = ["step", "reward", "pg_loss", "mtp_loss", "mtp_top1", "E[acc]", "greedy", "E[len]k3", "B->target",
                  "B->drafter", "t_roll", "t_lp", "t_train", "t_sync"]

@@ -32,8 +32,9 @@ This module replaces that for the drafter:
 
 * ``MTPColocateWorkerExtension`` — set
   ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension``.
-  A subclass of verl's extension (verl's bucketed IPC transfer, quantisation and LoRA paths are
-  kept) built on first attribute access, so importing this module imports only torch.
+  (``MTPDrafterSyncWorkerExtension`` is an alias). A subclass of verl's extension (verl's bucketed
+  IPC transfer, quantisation and LoRA paths are kept) built on first attribute access, so
+  importing this module imports only torch.
   Configuration: ``VERL_MTP_DRAFTER_SYNC=online|frozen`` (default ``online``),
   ``VERL_MTP_SYNC_CHECKSUM=1`` (default off), or the RPC ``mtp_configure_sync``. Extra RPCs:
   ``mtp_sync_metrics``, ``mtp_drafter_digests``, ``mtp_mark_drafter_stale``.

@@ -370,15 +370,16 @@ def build_tiny_hybrid(
     Call :func:`init_megatron` first. Returns the model in train mode on ``device``
     (default: CUDA when available, else CPU).
     """
+    spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
+    if "M" in spec.pattern and torch.cuda.is_available():
+        # before megatron's MambaMixer is imported: mamba_ssm's Triton kernels without its CUDA extension
+        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+
+        install_mamba_ssm_triton()
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     _install_cpu_current_device()
     if "M" in spec.pattern:
-        if torch.cuda.is_available():
-            from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
-
-            install_mamba_ssm_triton()
         _install_mamba_reference_on_cpu()
     config = make_config(spec, **(config_overrides or {}))
     vocab = spec.vocab_size
