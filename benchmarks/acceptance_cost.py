@@ -40,7 +40,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-positions", type=int, default=256)
     ap.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256, 512])
     ap.add_argument("--sweep-rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: CPU time is not inflated by spinning threads on a busy machine)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     from verl_mtp_plugin.acceptance import EXPECTED_KEY, GREEDY_KEY, AcceptanceProbe, acceptance_positions
     from verl_mtp_plugin.control import hybrid_forward

@@ -131,7 +131,7 @@ def test_temperature_zero_is_greedy_and_temperature_matters():
     assert torch.equal(speculative_overlap(p, q, 0.0), greedy)
     assert torch.equal(argmax_draft_acceptance(p, q, 0.0), greedy)
     assert not torch.allclose(speculative_overlap(p, q, 1.0), speculative_overlap(p, q, 0.5))
-    # The overlap never exceeds the greedy-draft acceptance's upper bound of 1 and is a probability.
+    # The overlap is a probability.
     a = speculative_overlap(p, q, 0.7)
     assert bool(((a >= 0) & (a <= 1)).all())
     with pytest.raises(ValueError, match="temperature"):

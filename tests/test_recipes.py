@@ -92,6 +92,19 @@ def test_recipe_composes_on_verls_ppo_trainer_and_resolves(composed, name):
     assert s.rollout_speculation and s.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
     assert s.sleep_level == 1 and s.prefix_caching is False and s.mamba_cache_mode == "align"
     assert s.worker_extension_cls == EXTENSION
+    assert s.drafter_sync == ("frozen" if mode is MTPMode.FROZEN else "online")
+
+
+def test_recipe_worker_extension_resolves_to_a_verl_extension_subclass():
+    """vLLM imports worker_extension_cls by its qualified name: it must be the plugin's subclass of
+    verl's colocated extension (verl's bucketed weight transfer kept)."""
+    import importlib
+
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    module, _, name = EXTENSION.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type) and issubclass(cls, vLLMColocateWorkerExtension)
 
 
 @pytest.mark.parametrize("name", ["grpo_online", "ppo_frozen"])

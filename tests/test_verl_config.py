@@ -283,6 +283,15 @@ def test_lora_with_mtp_training(verl_base, hf_dirs):
     assert validate_verl_config(frozen).mode is MTPMode.FROZEN
 
 
+def test_frozen_drafter_sync_while_mtp_trains(verl_base, hf_dirs):
+    env = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_DRAFTER_SYNC"
+    msg = errors_of(make(verl_base, hf_dirs, **{env: "frozen"}))
+    assert "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC=frozen" in msg and "stale" in msg
+    assert "allowed values" in errors_of(make(verl_base, hf_dirs, **{env: "sometimes"}))
+    frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{env: "frozen"})
+    assert validate_verl_config(frozen).drafter_sync == "frozen"
+
+
 def test_enable_train_without_enable(verl_base, hf_dirs):
     cfg = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable=False, actor_rollout_ref__model__mtp__enable_rollout=False)
     msg = errors_of(cfg)

@@ -307,7 +307,7 @@ def test_build_tf_config_shows_verl_the_user_mtp_block_and_writes_mode_overrides
     if importlib.util.find_spec("megatron.bridge") is not None:
         pytest.skip("Megatron-Bridge installed: _build_tf_config would build a real provider")
     engine = new_engine(hf_dir, enable=True, enable_train=True, detach=True)
-    with pytest.raises(ImportError, match="megatron.bridge|megatron_bridge|bridge"):
+    with pytest.raises(ImportError, match=r"megatron\.bridge"):
         engine._build_tf_config()
     overrides = engine.engine_config.override_transformer_config
     assert overrides["mtp_detach_heads"] is True and overrides["mtp_loss_scaling_factor"] == 0.1

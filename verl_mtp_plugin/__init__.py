@@ -40,6 +40,10 @@ _LAZY = {
     "MTPExportError": "verl_mtp_plugin.export",
     "MTPDrafterSync": "verl_mtp_plugin.vllm_ext",
     "MTPSyncError": "verl_mtp_plugin.vllm_ext",
+    "register": "verl_mtp_plugin.verl_registry",
+    "MODEL_TYPE": "verl_mtp_plugin.verl_registry",
+    "validate_verl_config": "verl_mtp_plugin.verl_config",
+    "NemotronHMTPMegatronEngine": "verl_mtp_plugin.verl_engine",
 }
 
 __all__ = [
@@ -65,3 +69,13 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+import sys as _sys  # noqa: E402
+
+if "verl" in _sys.modules:
+    # Imported by verl (actor_rollout_ref.model.external_lib) or after verl: register the engine with
+    # verl's EngineRegistry. A bare `import verl_mtp_plugin` elsewhere (vLLM workers, tools) stays light.
+    from verl_mtp_plugin.verl_registry import register as _register_with_verl
+
+    _register_with_verl()

@@ -362,14 +362,15 @@ def per_position_acceptance(
         )
     valid = acceptance_positions(response_mask, depth)
     b, s, _ = main_logits.shape
-    out = {k: torch.zeros(b, s, dtype=torch.float32, device=main_logits.device) for k in ("alpha", "greedy", "argmax_draft")}
+    keys = ("alpha", "greedy", "argmax_draft")
+    out = {k: torch.zeros(b, s, dtype=torch.float32, device=main_logits.device) for k in keys}
     n = s - depth
     if n > 0:
         p, q = main_logits[:, depth:], mtp_logits[:, :n]
         out["alpha"][:, :n] = speculative_overlap(p, q, temperature)
         out["greedy"][:, :n] = greedy_agreement(p, q)
         out["argmax_draft"][:, :n] = argmax_draft_acceptance(p, q, temperature)
-    for k in ("alpha", "greedy", "argmax_draft"):
+    for k in keys:
         out[k] = out[k] * valid
     out["valid"] = valid
     return out

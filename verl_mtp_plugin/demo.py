@@ -3,8 +3,8 @@
 One plain script in the torchtune-recipe style: ``run_demo`` wires the plugin's own code paths and
 verl's own algorithm functions, nothing in between.
 
-Task: copy. A prompt is ``<bos> d1 .. dK <sep>`` with K random digits; the verifiable reward is the
-fraction of the K response tokens equal to the digits. Before RL the model is warmed up for a few
+Task: count on. A prompt is ``<bos> a b <sep>`` with two digits; the correct response continues the
+progression ``a, b, 2b-a, ...`` modulo 8 (step 1 or 2); the verifiable reward is the fraction of right tokens. Before RL the model is warmed up for a few
 supervised steps (policy and MTP head together) to stand in for a loaded checkpoint whose MTP head
 was trained with the model, as Nemotron 3's is.
 
@@ -48,17 +48,23 @@ class DemoInvariantError(RuntimeError):
 
 @dataclass
 class DemoTask:
-    """Copy task over a tiny vocabulary. Token ids: 0 pad, 1 bos, 2 sep, 3..3+D-1 digits."""
+    """Count-on task over a tiny vocabulary. Token ids: 0 pad, 1 bos, 2 sep, 3..3+D-1 digits.
+
+    A prompt is ``<bos> a b <sep>`` with two random digits; the correct response continues the
+    arithmetic progression ``a, b, ...`` modulo D for ``length`` tokens (``b + (b - a)``, ...). The
+    verifiable reward is the fraction of response tokens that are right.
+    """
 
     num_digits: int = 8
-    length: int = 4  # digits to copy = response length
+    max_step: int = 2  # progressions step by 1..max_step
+    length: int = 4  # response length
     prompts_per_step: int = 4
     group_size: int = 4  # responses per prompt (GRPO group)
     vocab_size: int = 32
 
     @property
     def prompt_len(self) -> int:
-        return self.length + 2
+        return 4
 
     @property
     def seq_len(self) -> int:
@@ -66,19 +72,26 @@ class DemoTask:
 
     def prompts(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """``[n, prompt_len]`` prompts."""
-        digits = torch.randint(3, 3 + self.num_digits, (n, self.length), generator=generator)
-        bos = torch.full((n, 1), 1)
-        sep = torch.full((n, 1), 2)
-        return torch.cat([bos, digits, sep], dim=1)
+        a = torch.randint(0, self.num_digits, (n, 1), generator=generator)
+        step = torch.randint(1, self.max_step + 1, (n, 1), generator=generator)
+        ab = torch.cat([a, (a + step) % self.num_digits], dim=1)
+        return torch.cat([torch.full((n, 1), 1), ab + 3, torch.full((n, 1), 2)], dim=1)
+
+    def answers(self, prompts: torch.Tensor) -> torch.Tensor:
+        """``[n, length]`` the correct continuation of each prompt."""
+        a, b = prompts[:, 1] - 3, prompts[:, 2] - 3
+        step = (b - a) % self.num_digits
+        k = torch.arange(1, self.length + 1, device=prompts.device)
+        return (b[:, None] + step[:, None] * k[None, :]) % self.num_digits + 3
 
     def reward(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        """``[n]`` fraction of response tokens that copy the prompt's digits."""
-        return (responses == prompts[:, 1 : 1 + self.length]).float().mean(dim=1)
+        """``[n]`` fraction of response tokens equal to the correct continuation."""
+        return (responses == self.answers(prompts)).float().mean(dim=1)
 
     def supervised_batch(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """``[n, seq_len]`` correct prompt+response sequences (the warm-up stands in for a checkpoint)."""
         p = self.prompts(n, generator)
-        return torch.cat([p, p[:, 1 : 1 + self.length]], dim=1)
+        return torch.cat([p, self.answers(p)], dim=1)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -216,7 +229,7 @@ def _isolation_check(model, ids, pos, mask, loss_mask, grads_with_mtp) -> None:
 
 
 def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto", out: str = "demo_out",
-             progress: bool = True, warmup_steps: int = 60, task: DemoTask | None = None) -> list[dict]:
+             progress: bool = True, warmup_steps: int = 40, task: DemoTask | None = None) -> list[dict]:
     """Run the demo; returns the per-step metrics (also written to ``out/metrics.jsonl``).
 
     Raises:
@@ -248,7 +261,7 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
         configure_transformer_config(model.config, mode, mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor)
         frozen = freeze_mtp(model) if mode is MTPMode.FROZEN else []
         validate_model_for_mode(model, mode)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3, weight_decay=0.01)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
         actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=task.prompts_per_step,
                                 ppo_micro_batch_size_per_gpu=task.prompts_per_step, rollout_n=task.group_size,
                                 clip_ratio=0.2)
@@ -368,6 +381,8 @@ def _make_sink(model, spec, mode, out, log):
     """The sync target: vLLM's real drafter when vLLM is importable, else an HF safetensors dir."""
     if mode is MTPMode.OFF:
         return _NoSync()
+    # The demo's drafter is a verification copy on the host: vLLM's CPU platform, chosen before import.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -449,9 +464,9 @@ class _Log:
         print(f"verl-mtp demo | mode={mode} device={device} | HybridModel pattern {spec.pattern!r} "
               f"(Mamba M, attention *, MLP -, MoE E; MTP after '/') | {n_total:,} params ({n_mtp:,} MTP)")
         print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint; sync -> {sink}")
-        print("phases per step: " + " -> ".join(
-            f"{p.value}[{'MTP' if run_mtp_forward(mode, p) else 'skip'}]" for p in
-            (Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN, Phase.SYNC)))
+        print("phases per step (Megatron MTP forward): " + " -> ".join(
+            f"{p.value}[{'run' if run_mtp_forward(mode, p) else 'skip'}]" for p in
+            (Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN)) + " -> sync[export MTP -> drafter]")
         if self.progress:
             try:
                 from tqdm import tqdm
@@ -461,7 +476,7 @@ class _Log:
                 self.bar = None
 
     def step(self, row, steps):
-        msg = (f"step {row['step']}/{steps} reward {row['reward']:.3f} pg_loss {row['policy_loss']:+.4f} "
+        msg = (f"step {row['step']}/{steps} reward {row['reward']:.3f} pg_loss {row['policy_loss']:+.2e} "
                f"mtp_loss {row['mtp_loss']:.3f} E[accept] {row['expected_accept_rate']:.3f}")
         if self.bar is not None:
             self.bar.total = steps
@@ -473,7 +488,7 @@ class _Log:
     def table(self, history, out, plot):
         if self.bar is not None:
             self.bar.close()
-        cols = [("step", "{:d}"), ("reward", "{:.3f}"), ("policy_loss", "{:+.4f}"), ("mtp_loss", "{:.3f}"),
+        cols = [("step", "{:d}"), ("reward", "{:.3f}"), ("policy_loss", "{:+.2e}"), ("mtp_loss", "{:.3f}"),
                 ("mtp_top1", "{:.3f}"), ("expected_accept_rate", "{:.3f}"), ("greedy_accept_rate", "{:.3f}"),
                 ("expected_accept_length_k3", "{:.2f}"), ("sync/bytes_target", "{:,.0f}"), ("sync/bytes_drafter", "{:,.0f}"),
                 ("time/rollout", "{:.2f}"), ("time/logprob", "{:.2f}"), ("time/train", "{:.2f}"), ("time/sync", "{:.2f}")]

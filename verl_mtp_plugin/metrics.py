@@ -38,12 +38,16 @@ def collect_mtp_metrics(num_microbatches: int = 1, *, reset: bool = True, reduce
     tracker = MTPLossLoggingHelper.tracker
     loss = tracker.get("loss_values")
     total = tracker.get("total_values")
-    if loss is None or total is None or float(total.sum()) == 0.0:
+    if loss is None or total is None:
         if reset:
             reset_mtp_metrics()
         return {}
-    if reduce:
+    if reduce:  # before any early return: every rank must join the same collectives
         MTPLossLoggingHelper.reduce_metrics_in_tracker()
+    if float(total.sum()) == 0.0:  # after the reduction: the same answer on every rank
+        if reset:
+            reset_mtp_metrics()
+        return {}
     correct = tracker.get("correct_values")
     out: dict[str, float] = {}
     for i in range(loss.shape[0]):

@@ -19,6 +19,8 @@ verl keys read (verl 0.9.1 names):
   dynamic_context_parallel,router_replay.mode}``
 * ``actor_rollout_ref.rollout.{name,free_cache_engine,enable_sleep_mode,enable_prefix_caching,
   engine_kwargs.vllm.{speculative_config,enable_prefix_caching,mamba_cache_mode,worker_extension_cls}}``
+* ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
+  ``online`` reloads the drafter on every sync, ``frozen`` once)
 
 verl 0.9.1 has no sleep-level key: ``vLLMHttpServer._resolve_sleep_level`` picks level 1 when
 ``mtp.enable and mtp.enable_rollout`` and level 2 otherwise (when ``rollout.free_cache_engine`` and
@@ -37,6 +39,7 @@ from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_ver
 from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE
 
 __all__ = [
+    "DRAFTER_SYNC_ENV",
     "PLUGIN_LIB",
     "EngineMTPSettings",
     "ResolvedMTPSettings",
@@ -57,6 +60,9 @@ _ACTOR = "actor_rollout_ref.actor"
 _MEG = "actor_rollout_ref.actor.megatron"
 _RO = "actor_rollout_ref.rollout"
 _VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+#: Environment variable read by :mod:`verl_mtp_plugin.vllm_ext` in the vLLM workers.
+DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -346,6 +352,8 @@ class ResolvedMTPSettings:
         prefix_caching: effective vLLM ``enable_prefix_caching``.
         mamba_cache_mode: ``engine_kwargs.vllm.mamba_cache_mode`` (None when unset).
         worker_extension_cls: ``engine_kwargs.vllm.worker_extension_cls`` (None: verl's default).
+        drafter_sync: ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (``online`` /
+            ``frozen``; None: unset, the extension's default ``online``).
     """
 
     model_type: str
@@ -363,6 +371,7 @@ class ResolvedMTPSettings:
     prefix_caching: bool
     mamba_cache_mode: str | None
     worker_extension_cls: str | None
+    drafter_sync: str | None = None
 
 
 def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
@@ -499,6 +508,16 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"when drafts are rejected (vLLM #39809); set mamba_cache_mode: align or {_RO}.enable_prefix_caching=false"
         )
 
+    drafter_sync = _get(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
+    drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
+    if drafter_sync not in (None, "online", "frozen"):
+        errors.append(f"{_ENV}.{DRAFTER_SYNC_ENV}={drafter_sync!r}: allowed values are online, frozen")
+    elif drafter_sync == "frozen" and mode in (MTPMode.ONLINE, MTPMode.JOINT) and speculation:
+        errors.append(
+            f"{_ENV}.{DRAFTER_SYNC_ENV}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
+            f"first weights it received and draft with a stale MTP block; set it to online or drop it"
+        )
+
     if errors:
         raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
     assert mode is not None
@@ -536,6 +555,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode,
         worker_extension_cls=vllm_kwargs.get("worker_extension_cls"),
+        drafter_sync=drafter_sync,
     )
 
 

@@ -89,14 +89,16 @@ def init_megatron(seed: int = 1234, tp: int = 1, pp: int = 1, ep: int = 1) -> No
 
     _install_cpu_current_device()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world)
+        if "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+            init_method = "env://"
+        else:  # one process: a free port, not exported (child processes pick their own)
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world, init_method=init_method)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep

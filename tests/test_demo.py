@@ -1,0 +1,97 @@
+"""`verl-mtp demo`: every phase end to end on the tiny model, with the real vLLM drafter, in each mode."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl_mtp_plugin import demo as demo_mod
+from verl_mtp_plugin.cli import main as cli_main
+from verl_mtp_plugin.demo import DemoInvariantError, DemoTask, run_demo
+
+pytestmark = pytest.mark.usefixtures("megatron_env")
+
+
+@pytest.mark.parametrize("mode", ["off", "frozen", "online", "joint"])
+def test_demo_two_steps_in_each_mode(mode, tmp_path):
+    hist = run_demo(mode=mode, steps=2, seed=1, device="cpu", out=str(tmp_path), progress=False, warmup_steps=8)
+    assert [r["step"] for r in hist] == [1, 2]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows == json.loads(json.dumps(hist))  # what was returned is what was written
+    assert (tmp_path / "demo.png").stat().st_size > 1000
+    for r in hist:
+        assert 0.0 <= r["reward"] <= 1.0 and math.isfinite(r["policy_loss"])
+        trained = mode in ("online", "joint")
+        assert math.isfinite(r["mtp_loss"]) is trained  # MTP loss only where the mode trains it
+        assert math.isfinite(r["expected_accept_rate"]) is trained
+        if trained:
+            assert 0.0 <= r["expected_accept_rate"] <= 1.0 and 1.0 <= r["expected_accept_length_k3"] <= 4.0
+        if mode == "off":
+            assert "sync/bytes_drafter" not in r
+    if mode in ("online", "joint"):
+        assert all(r["sync/bytes_drafter"] > 0 and r["sync/bytes_target"] == 0 for r in hist)
+    if mode == "frozen":  # loaded into the drafter once, then skipped
+        assert hist[0]["sync/bytes_drafter"] > 0 and hist[1]["sync/bytes_drafter"] == 0
+
+
+def test_demo_fails_loudly_when_the_drafter_would_miss_a_weight(tmp_path, monkeypatch):
+    from verl_mtp_plugin import export
+
+    real = export.export_mtp_weights
+
+    def drops_one(model, **kw):
+        pairs = list(real(model, **kw))
+        return iter(pairs[1:])  # a weight silently lost on the way
+
+    monkeypatch.setattr(export, "export_mtp_weights", drops_one)
+    with pytest.raises(DemoInvariantError, match="drafter sync failed verification"):
+        run_demo(mode="online", steps=1, device="cpu", out=str(tmp_path), progress=False, warmup_steps=2)
+    assert cli_main(["demo", "--mode", "online", "--steps", "1", "--out", str(tmp_path), "--no-progress"]) == 2
+
+
+def test_demo_parity_invariant_is_checked(tmp_path, monkeypatch):
+    """If the train pass returned different logits than the logprob pass, the demo must stop."""
+    real = demo_mod._token_logprobs
+    calls = {"n": 0}
+
+    def skewed(logits, ids):
+        calls["n"] += 1
+        return real(logits, ids)
+
+    monkeypatch.setattr(demo_mod, "_token_logprobs", skewed)
+    import verl_mtp_plugin.control as control
+
+    real_fwd = control.hybrid_forward
+
+    def perturbed(model, *a, run_mtp_forward, **kw):
+        out = real_fwd(model, *a, run_mtp_forward=run_mtp_forward, **kw)
+        return out + 1e-3 if (run_mtp_forward and model.training) else out
+
+    monkeypatch.setattr(control, "hybrid_forward", perturbed)
+    with pytest.raises(DemoInvariantError, match="parity"):
+        run_demo(mode="online", steps=1, device="cpu", out=str(tmp_path), progress=False, warmup_steps=0)
+
+
+def test_reward_is_verifiable():
+    import torch
+
+    task = DemoTask()
+    p = torch.tensor([[1, 3 + 2, 3 + 4, 2]])  # a=2, b=4: step 2
+    assert task.answers(p).tolist() == [[3 + 6, 3 + 0, 3 + 2, 3 + 4]]  # 6, 8%8=0, 2, 4
+    assert task.reward(p, task.answers(p)).item() == 1.0
+    assert task.reward(p, torch.tensor([[9, 3, 0, 0]])).item() == 0.5
+
+
+def test_cli_demo_runs_as_a_user_would(tmp_path):
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "verl_mtp_plugin", "demo", "--mode", "online", "--steps", "2", "--out", str(tmp_path),
+         "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "all invariants held" in out.stdout and "NemotronHMTP drafter" in out.stdout
+    assert len(open(tmp_path / "metrics.jsonl").read().splitlines()) == 2

@@ -1,0 +1,401 @@
+"""Drafter-desync guard (verl_mtp_plugin.desync_guard): triggering and non-triggering cases, the fail
+action, counter resets, the slow-speculation arithmetic, and its config block on verl 0.9.1's real
+composed trainer config. Step metrics are produced by verl_mtp_plugin.spec_metrics (from vLLM's real
+SpecDecodingStats / Prometheus counters in the end-to-end test); estimates by verl_mtp_plugin.acceptance.
+"""
+
+import copy
+import logging
+import warnings
+
+import pytest
+
+from verl_mtp_plugin.desync_guard import (
+    ARGMAX_DRAFT_METRIC,
+    DEFAULT_DRAFT_COST,
+    EXPECTED_METRIC,
+    GUARD_CONFIG_PATH,
+    MTPDesyncError,
+    MTPDesyncGuard,
+    MTPDesyncWarning,
+    MTPGuardConfig,
+    MTPSlowSpeculationWarning,
+    MTPSpecStatsMissingWarning,
+    breakeven_accept_length,
+    expected_all_position_rate,
+    guard_from_verl_config,
+    speedup_from_accept_length,
+)
+from verl_mtp_plugin.policy import MTPConfigError
+from verl_mtp_plugin.spec_metrics import (
+    SpecDecodeCounterTracker,
+    SpecDecodeCounts,
+    counts_from_vllm_metrics,
+    merge_spec_metrics,
+    spec_metrics_from_counts,
+    spec_metrics_from_requests,
+)
+
+N = 2000  # verify steps per training step
+GUARD_CATEGORIES = (MTPDesyncWarning, MTPSlowSpeculationWarning, MTPSpecStatsMissingWarning)
+
+# every key the desync message must name (checked against verl 0.9.1's config tree in test_config_*)
+CAUSE_KEYS = (
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls",
+    "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension",
+    "actor_rollout_ref.model.mtp.enable_train",
+    "actor_rollout_ref.rollout.load_format",
+    "actor_rollout_ref.model.mtp.enable_rollout",
+    "actor_rollout_ref.rollout.free_cache_engine",
+    "actor_rollout_ref.rollout.enable_sleep_mode",
+    "actor_rollout_ref.rollout.enable_prefix_caching",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode=align",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method",
+)
+
+
+def step(pos, *, expected=None, argmax=None, reset=None, drafts=N):
+    """One step's metric dict from per-position acceptance rates (through spec_metrics' real code)."""
+    k = len(pos)
+    per_pos = tuple(round(r * drafts) for r in pos)
+    m = spec_metrics_from_counts(SpecDecodeCounts(drafts, drafts * k, sum(per_pos), per_pos), reset=reset)
+    if expected is not None:
+        m[EXPECTED_METRIC] = expected
+    if argmax is not None:
+        m[ARGMAX_DRAFT_METRIC] = argmax
+    return m
+
+
+def run(guard, steps):
+    """Feed steps; return (per-step guard metrics, guard warnings recorded)."""
+    outs = []
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i, m in enumerate(steps, start=1):
+            outs.append(guard.observe(m, step=i))
+    return outs, [w for w in rec if issubclass(w.category, GUARD_CATEGORIES)]
+
+
+def of(rec, category):
+    return [w for w in rec if w.category is category]
+
+
+# --------------------------------------------------------------------------------------------------
+# desync rules
+
+
+def test_healthy_run_does_not_warn():
+    guard = MTPDesyncGuard(num_speculative_tokens=2)
+    steps = [step([0.72, 0.55], expected=0.8, argmax=0.75) for _ in range(10)]
+    outs, rec = run(guard, steps)
+    assert rec == []
+    assert all(o["mtp_guard/desync"] == 0.0 for o in outs)
+    assert outs[-1]["mtp_guard/accept_ratio"] == pytest.approx(0.72 / 0.75)  # greedy drafting: argmax estimate
+    assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx((1 + 0.72 + 0.55) / (1 + 2 * DEFAULT_DRAFT_COST))
+
+
+def test_ratio_rule_fires_after_patience_and_names_causes(caplog):
+    guard = MTPDesyncGuard(num_speculative_tokens=2)  # threshold 0.5, patience 3
+    low = step([0.2, 0.05], expected=0.8, argmax=0.7)
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.desync_guard"):
+        outs, rec = run(guard, [low] * 7)
+    desync = of(rec, MTPDesyncWarning)
+    # exactly at steps 3 and 6 (first crossing, then every `patience` steps while it persists)
+    assert [o["mtp_guard/low_accept_streak"] for o in outs] == [1, 2, 3, 4, 5, 6, 7]
+    assert [o["mtp_guard/desync"] for o in outs] == [0, 0, 1, 1, 1, 1, 1]
+    assert len(desync) == 2 and "at step 3" in str(desync[0].message) and "at step 6" in str(desync[1].message)
+    msg = str(desync[0].message)
+    assert "0.2000 < 0.5 x expected 0.7000" in msg and ARGMAX_DRAFT_METRIC in msg
+    for key in CAUSE_KEYS:
+        assert key in msg, key
+    assert "desync suspected at step 3" in caplog.text and "MTPDesyncWarning" in caplog.text
+
+
+def test_recovery_resets_the_streak():
+    guard = MTPDesyncGuard(num_speculative_tokens=2)
+    low, ok = step([0.2, 0.05], expected=0.8), step([0.7, 0.5], expected=0.8)
+    outs, rec = run(guard, [low, low, ok, low, low])
+    assert rec == [] and [o["mtp_guard/low_accept_streak"] for o in outs] == [1, 2, 0, 1, 2]
+    outs, rec = run(guard, [low])
+    assert len(of(rec, MTPDesyncWarning)) == 1
+
+
+def test_zero_rule_without_an_estimate_frozen_mode():
+    """Frozen mode never runs the MTP forward: no estimate, but zero acceptance is still caught."""
+    guard = MTPDesyncGuard(num_speculative_tokens=1)  # zero_patience 2
+    outs, rec = run(guard, [step([0.0]), step([0.004])])
+    desync = of(rec, MTPDesyncWarning)
+    assert len(desync) == 1 and "<= zero_rate 0.01 for 2 consecutive steps" in str(desync[0].message)
+    assert "no trainer estimate" in str(desync[0].message)
+    assert outs[0]["mtp_guard/desync"] == 0.0 and outs[1]["mtp_guard/desync"] == 1.0
+
+
+def test_useless_head_is_not_a_desync_but_is_slow():
+    """Estimate itself ~0: neither desync rule fires; the slow-speculation rule does."""
+    guard = MTPDesyncGuard(num_speculative_tokens=1)
+    outs, rec = run(guard, [step([0.0], expected=0.005, argmax=0.004)] * 3)
+    assert of(rec, MTPDesyncWarning) == []
+    assert len(of(rec, MTPSlowSpeculationWarning)) == 1
+    assert outs[-1]["mtp_guard/zero_accept_streak"] == 0.0
+
+
+def test_fail_action_raises_at_the_trigger_step():
+    guard = MTPDesyncGuard({"action": "fail"}, num_speculative_tokens=2)
+    low = step([0.1, 0.0], expected=0.8)
+    guard.observe(low, step=10)
+    guard.observe(low, step=11)
+    with pytest.raises(MTPDesyncError, match="desync suspected at step 12") as exc:
+        guard.observe(low, step=12)
+    assert "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls" in str(exc.value)
+    assert guard.last_message == str(exc.value)
+
+
+def test_off_action_and_speculation_off_do_nothing():
+    low = step([0.0], expected=0.8)
+    for guard in (MTPDesyncGuard({"action": "off"}), MTPDesyncGuard(speculation=False)):
+        outs, rec = run(guard, [low] * 5)
+        assert rec == [] and outs == [{}] * 5
+
+
+def test_counter_reset_is_named_in_the_message():
+    guard = MTPDesyncGuard(num_speculative_tokens=2)
+    steps = [step([0.7, 0.5], expected=0.8, reset=False), step([0.0, 0.0], expected=0.8, reset=True)]
+    steps += [step([0.0, 0.0], expected=0.8, reset=False)]
+    _, rec = run(guard, steps)
+    desync = of(rec, MTPDesyncWarning)
+    assert len(desync) == 1 and "went backwards at step(s) [2]" in str(desync[0].message)
+
+
+def test_missing_statistics_warn_once():
+    guard = MTPDesyncGuard(num_speculative_tokens=2)
+    no_stats = {"actor/pg_loss": 0.1, EXPECTED_METRIC: 0.8}
+    too_few = step([0.0, 0.0], expected=0.8, drafts=50)  # < min_drafts: not judged (no zero streak)
+    outs, rec = run(guard, [no_stats, no_stats, too_few, no_stats, no_stats])
+    missing = of(rec, MTPSpecStatsMissingWarning)
+    assert len(missing) == 1 and "disable_log_stats=false" in str(missing[0].message)
+    assert of(rec, MTPDesyncWarning) == [] and outs[2]["mtp_guard/zero_accept_streak"] == 0.0
+
+
+def test_auto_estimate_matches_greedy_drafting():
+    """High-entropy policy: overlap ~1 but a greedy draft is accepted with p[argmax q] ~ 1/V. Comparing
+    the rollout (greedy drafts, vLLM's default) with the overlap would cry wolf; auto picks the
+    argmax-draft estimate for greedy drafting and the overlap for probabilistic drafting."""
+    import torch
+
+    from verl_mtp_plugin.acceptance import argmax_draft_acceptance, speculative_overlap
+
+    g = torch.Generator().manual_seed(0)
+    p = 0.05 * torch.randn(64, 16, generator=g)
+    q = p + 0.01 * torch.randn(64, 16, generator=g)  # a well-synced head
+    overlap = float(speculative_overlap(p, q).mean())
+    greedy = float(argmax_draft_acceptance(p, q).mean())
+    assert overlap > 0.9 and greedy < 0.2
+    measured = step([greedy], expected=overlap, argmax=greedy)  # what vLLM measures with greedy drafts
+
+    _, rec = run(MTPDesyncGuard(num_speculative_tokens=1), [measured] * 4)
+    assert of(rec, MTPDesyncWarning) == []
+    _, rec = run(MTPDesyncGuard({"expected_key": EXPECTED_METRIC}, num_speculative_tokens=1), [measured] * 4)
+    assert len(of(rec, MTPDesyncWarning)) == 1
+    _, rec = run(MTPDesyncGuard(num_speculative_tokens=1, draft_sample_method="probabilistic"), [measured] * 4)
+    assert len(of(rec, MTPDesyncWarning)) == 1  # probabilistic drafting: overlap is the right estimate
+
+
+def test_without_positions_the_estimate_is_mapped_to_all_positions():
+    from verl_mtp_plugin.acceptance import expected_accept_length
+
+    alpha, k = 0.8, 3
+    mapped = expected_all_position_rate(alpha, k)
+    assert mapped == pytest.approx((expected_accept_length(alpha, k) - 1) / k)
+    # verl-style per-request metrics: overall rate only, no per-position keys
+    per_request = [{"spec_num_draft_tokens": 3 * N, "spec_num_accepted_tokens": int(0.6 * 3 * N), "spec_num_verify_steps": N}]
+    good = {**spec_metrics_from_requests(per_request), EXPECTED_METRIC: alpha}
+    outs, rec = run(MTPDesyncGuard(num_speculative_tokens=k), [good] * 4)
+    assert rec == [] and outs[0]["mtp_guard/expected_accept_rate"] == pytest.approx(mapped)
+    per_request[0]["spec_num_accepted_tokens"] = int(0.25 * 3 * N)
+    bad = {**spec_metrics_from_requests(per_request), EXPECTED_METRIC: alpha}
+    _, rec = run(MTPDesyncGuard(num_speculative_tokens=k), [bad] * 3)
+    assert len(of(rec, MTPDesyncWarning)) == 1 and "all 3 draft positions" in str(rec[0].message)
+
+
+# --------------------------------------------------------------------------------------------------
+# slow speculation
+
+
+def test_slow_speculation_warns_with_the_arithmetic_and_never_raises():
+    from verl_mtp_plugin.acceptance import expected_accept_length, expected_speedup
+
+    # the formula is acceptance.expected_speedup with the measured accepted length in place of E
+    assert speedup_from_accept_length(expected_accept_length(0.6, 3), 3, 0.05) == pytest.approx(
+        expected_speedup(0.6, 3, 0.05)
+    )
+    pos = [0.05, 0.02, 0.01]  # L = 1.08 with k = 3
+    c = DEFAULT_DRAFT_COST
+    s = speedup_from_accept_length(1.08, 3, c)
+    assert s < 1.0 < breakeven_accept_length(3, c)
+    guard = MTPDesyncGuard({"action": "fail"}, num_speculative_tokens=3)
+    outs, rec = run(guard, [step(pos, expected=0.06, argmax=0.05)] * 3)  # synced but weak head
+    slow = of(rec, MTPSlowSpeculationWarning)
+    assert of(rec, MTPDesyncWarning) == [] and len(slow) == 1
+    msg = str(slow[0].message)
+    assert f"L / (1 + k*c) = 1.080 / (1 + 3*{c}) = {s:.3f} < 1.0" in msg
+    assert f"break-even L = 1 + k*c = {1 + 3 * c:.3f}" in msg
+    k1 = speedup_from_accept_length(1.05, 1, c)
+    assert f"k=0: 1.000, k=1: {k1:.3f}" in msg and "best k = 0" in msg
+    assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx(s)
+
+
+def test_fast_speculation_does_not_warn_slow():
+    guard = MTPDesyncGuard(num_speculative_tokens=3)
+    _, rec = run(guard, [step([0.3, 0.1, 0.05], expected=0.35)] * 6)  # L = 1.45 > 1 + 3c
+    assert rec == []
+
+
+# --------------------------------------------------------------------------------------------------
+# end to end on vLLM's counters
+
+
+def test_end_to_end_on_vllm_counters_after_an_engine_restart():
+    """Healthy steps, then an engine restart whose drafter lost its weights: vLLM's real counters
+    (SpecDecodingStats -> SpecDecodingProm -> get_metrics_snapshot) -> tracker -> guard."""
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+
+    k = 2
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
+
+    def engine():
+        unregister_vllm_metrics()
+        return SpecDecodingProm(spec, ["model_name", "engine"], {0: ["m", "0"]})
+
+    def rollout(prom, accepted_pattern, n):
+        s = SpecDecodingStats.new(k)
+        for i in range(n):
+            s.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted_pattern[i % len(accepted_pattern)])
+        prom.observe(s, engine_idx=0)
+
+    tracker, guard = SpecDecodeCounterTracker(), MTPDesyncGuard(num_speculative_tokens=k)
+    verl_metrics = []
+    try:
+        prom = engine()
+        tracker.set_baseline(counts_from_vllm_metrics(get_metrics_snapshot()))
+        for t in range(6):
+            if t == 3:
+                prom = engine()  # restart: fresh counters, drafter weights gone
+            rollout(prom, [2, 1, 2, 0] if t < 3 else [0], 500)
+            m = {"actor/pg_loss": 0.0, ARGMAX_DRAFT_METRIC: 0.8}
+            merge_spec_metrics(m, tracker.update(counts_from_vllm_metrics(get_metrics_snapshot())).metrics())
+            verl_metrics.append(m)
+        outs, rec = run(guard, verl_metrics)
+    finally:
+        unregister_vllm_metrics()
+    assert [m["rollout/spec_counter_reset"] for m in verl_metrics] == [0, 0, 0, 1, 0, 0]
+    assert verl_metrics[0]["rollout/spec_accept_rate_pos_0"] == pytest.approx(0.75)
+    assert verl_metrics[0]["rollout/spec_accept_length"] == pytest.approx(1 + 5 / 4)
+    assert [o["mtp_guard/desync"] for o in outs] == [0, 0, 0, 0, 1, 1]
+    desync = of(rec, MTPDesyncWarning)
+    assert len(desync) == 1 and "at step 5" in str(desync[0].message)
+    assert "went backwards at step(s) [4]" in str(desync[0].message)
+
+
+# --------------------------------------------------------------------------------------------------
+# config
+
+
+def test_default_draft_cost_is_the_nemotron3_super_arithmetic():
+    """c = active parameters read per draft step / per target step (memory-bound decode)."""
+    h, v, heads, kv, hd = 4096, 131072, 32, 2, 128
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    moe = h * 512 + 2 * h * 1024 + 22 * (2 * 1024 * 2688) + 2 * h * 5376  # router, latent, 22 experts, shared
+    d_inner = 128 * 64
+    mamba = h * (2 * d_inner + 2 * 8 * 128 + 128) + d_inner * h
+    target = 40 * mamba + 40 * moe + 8 * attn + v * h
+    draft = 2 * h * h + attn + moe + v * h  # eh_proj + "*E" + the drafter's LM head
+    assert draft / target == pytest.approx(DEFAULT_DRAFT_COST, abs=5e-4)
+    assert 2 / 88 + v * h / target == pytest.approx(DEFAULT_DRAFT_COST, abs=5e-3)  # layer-count view
+
+
+def test_config_from_dict_collects_every_error_with_full_keys():
+    cfg = MTPGuardConfig.from_dict({"threshold": 0.3, "action": "FAIL", "draft_cost": 0.1})
+    assert (cfg.threshold, cfg.action, cfg.draft_cost, cfg.patience) == (0.3, "fail", 0.1, MTPGuardConfig().patience)
+    with pytest.raises(MTPConfigError) as exc:
+        MTPGuardConfig.from_dict({"threshold": 2, "patience": 0, "action": "explode", "bogus": 1, "draft_cost": True})
+    msg = str(exc.value)
+    for key in ("threshold=2", "patience=0", "action='explode'", "bogus: unknown key", "draft_cost=True"):
+        assert f"{GUARD_CONFIG_PATH}.{key}" in msg, key
+    assert "['warn', 'fail', 'off']" in msg
+    with pytest.raises(MTPConfigError, match="zero_patience"):
+        MTPGuardConfig(zero_patience=0)
+
+
+@pytest.fixture(scope="module")
+def verl_base():
+    """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose(
+            "ppo_trainer",
+            overrides=[
+                "model_engine=megatron",
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.model.mtp.enable=true",
+                "actor_rollout_ref.model.mtp.enable_rollout=true",
+                "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
+                f"+{GUARD_CONFIG_PATH}.threshold=0.3",
+                f"+{GUARD_CONFIG_PATH}.action=fail",
+            ],
+        )
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base):
+    from omegaconf import OmegaConf, open_dict
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    # the keys the guard's message names exist in verl 0.9.1's composed config
+    for key in ("free_cache_engine", "enable_prefix_caching", "load_format", "temperature", "disable_log_stats"):
+        assert OmegaConf.select(verl_base, f"actor_rollout_ref.rollout.{key}") is not None, key
+    for key in ("enable_train", "enable_rollout"):
+        assert OmegaConf.select(verl_base, f"actor_rollout_ref.model.mtp.{key}") is not None, key
+
+    guard = guard_from_verl_config(verl_base)
+    assert (guard.config.threshold, guard.config.action, guard.num_speculative_tokens) == (0.3, "fail", 2)
+    assert guard.speculation and guard.draft_sample_method == "greedy"
+    # the top-level block leaves verl's own rollout config intact
+    assert type(omega_conf_to_dataclass(verl_base.actor_rollout_ref.rollout)).__name__ == "RolloutConfig"
+
+    # engine_kwargs' speculative_config wins (verl's build_mtp_speculative_config); speculation off
+    cfg = copy.deepcopy(verl_base)
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config = {
+            "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic",
+        }
+    guard = guard_from_verl_config(cfg)
+    assert guard.num_speculative_tokens == 3 and guard.draft_sample_method == "probabilistic"
+    cfg = copy.deepcopy(verl_base)
+    cfg.actor_rollout_ref.model.mtp.enable_rollout = False
+    assert not guard_from_verl_config(cfg).speculation
+
+    # under actor_rollout_ref.rollout the block breaks verl itself: refused with the right key path
+    cfg = copy.deepcopy(verl_base)
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.rollout.mtp_guard = {"threshold": 0.3}
+    with pytest.raises(Exception, match="unexpected keyword argument 'mtp_guard'"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    with pytest.raises(MTPConfigError, match=f"move the block to {GUARD_CONFIG_PATH}"):
+        guard_from_verl_config(cfg)
+
+    # an invalid block names its full keys
+    cfg = copy.deepcopy(verl_base)
+    cfg.verl_mtp_plugin.mtp_guard.threshold = 0
+    with pytest.raises(MTPConfigError, match=f"{GUARD_CONFIG_PATH}.threshold=0"):
+        guard_from_verl_config(cfg)

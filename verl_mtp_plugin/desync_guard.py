@@ -1,0 +1,643 @@
+"""Drafter-desync guard: tell the user at once when vLLM's MTP drafter has fallen out of sync (issue 9).
+
+The most reported MTP-in-RL failure is a drafter that silently stops matching the policy: trained MTP
+weights never reach vLLM's drafter, a sleep at level 2 discards them, a refit drops names, and
+acceptance collapses to ~0 with no error. :class:`MTPDesyncGuard` watches, once per training step,
+the rollout acceptance vLLM measured (:mod:`verl_mtp_plugin.spec_metrics`: ``rollout/spec_accept_rate``,
+``rollout/spec_accept_rate_pos_0``, ``rollout/spec_accept_length``) next to the trainer's estimate for
+the same policy version (:mod:`verl_mtp_plugin.acceptance`, logged by the engine as
+``actor/mtp_expected_accept_rate`` / ``actor/mtp_argmax_draft_accept_rate``), and
+
+* **desync, ratio rule**: measured < ``threshold`` x expected for ``patience`` consecutive steps
+  (defaults 0.5 and 3); only while the estimate itself is above ``zero_rate`` (a useless MTP head is
+  not a desync);
+* **desync, zero rule**: measured acceptance <= ``zero_rate`` (default 0.01) for ``zero_patience``
+  consecutive steps (default 2) while MTP rollout is on; this also covers ``frozen`` mode, where the
+  trainer never runs the MTP forward and there is no estimate;
+
+warns (:class:`MTPDesyncWarning` through :mod:`warnings` with the full text, plus a one-line log
+record on this module's logger) or, with
+``action="fail"``, raises :class:`MTPDesyncError`. The message lists the measured and expected numbers
+and the likely causes with the config keys involved. It also warns (never raises) when speculation is
+**slower than no speculation**: with ``k`` draft tokens each costing ``c`` target steps, a verify step
+costs ``1 + k*c`` target steps and yields ``L`` = ``rollout/spec_accept_length`` tokens, so
+
+    speedup ~= L / (1 + k * c)          (break-even accepted length: L = 1 + k * c)
+
+(the decode speedup of ``acceptance.expected_speedup`` with the measured ``L`` in place of ``E``;
+verification overhead is not counted, so the real speedup is lower). The message shows the numbers and,
+from the measured per-position rates, the speedup each smaller ``k`` would give
+(``L_k' = 1 + sum_{i<k'} rate_pos_i``).
+
+**Which estimate is compared.** vLLM 0.31 drafts greedily by default
+(``speculative_config.draft_sample_method="greedy"``): a draft is accepted with probability
+``p_main[argmax q]``, the probe's ``mtp_argmax_draft_accept_rate``, which at high entropy is far below
+the speculative-sampling overlap ``mtp_expected_accept_rate`` (uniform p = q over 10 tokens: overlap
+1.0, greedy draft 0.1). ``expected_key=None`` (default) therefore compares with
+``actor/mtp_argmax_draft_accept_rate`` for greedy drafting when the metrics have it, and with
+``actor/mtp_expected_accept_rate`` otherwise. The estimate is the depth-1 rate, compared with
+``rollout/spec_accept_rate_pos_0`` (first draft position); without per-position data it is turned into
+the all-position rate ``(E(alpha, k) - 1) / k`` first.
+
+**Default draft cost** ``c = 0.064`` (Nemotron 3 Super, per-token active parameters, memory-bound
+decode): the MTP block ``*E`` (``eh_proj`` 8192x4096 = 33.6M, attention 35.7M, MoE with 22 of 512
+latent experts + shared expert + router 175.6M) plus the drafter's LM head (131072x4096 = 536.9M) is
+0.78B against the target's 12.23B (40 Mamba x 109.6M + 40 MoE x 175.6M + 8 attention x 35.7M + LM
+head): 0.78 / 12.23 = 0.064. The layer-count view agrees: 2/88 layers (0.023) + the LM head's share
+(0.044) = 0.067. At large decode batches, where every expert of every MoE layer is read, ``c`` falls
+to ~0.03. Set ``draft_cost`` for other models or measured costs.
+
+Config block (top-level plugin namespace; verl's ``RolloutConfig`` rejects unknown keys, so the block
+cannot live under ``actor_rollout_ref.rollout``)::
+
+    verl_mtp_plugin:
+      mtp_guard:
+        threshold: 0.5        # ratio rule: measured < threshold * expected
+        patience: 3           # ... for this many consecutive steps (also: slow-speculation rule)
+        zero_patience: 2      # zero rule: measured <= zero_rate for this many consecutive steps
+        zero_rate: 0.01
+        action: warn          # warn | fail | off
+        draft_cost: 0.064     # c in speedup ~= L / (1 + k c)
+        min_speedup: 1.0      # slow-speculation rule: warn below this estimated speedup
+        min_drafts: 100       # steps with fewer verify steps are not judged
+        expected_key: null    # null = auto (see above)
+
+On the command line the block needs Hydra's ``+``: ``+verl_mtp_plugin.mtp_guard.action=fail``.
+Importing this module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from verl_mtp_plugin.policy import MTPConfigError
+from verl_mtp_plugin.spec_metrics import (
+    ACCEPT_LENGTH_KEY,
+    ACCEPT_RATE_KEY,
+    COUNTER_RESET_KEY,
+    NUM_DRAFTS_KEY,
+    position_rates_from_metrics,
+    scalar_metric,
+)
+
+__all__ = [
+    "ACTIONS",
+    "ARGMAX_DRAFT_METRIC",
+    "DEFAULT_DRAFT_COST",
+    "EXPECTED_METRIC",
+    "GUARD_CONFIG_PATH",
+    "MTPDesyncError",
+    "MTPDesyncGuard",
+    "MTPDesyncWarning",
+    "MTPGuardConfig",
+    "MTPSlowSpeculationWarning",
+    "MTPSpecStatsMissingWarning",
+    "breakeven_accept_length",
+    "expected_all_position_rate",
+    "guard_from_verl_config",
+    "speedup_from_accept_length",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Where the guard's config block lives in a verl trainer config.
+GUARD_CONFIG_PATH = "verl_mtp_plugin.mtp_guard"
+#: Allowed ``action`` values.
+ACTIONS = ("warn", "fail", "off")
+#: Draft cost relative to one target decode step for Nemotron 3 Super's MTP block (module docstring).
+DEFAULT_DRAFT_COST = 0.064
+#: The engine's in-trainer estimates as verl logs them (``actor/`` + acceptance.EXPECTED_KEY / ARGMAX_DRAFT_KEY).
+EXPECTED_METRIC = "actor/mtp_expected_accept_rate"
+ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
+
+_GUARD_PREFIX = "mtp_guard/"
+_MTP = "actor_rollout_ref.model.mtp"
+_RO = "actor_rollout_ref.rollout"
+_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+_EXT = "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"
+
+
+class MTPDesyncError(RuntimeError):
+    """Raised by the guard with ``action="fail"``; the message names the likely causes and keys."""
+
+
+class MTPDesyncWarning(UserWarning):
+    """Measured rollout acceptance far below the trainer's estimate, or ~0, for several steps."""
+
+
+class MTPSlowSpeculationWarning(UserWarning):
+    """Speculation is estimated to make the rollout slower than no speculation."""
+
+
+class MTPSpecStatsMissingWarning(UserWarning):
+    """MTP rollout is on but no speculative-decoding statistics reached the step metrics."""
+
+
+# --------------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def speedup_from_accept_length(accept_length: float, k: int, draft_cost: float) -> float:
+    """Estimated decode speedup ``L / (1 + k * c)`` of speculation over plain decoding.
+
+    Args:
+        accept_length (float): measured tokens per verify step ``L`` (bonus token included).
+        k (int): draft tokens per verify step (``num_speculative_tokens``).
+        draft_cost (float): cost ``c`` of one draft step relative to one target step.
+
+    Returns:
+        float: the speedup (``< 1`` means speculation slows decoding down).
+    """
+    return float(accept_length) / (1.0 + int(k) * float(draft_cost))
+
+
+def breakeven_accept_length(k: int, draft_cost: float) -> float:
+    """Accepted length at which speculation with ``k`` drafts breaks even: ``1 + k * c``."""
+    return 1.0 + int(k) * float(draft_cost)
+
+
+def expected_all_position_rate(alpha: float, k: int) -> float:
+    """All-position acceptance rate (``accepted / draft tokens``) expected from a per-draft rate ``alpha``
+    with ``k`` drafts: ``(alpha + ... + alpha^k) / k = (E(alpha, k) - 1) / k`` (``alpha`` for ``k = 1``)."""
+    k = max(int(k), 1)
+    return sum(float(alpha) ** i for i in range(1, k + 1)) / k
+
+
+# --------------------------------------------------------------------------------------------------
+# config
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _config_errors(values: Mapping[str, Any], path: str) -> list[str]:
+    errs: list[str] = []
+
+    def bad(name: str, rule: str) -> None:
+        errs.append(f"{path}.{name}={values[name]!r}: {rule}")
+
+    if "threshold" in values and not (_is_real(values["threshold"]) and 0 < values["threshold"] <= 1):
+        bad("threshold", "must be a number in (0, 1] (warn when measured < threshold x expected)")
+    for name in ("patience", "zero_patience"):
+        if name in values and not (_is_int(values[name]) and values[name] >= 1):
+            bad(name, "must be an integer >= 1 (consecutive steps)")
+    if "zero_rate" in values and not (_is_real(values["zero_rate"]) and 0 <= values["zero_rate"] < 1):
+        bad("zero_rate", "must be a number in [0, 1)")
+    if "action" in values and values["action"] not in ACTIONS:
+        bad("action", f"allowed values: {list(ACTIONS)}")
+    if "draft_cost" in values and not (_is_real(values["draft_cost"]) and values["draft_cost"] >= 0):
+        bad("draft_cost", "must be a finite number >= 0 (draft step cost relative to a target step)")
+    if "min_speedup" in values and not (_is_real(values["min_speedup"]) and values["min_speedup"] > 0):
+        bad("min_speedup", "must be a finite number > 0")
+    if "min_drafts" in values and not (_is_int(values["min_drafts"]) and values["min_drafts"] >= 0):
+        bad("min_drafts", "must be an integer >= 0")
+    if "expected_key" in values and values["expected_key"] is not None and not (
+        isinstance(values["expected_key"], str) and values["expected_key"]
+    ):
+        bad("expected_key", "must be a metric name (e.g. actor/mtp_expected_accept_rate) or null for auto")
+    return errs
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPGuardConfig:
+    """Settings of :class:`MTPDesyncGuard` (block ``verl_mtp_plugin.mtp_guard``).
+
+    Attributes:
+        threshold (float): ratio rule: measured acceptance < ``threshold`` x expected. Default 0.5.
+        patience (int): consecutive steps for the ratio rule and the slow-speculation rule. Default 3.
+        zero_patience (int): consecutive steps for the zero rule. Default 2.
+        zero_rate (float): acceptance at or below this counts as zero. Default 0.01.
+        action (str): ``warn`` (default), ``fail`` (raise :class:`MTPDesyncError` on desync; the
+            slow-speculation rule only warns) or ``off``.
+        draft_cost (float): ``c`` in ``speedup ~= L / (1 + k c)``. Default 0.064 (Nemotron 3 Super).
+        min_speedup (float): slow-speculation rule: warn when the estimated speedup is below. Default 1.0.
+        min_drafts (int): steps with fewer verify steps (``rollout/spec_num_drafts``) are not judged.
+            Default 100.
+        expected_key (str | None): metric holding the trainer's estimate; None = auto (module docstring).
+
+    Raises:
+        MTPConfigError: invalid values, all listed, each with its full key.
+    """
+
+    threshold: float = 0.5
+    patience: int = 3
+    zero_patience: int = 2
+    zero_rate: float = 0.01
+    action: str = "warn"
+    draft_cost: float = DEFAULT_DRAFT_COST
+    min_speedup: float = 1.0
+    min_drafts: int = 100
+    expected_key: str | None = None
+
+    def __post_init__(self):
+        errs = _config_errors(dataclasses.asdict(self), GUARD_CONFIG_PATH)
+        if errs:
+            raise MTPConfigError("invalid MTP desync guard config:\n  - " + "\n  - ".join(errs))
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any] | None, *, path: str = GUARD_CONFIG_PATH) -> "MTPGuardConfig":
+        """Build from a config block (dict or omegaconf ``DictConfig``); missing keys keep their defaults.
+
+        Args:
+            block: ``{threshold, patience, zero_patience, zero_rate, action, draft_cost, min_speedup,
+                min_drafts, expected_key}`` (any subset) or None.
+            path (str): the block's key path, used in error messages.
+
+        Raises:
+            MTPConfigError: unknown keys and invalid values, all in one message naming ``path.<key>``.
+        """
+        values = dict(_plain(block) or {})
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        errs = [
+            f"{path}.{k}: unknown key; allowed keys: {allowed}" for k in values if k not in allowed
+        ]
+        if isinstance(values.get("action"), str):
+            values["action"] = values["action"].strip().lower()
+        errs += _config_errors({k: v for k, v in values.items() if k in allowed}, path)
+        if errs:
+            raise MTPConfigError("invalid MTP desync guard config:\n  - " + "\n  - ".join(errs))
+        return cls(**values)
+
+    @classmethod
+    def from_verl_config(cls, config: Any) -> "MTPGuardConfig":
+        """Read ``verl_mtp_plugin.mtp_guard`` from a composed verl trainer config (defaults when absent).
+
+        Raises:
+            MTPConfigError: invalid block, or a block placed under ``actor_rollout_ref.rollout.mtp_guard``
+                (verl 0.9.1 builds ``RolloutConfig`` from that node and fails on the unknown key).
+        """
+        misplaced = _get(config, f"{_RO}.mtp_guard")
+        if misplaced is not None:
+            raise MTPConfigError(
+                f"{_RO}.mtp_guard is not a verl key: verl instantiates RolloutConfig from {_RO} and fails with "
+                f"\"unexpected keyword argument 'mtp_guard'\"; move the block to {GUARD_CONFIG_PATH} "
+                f"(+{GUARD_CONFIG_PATH}.<key>=... on the command line)"
+            )
+        return cls.from_dict(_get(config, GUARD_CONFIG_PATH))
+
+
+# --------------------------------------------------------------------------------------------------
+# the guard
+
+
+class MTPDesyncGuard:
+    """Per-step check of rollout acceptance against the trainer's estimate (see the module docstring).
+
+    Args:
+        config (MTPGuardConfig | Mapping | None): settings (a mapping goes through
+            :meth:`MTPGuardConfig.from_dict`); None = defaults.
+        num_speculative_tokens (int | None): ``k``; used when the metrics carry no per-position rates.
+        speculation (bool): MTP rollout is on; when False the guard does nothing.
+        draft_sample_method (str): vLLM ``speculative_config.draft_sample_method`` (``greedy``, vLLM's
+            default, or ``probabilistic``); selects the estimate when ``expected_key`` is None.
+
+    Attributes:
+        last_message (str | None): the last warning/error text.
+    """
+
+    def __init__(
+        self,
+        config: "MTPGuardConfig | Mapping[str, Any] | None" = None,
+        *,
+        num_speculative_tokens: int | None = None,
+        speculation: bool = True,
+        draft_sample_method: str = "greedy",
+    ):
+        if config is None:
+            config = MTPGuardConfig()
+        elif not isinstance(config, MTPGuardConfig):
+            config = MTPGuardConfig.from_dict(config)
+        if num_speculative_tokens is not None and not (_is_int(num_speculative_tokens) and num_speculative_tokens >= 1):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
+        self.config = config
+        self.num_speculative_tokens = num_speculative_tokens
+        self.speculation = bool(speculation)
+        self.draft_sample_method = str(draft_sample_method or "greedy")
+        self.last_message: str | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all streaks (e.g. after a deliberate drafter change)."""
+        self.low_streak = 0
+        self.zero_streak = 0
+        self.slow_streak = 0
+        self.desync_streak = 0
+        self.missing_streak = 0
+        self._warned_missing = False
+        self._steps = 0
+        self._reset_steps: list[Any] = []
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _expected(self, metrics: Mapping[str, Any]) -> tuple[float | None, str | None]:
+        if self.config.expected_key is not None:
+            return scalar_metric(metrics, self.config.expected_key), self.config.expected_key
+        keys = [EXPECTED_METRIC]
+        if self.draft_sample_method == "greedy":
+            keys = [ARGMAX_DRAFT_METRIC, EXPECTED_METRIC]
+        for key in keys:
+            v = scalar_metric(metrics, key)
+            if v is not None:
+                return v, key
+        return None, None
+
+    def _act(self, message: str, category: type[Warning], *, may_fail: bool) -> None:
+        # Full text in the warning / exception, the headline in the log (no double-printed essay).
+        self.last_message = message
+        headline = message.splitlines()[0]
+        if may_fail and self.config.action == "fail":
+            logger.error("%s (raising MTPDesyncError)", headline)
+            raise MTPDesyncError(message)
+        logger.warning("%s (details in %s)", headline, category.__name__)
+        warnings.warn(message, category, stacklevel=3)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def observe(self, metrics: Mapping[str, Any], step: Any = None) -> dict[str, float]:
+        """Judge one training step.
+
+        Args:
+            metrics: the step's metric dict (verl's, with :mod:`verl_mtp_plugin.spec_metrics` merged in):
+                ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``,
+                ``rollout/spec_accept_rate_pos_{k}``, ``rollout/spec_num_drafts``,
+                ``rollout/spec_counter_reset`` and the trainer estimate (``actor/mtp_*_accept_rate``).
+            step: the training step (for messages); default: the number of calls so far.
+
+        Returns:
+            dict[str, float]: ``mtp_guard/*`` metrics for the step (empty when the guard is off or MTP
+            rollout is off).
+
+        Raises:
+            MTPDesyncError: ``action="fail"`` and a desync rule fired.
+        """
+        cfg = self.config
+        if cfg.action == "off" or not self.speculation:
+            return {}
+        self._steps += 1
+        step = self._steps if step is None else step
+
+        rate = scalar_metric(metrics, ACCEPT_RATE_KEY)
+        length = scalar_metric(metrics, ACCEPT_LENGTH_KEY)
+        pos = position_rates_from_metrics(metrics)
+        drafts = scalar_metric(metrics, NUM_DRAFTS_KEY)
+        if (scalar_metric(metrics, COUNTER_RESET_KEY) or 0.0) > 0:
+            self._reset_steps.append(step)
+        out: dict[str, float] = {}
+
+        if rate is None or (drafts is not None and drafts < max(cfg.min_drafts, 1)):
+            self.missing_streak += 1
+            if self.missing_streak >= cfg.patience and not self._warned_missing:
+                self._warned_missing = True
+                self._act(self._missing_message(step, drafts), MTPSpecStatsMissingWarning, may_fail=False)
+            out[_GUARD_PREFIX + "low_accept_streak"] = float(self.low_streak)
+            out[_GUARD_PREFIX + "zero_accept_streak"] = float(self.zero_streak)
+            return out
+        self.missing_streak = 0
+
+        k = len(pos) or self.num_speculative_tokens or 1
+        alpha, key = self._expected(metrics)
+        if pos:
+            measured, expected, basis = pos[0], alpha, "first draft position (rollout/spec_accept_rate_pos_0)"
+        else:
+            measured = rate
+            expected = None if alpha is None else expected_all_position_rate(alpha, k)
+            basis = f"all {k} draft positions (rollout/spec_accept_rate; estimate mapped to (E(alpha,k)-1)/k)"
+        usable = expected is not None and expected > cfg.zero_rate
+
+        # ratio rule
+        if usable:
+            self.low_streak = self.low_streak + 1 if measured < cfg.threshold * expected else 0
+            out[_GUARD_PREFIX + "expected_accept_rate"] = float(expected)
+            out[_GUARD_PREFIX + "accept_ratio"] = measured / expected
+        # zero rule (not when the estimate itself says the head is useless)
+        if rate <= cfg.zero_rate and (expected is None or usable):
+            self.zero_streak += 1
+        else:
+            self.zero_streak = 0
+        out[_GUARD_PREFIX + "measured_accept_rate"] = float(measured)
+
+        # One incident, one report: the two rules share the episode; it is reported when it starts and
+        # every `patience` steps while it lasts.
+        low_holds = self.low_streak >= cfg.patience
+        desync = low_holds or self.zero_streak >= cfg.zero_patience
+        self.desync_streak = self.desync_streak + 1 if desync else 0
+        fire = desync and (self.desync_streak - 1) % cfg.patience == 0
+        out[_GUARD_PREFIX + "low_accept_streak"] = float(self.low_streak)
+        out[_GUARD_PREFIX + "zero_accept_streak"] = float(self.zero_streak)
+        out[_GUARD_PREFIX + "desync"] = 1.0 if desync else 0.0
+
+        # slow-speculation rule
+        slow_msg = None
+        if length is not None:
+            speedup = speedup_from_accept_length(length, k, cfg.draft_cost)
+            out[_GUARD_PREFIX + "est_speedup"] = speedup
+            out[_GUARD_PREFIX + "breakeven_accept_length"] = breakeven_accept_length(k, cfg.draft_cost)
+            self.slow_streak = self.slow_streak + 1 if speedup < cfg.min_speedup else 0
+            slow_due = self.slow_streak >= cfg.patience and (self.slow_streak - cfg.patience) % cfg.patience == 0
+            if slow_due and not desync:  # a desync report already explains a slow rollout
+                slow_msg = self._slow_message(step, length, k, pos, speedup)
+
+        if fire:
+            self._act(
+                self._desync_message(
+                    step, rate=rate, length=length, pos=pos, drafts=drafts, measured=measured, expected=expected,
+                    alpha=alpha, key=key, basis=basis, zero=not low_holds,
+                ),
+                MTPDesyncWarning,
+                may_fail=True,
+            )
+        if slow_msg is not None:
+            self._act(slow_msg, MTPSlowSpeculationWarning, may_fail=False)
+        return out
+
+    # ---- messages --------------------------------------------------------------------------------------
+    def _desync_message(self, step, *, rate, length, pos, drafts, measured, expected, alpha, key, basis, zero) -> str:
+        cfg = self.config
+        lines = []
+        if zero:
+            lines.append(
+                f"MTP drafter desync suspected at step {step}: rollout acceptance {rate:.4f} <= "
+                f"zero_rate {cfg.zero_rate} for {self.zero_streak} consecutive steps "
+                f"({GUARD_CONFIG_PATH}.zero_patience={cfg.zero_patience}) while MTP rollout is on."
+            )
+        else:
+            lines.append(
+                f"MTP drafter desync suspected at step {step}: measured acceptance {measured:.4f} < "
+                f"{cfg.threshold} x expected {expected:.4f} (ratio {measured / expected:.3f}) for "
+                f"{self.low_streak} consecutive steps ({GUARD_CONFIG_PATH}.threshold={cfg.threshold}, "
+                f"patience={cfg.patience})."
+            )
+        pos_txt = ", ".join(f"{p:.3f}" for p in pos) if pos else "n/a"
+        lines.append(
+            f"  measured by vLLM this step: rollout/spec_accept_rate={rate:.4f}, "
+            f"rollout/spec_accept_length={'n/a' if length is None else f'{length:.3f}'}, "
+            f"per draft position [{pos_txt}], verify steps={'n/a' if drafts is None else int(drafts)}; "
+            f"compared on the {basis}."
+        )
+        if alpha is not None:
+            lines.append(
+                f"  expected by the trainer for the same policy version: {key}={alpha:.4f}"
+                + (f" (comparable value {expected:.4f})" if expected is not None and expected != alpha else "")
+                + "."
+            )
+        else:
+            lines.append(
+                f"  no trainer estimate in the metrics ({ARGMAX_DRAFT_METRIC} / {EXPECTED_METRIC}): frozen "
+                "mode never runs the MTP forward, or the engine does not log it."
+            )
+        if self._reset_steps:
+            lines.append(
+                f"  vLLM's speculative-decoding counters went backwards at step(s) {self._reset_steps[-5:]} "
+                "(engine restart): if acceptance fell right after, suspect causes 1 and 2."
+            )
+        lines.append("Likely causes and the config keys involved:")
+        lines.append(
+            "  1. Drafter not synced / names dropped: the trained MTP weights never reached vLLM's drafter, or its "
+            "loader skipped them silently (vLLM's NemotronHMTP.load_weights drops unknown names). Use the plugin's "
+            f"verified drafter sync, {_VLLM}.worker_extension_cls={_EXT} (VERL_MTP_SYNC_CHECKSUM=1 also compares "
+            f"digests); check {_MTP}.enable_train (frozen mode keeps the checkpoint drafter) and {_RO}.load_format "
+            "(dummy leaves a random drafter until the first sync)."
+        )
+        lines.append(
+            "  2. Sleep level 2 discarded the drafter weights: verl 0.9.1 has no sleep-level key; it sleeps vLLM at "
+            f"level 1 only when {_MTP}.enable=true and {_MTP}.enable_rollout=true, else at level 2 whenever "
+            f"{_RO}.free_cache_engine=true and {_RO}.enable_sleep_mode=true (speculation switched on only through "
+            f"{_VLLM}.speculative_config lands here)."
+        )
+        lines.append(
+            f"  3. Prefix caching without Mamba state rollback: {_RO}.enable_prefix_caching=true (or "
+            f"{_VLLM}.enable_prefix_caching) on a hybrid model needs {_VLLM}.mamba_cache_mode=align (vLLM #39809); "
+            f"or set {_RO}.enable_prefix_caching=false."
+        )
+        lines.append(
+            f"  4. The drafter ignores hf_overrides/YaRN: dict overrides in {_VLLM}.hf_overrides (rope_scaling, "
+            "max_position_embeddings, ...) reach the target model only (vLLM #58080): acceptance collapses on "
+            "long rollouts."
+        )
+        lines.append(
+            "  5. Temperature / draft-method mismatch: the estimate uses the temperature verl gives the actor "
+            f"({_RO}.temperature) while vLLM drafts with {_VLLM}.speculative_config.draft_sample_method (default "
+            f"greedy: compare with {ARGMAX_DRAFT_METRIC}); set {GUARD_CONFIG_PATH}.expected_key to the matching "
+            "estimate."
+        )
+        lines.append(
+            f"{GUARD_CONFIG_PATH}.action=fail stops the run on this, =off silences it "
+            f"(threshold/patience/zero_patience/zero_rate tune it)."
+        )
+        return "\n".join(lines)
+
+    def _slow_message(self, step, length: float, k: int, pos: list[float], speedup: float) -> str:
+        cfg = self.config
+        c = cfg.draft_cost
+        be = breakeven_accept_length(k, c)
+        lines = [
+            f"MTP speculation is estimated to slow the rollout down at step {step} ({self.slow_streak} consecutive "
+            f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k} draft tokens at draft "
+            f"cost c = {c} ({GUARD_CONFIG_PATH}.draft_cost): speedup ~= L / (1 + k*c) = {length:.3f} / "
+            f"(1 + {k}*{c}) = {speedup:.3f} < {cfg.min_speedup}; break-even L = 1 + k*c = {be:.3f}."
+        ]
+        if pos:
+            options = [(0, 1.0)]
+            for kk in range(1, len(pos) + 1):
+                options.append((kk, speedup_from_accept_length(1.0 + sum(pos[:kk]), kk, c)))
+            table = ", ".join(f"k={kk}: {s:.3f}" for kk, s in options)
+            best = max(options, key=lambda t: t[1])
+            lines.append(
+                f"  from the measured per-position acceptance, speedup by k (k=0: no speculation): {table}; "
+                f"best k = {best[0]}."
+            )
+        lines.append(
+            f"  Lower {_MTP}.num_speculative_tokens or switch speculation off ({_MTP}.enable_rollout=false); if "
+            "acceptance used to be higher, see the desync causes (drafter sync, sleep level). Verification "
+            "overhead is not counted: the real speedup is lower."
+        )
+        return "\n".join(lines)
+
+    def _missing_message(self, step, drafts) -> str:
+        what = (
+            f"only {int(drafts)} verify steps (< {GUARD_CONFIG_PATH}.min_drafts={self.config.min_drafts})"
+            if drafts is not None and drafts > 0
+            else "no speculative-decoding statistics"
+        )
+        return (
+            f"MTP rollout is on but step {step} has {what} for {self.missing_streak} consecutive steps, so the "
+            "desync guard cannot judge the drafter. vLLM's counters exist only with "
+            f"{_RO}.disable_log_stats=false (verl's default is true); per-request statistics need "
+            f"{_VLLM}.per_request_spec_decode_metrics=summary and a server that reads "
+            "CompletionOutput.spec_decode_metrics (verl 0.9.1 reads a field vLLM 0.31 does not have)."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# verl config
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with verl/hydra
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or (hasattr(node, "keys") and hasattr(node, "get")):
+            try:
+                if part not in node:
+                    return default
+                node = node[part]
+            except Exception:  # omegaconf: missing/unresolvable keys
+                return default
+        elif hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
+
+
+def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
+    """A guard set up from a composed verl trainer config.
+
+    Reads ``verl_mtp_plugin.mtp_guard`` (:meth:`MTPGuardConfig.from_verl_config`); speculation is on when
+    ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (verl's condition) or
+    ``actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config`` is set; ``k`` and the draft
+    method come from the speculative config verl builds (``engine_kwargs`` win, as in verl's
+    ``build_mtp_speculative_config``).
+    """
+    cfg = MTPGuardConfig.from_verl_config(config)
+    mtp = _get(config, _MTP) or {}
+    verl_spec = _truthy(_get(mtp, "enable", False)) and _truthy(_get(mtp, "enable_rollout", False))
+    user_spec = _plain(_get(config, f"{_VLLM}.speculative_config"))
+    if isinstance(user_spec, str):
+        user_spec = json.loads(user_spec)
+    user_spec = dict(user_spec or {})
+    k = user_spec.get("num_speculative_tokens")
+    if k is None and verl_spec:
+        k = _get(mtp, "num_speculative_tokens", 1)
+    return MTPDesyncGuard(
+        cfg,
+        num_speculative_tokens=int(k) if k is not None else None,
+        speculation=verl_spec or bool(user_spec),
+        draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
+    )
