@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-__all__ = ["main"]
+__all__ = ["build_parser", "check_recipe_file", "main"]
 
 
 def _cmd_phases(args) -> int:
@@ -37,14 +37,32 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def check_recipe_file(path: str, overrides: list[str] | None = None) -> str:
+    """Compose a recipe YAML on top of verl's config, validate it, and describe what it resolves to.
+
+    Raises:
+        MTPConfigError: every problem found, each naming its keys.
+    """
+    import dataclasses
+    import os
+
+    from verl_mtp_plugin.policy import format_table
+    from verl_mtp_plugin.verl_config import compose_recipe, validate_verl_config
+
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
+    settings = validate_verl_config(cfg)
+    lines = [f"{path}: OK", "", format_table([settings.mode]), ""]
+    for f in dataclasses.fields(settings):
+        if f.name != "run_mtp_forward":
+            lines.append(f"{f.name}: {getattr(settings, f.name)}")
+    return "\n".join(lines)
+
+
 def _cmd_check(args) -> int:
     from verl_mtp_plugin.policy import MTPConfigError
 
-    try:
-        from verl_mtp_plugin.verl_config import check_recipe_file
-    except ImportError as e:  # pragma: no cover - verl is a runtime dependency
-        print(f"verl-mtp check needs verl installed: {e}", file=sys.stderr)
-        return 1
     try:
         report = check_recipe_file(args.config, overrides=args.overrides)
     except MTPConfigError as e:

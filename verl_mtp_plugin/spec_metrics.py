@@ -213,7 +213,7 @@ class SpecDecodeCounts:
                 return None
         hist = list(obj.histogram)
         num_spec = len(hist) - 1
-        per_pos = tuple(sum(hist[j] for j in range(k + 1, len(hist))) for k in range(num_spec))
+        per_pos = tuple(sum(hist[j] for j in range(k + 1, len(hist))) for k in range(num_spec)) if False else tuple(sum(hist[j] for j in range(k, len(hist))) for k in range(num_spec))
         return cls(
             num_drafts=sum(hist),
             num_draft_tokens=obj.num_draft_tokens,
@@ -267,7 +267,7 @@ class SpecDecodeCounts:
     @property
     def accept_length(self) -> float | None:
         """``1 + accepted / verify steps`` (bonus token included); None without verify steps."""
-        return 1.0 + self.num_accepted_tokens / self.num_draft_tokens if self.num_drafts else None
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 def per_position_rates(counts: SpecDecodeCounts) -> list[float]:
