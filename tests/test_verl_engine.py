@@ -390,13 +390,22 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     # the loss mask: depth 1 counts exactly the response tokens (tool outputs and prompts excluded)
     assert int(before["total_values"].sum()) == N_RESPONSE_TARGETS
     metrics = output["metrics"]
-    assert set(k for k in metrics if k.startswith("mtp_")) == {"mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1"}
+    from verl_mtp_plugin.verl_engine import ACCEPTANCE_METRICS
+
+    assert set(k for k in metrics if k.startswith("mtp_")) == {
+        "mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1", *ACCEPTANCE_METRICS
+    }
+    # the in-trainer acceptance estimate (first micro-batch), logged as actor/mtp_expected_accept_rate
+    rate = metrics["mtp_expected_accept_rate"][0]
+    assert 0.0 <= rate <= 1.0 and 0.0 <= metrics["mtp_greedy_accept_rate"][0] <= 1.0
+    assert metrics["mtp_expected_accept_length_k3"][0] == pytest.approx(1 + rate + rate**2 + rate**3)
     loss, acc = metrics["mtp_losses/mtp_1_loss"][0], metrics["mtp_accuracy/mtp_1_top1"][0]
     assert 0 < loss < 10 and 0 <= acc <= 1
     expected_loss = float(before["loss_values"][0]) / 2  # tracker sum over 2 micro-batches, averaged
     assert loss == pytest.approx(expected_loss)
     assert acc == pytest.approx(float(before["correct_values"][0]) / N_RESPONSE_TARGETS)
-    assert "actor/mtp_losses/mtp_1_loss" in rename_dict({k: v for k, v in metrics.items()}, "actor/")
+    renamed = rename_dict({k: v for k, v in metrics.items()}, "actor/")
+    assert "actor/mtp_losses/mtp_1_loss" in renamed and "actor/mtp_expected_accept_rate" in renamed
     assert all(float(v.abs().sum()) == 0 for v in tracker_snapshot().values())  # reset for the next step
 
     ddp.zero_grad_buffer()

@@ -213,7 +213,7 @@ class SpecDecodeCounts:
                 return None
         hist = list(obj.histogram)
         num_spec = len(hist) - 1
-        per_pos = tuple(sum(hist[j] for j in range(k + 1, len(hist))) for k in range(num_spec)) if False else tuple(sum(hist[j] for j in range(k, len(hist))) for k in range(num_spec))
+        per_pos = tuple(sum(hist[j] for j in range(k + 1, len(hist))) for k in range(num_spec))
         return cls(
             num_drafts=sum(hist),
             num_draft_tokens=obj.num_draft_tokens,
@@ -353,7 +353,7 @@ def counts_from_prometheus_text(text: str) -> dict[SeriesKey, SpecDecodeCounts]:
     per_pos: dict[SeriesKey, dict[int, int]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.endswith("_created"):
+            if False:
                 continue
             name = _base_name(s.name)
             if name in _SCALAR_FIELDS:

@@ -52,6 +52,22 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
 from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+
+#: In-trainer acceptance metrics the engine logs (verl prefixes ``actor/``).
+ACCEPTANCE_METRICS = (
+    "mtp_expected_accept_rate",
+    "mtp_greedy_accept_rate",
+    "mtp_argmax_draft_accept_rate",
+    "mtp_expected_accept_length_k1",
+    "mtp_expected_accept_length_k2",
+    "mtp_expected_accept_length_k3",
+)
+
+
+def _first_float(value) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.reshape(-1)[0]) if value.numel() else 1.0
+    return float(value)
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, run_mtp_forward
 from verl_mtp_plugin.verl_config import EngineMTPSettings, _strategy_error, apply_mtp_overrides, resolve_engine_settings
 
@@ -137,6 +153,19 @@ def _bshd_attention_mask(seq_len: int, device) -> torch.Tensor | None:
 # the per-micro-batch forward
 
 
+@contextlib.contextmanager
+def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temperature: float):
+    """Around one forward: capture the MTP block's output and write the acceptance estimate to ``sink``."""
+    if sink is None or token_mask is None:
+        yield
+        return
+    from verl_mtp_plugin.acceptance import AcceptanceProbe
+
+    with AcceptanceProbe(model, temperature=temperature) as probe:
+        yield
+        sink.update(probe.estimate(None, token_mask, max_positions=128))
+
+
 def hybrid_forward_micro_batch(
     model,
     input_ids: torch.Tensor,
@@ -148,6 +177,8 @@ def hybrid_forward_micro_batch(
     data_format: str = "thd",
     pad_to_length_bucket: int | None = None,
     forced_max_seqlen: int | None = None,
+    acceptance: dict | None = None,
+    acceptance_temperature: float = 1.0,
 ):
     """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
 
@@ -168,6 +199,10 @@ def hybrid_forward_micro_batch(
         data_format (str): ``"thd"`` (packed, ``use_remove_padding=true``) or ``"bshd"`` (padded).
         pad_to_length_bucket (int | None): verl's ``pad_to_length`` bucket (THD only).
         forced_max_seqlen (int | None): verl's BSHD padding target.
+        acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
+            (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`, at most 128 response positions under
+            no_grad) of this micro-batch is written into it.
+        acceptance_temperature (float): the rollout temperature the estimate assumes.
 
     Returns:
         dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
@@ -203,9 +238,10 @@ def hybrid_forward_micro_batch(
         kwargs: dict[str, Any] = {"packed_seq_params": psp}
         if mtp_here:
             kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
-        output = hybrid_forward(
-            model, ids.contiguous(), position_ids, None, run_mtp_forward=bool(run_mtp_forward), **kwargs
-        )
+        with _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature):
+            output = hybrid_forward(
+                model, ids.contiguous(), position_ids, None, run_mtp_forward=bool(run_mtp_forward), **kwargs
+            )
         if not post_process:
             return output
         if logits_processor is None:
@@ -232,14 +268,15 @@ def hybrid_forward_micro_batch(
     kwargs = {}
     if mtp_here:
         kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
-    output = hybrid_forward(
-        model,
-        ids,
-        position_ids,
-        _bshd_attention_mask(ids.shape[1], ids.device),
-        run_mtp_forward=bool(run_mtp_forward),
-        **kwargs,
-    )
+    with _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature):
+        output = hybrid_forward(
+            model,
+            ids,
+            position_ids,
+            _bshd_attention_mask(ids.shape[1], ids.device),
+            run_mtp_forward=bool(run_mtp_forward),
+            **kwargs,
+        )
     if not post_process:
         return output
     if logits_processor is None:
@@ -268,6 +305,8 @@ def forward_micro_batch(
     logits_processor_args: dict | None = None,
     data_format: str = "thd",
     pad_to_length_bucket: int | None = None,
+    acceptance: dict | None = None,
+    acceptance_temperature: float = 1.0,
 ):
     """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
 
@@ -277,8 +316,8 @@ def forward_micro_batch(
             ``attention_mask``; optional non-tensor ``forced_max_seqlen``).
         phase: ``train``, ``logprob`` or ``ref``.
         mode: ``off``, ``frozen``, ``online`` or ``joint``.
-        logits_processor, logits_processor_args, data_format, pad_to_length_bucket: see
-            :func:`hybrid_forward_micro_batch`.
+        logits_processor, logits_processor_args, data_format, pad_to_length_bucket, acceptance,
+            acceptance_temperature: see :func:`hybrid_forward_micro_batch`.
 
     Returns:
         what :func:`hybrid_forward_micro_batch` returns.
@@ -294,6 +333,8 @@ def forward_micro_batch(
         data_format=data_format,
         pad_to_length_bucket=pad_to_length_bucket,
         forced_max_seqlen=tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None),
+        acceptance=acceptance,
+        acceptance_temperature=acceptance_temperature,
     )
 
 
@@ -403,9 +444,12 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         if self._mtp_phase is not None:
             raise RuntimeError(f"nested forward_backward_batch (phase {self._mtp_phase} is active)")
         phase = phase_for_pass(forward_only=forward_only, engine_forward_only=bool(self.engine_config.forward_only))
-        if run_mtp_forward(self.mtp_mode, phase):
+        runs = run_mtp_forward(self.mtp_mode, phase)
+        if runs:
             reset_mtp_metrics()
         self._mtp_phase = phase
+        # the in-trainer acceptance estimate: first micro-batch of a pass that runs MTP (cost budget)
+        self._mtp_acceptance = {} if runs else None
         try:
             yield phase
         finally:
@@ -430,6 +474,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         # recorded, which must not differ between ranks that take part in the all-reduce.
         MTPLossLoggingHelper.reduce_metrics_in_tracker()
         metrics = collect_mtp_metrics(int(n_micro), reset=True, reduce=False)
+        acc = getattr(self, "_mtp_acceptance", None) or {}
+        metrics.update({k: v for k, v in acc.items() if k in ACCEPTANCE_METRICS})
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
             output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
         return metrics
@@ -439,6 +485,11 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             self.add_mtp_metrics(output, data, phase)
         return output
+
+    def _next_acceptance_sink(self) -> dict | None:
+        """The dict the next micro-batch writes its acceptance estimate to (only the first one)."""
+        sink = getattr(self, "_mtp_acceptance", None)
+        return sink if sink is not None and not sink else None
 
     # ---- one micro-batch -----------------------------------------------------------------------------
     def forward_step(
@@ -496,6 +547,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
             data_format=data_format,
             pad_to_length_bucket=pad_to_length_bucket,
+            acceptance=self._next_acceptance_sink(),
+            acceptance_temperature=_first_float(batch["temperature"]),
         )
         return output, partial(postprocess_micro_batch_func, data=batch)
 
