@@ -256,6 +256,7 @@ def test_fast_speculation_does_not_warn_slow():
 # end to end on vLLM's counters
 
 
+@pytest.mark.vllm
 def test_end_to_end_on_vllm_counters_after_an_engine_restart():
     """Healthy steps, then an engine restart whose drafter lost its weights: vLLM's real counters
     (SpecDecodingStats -> SpecDecodingProm -> get_metrics_snapshot) -> tracker -> guard."""

@@ -129,6 +129,7 @@ def _vllm_logged(stats_list):
 # counters: vLLM's reader, /metrics text, HTTP
 
 
+@pytest.mark.vllm
 def test_snapshot_counts_equal_the_observed_scheduler_stats(prom):
     rng = random.Random(0)
     e0, e1 = _scheduler_steps(rng, 4, 25), _scheduler_steps(rng, 3, 10, p_accept=0.3)
@@ -143,6 +144,7 @@ def test_snapshot_counts_equal_the_observed_scheduler_stats(prom):
     assert len(snap[ENGINE0].accepted_per_pos) == K
 
 
+@pytest.mark.vllm
 def test_step_deltas_and_metrics_match_vllm_own_arithmetic(prom):
     rng = random.Random(1)
     tracker = SpecDecodeCounterTracker()
@@ -172,6 +174,7 @@ def test_step_deltas_and_metrics_match_vllm_own_arithmetic(prom):
     assert m[COUNTER_RESET_KEY] == 0.0
 
 
+@pytest.mark.vllm
 def test_prometheus_text_and_http_scrape_match_the_snapshot(prom, caplog):
     from prometheus_client import REGISTRY, generate_latest, start_http_server
 
@@ -199,6 +202,7 @@ def test_prometheus_text_and_http_scrape_match_the_snapshot(prom, caplog):
         scrape_spec_counters([addr], timeout=2.0, strict=True)
 
 
+@pytest.mark.vllm
 def test_no_log_stats_means_no_series():
     """Without vLLM's stat loggers (verl's default disable_log_stats=true) nothing is registered."""
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
@@ -214,6 +218,7 @@ def test_no_log_stats_means_no_series():
 # counter resets
 
 
+@pytest.mark.vllm
 def test_engine_restart_resets_counters_and_is_flagged(prom, spec_config):
     rng = random.Random(3)
     tracker = SpecDecodeCounterTracker()
@@ -240,6 +245,7 @@ def test_engine_restart_resets_counters_and_is_flagged(prom, spec_config):
     assert step.counts == total_counts(SpecDecodeCounts.from_stats(s) for s in nxt)
 
 
+@pytest.mark.vllm
 def test_partial_reset_with_reader_objects_built_directly():
     from vllm.v1.metrics.reader import Counter, Gauge, Vector
 
@@ -285,6 +291,7 @@ def _requests(rng, n):
     return reqs
 
 
+@pytest.mark.vllm
 def test_per_request_path_matches_verl_compute_spec_decode_metrics():
     from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
     from vllm.outputs import CompletionOutput
@@ -318,6 +325,7 @@ def test_per_request_path_matches_verl_compute_spec_decode_metrics():
         )
 
 
+@pytest.mark.vllm
 def test_counter_totals_match_verl_on_the_step_totals_and_differ_from_request_mean():
     from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
 
@@ -338,6 +346,7 @@ def test_counter_totals_match_verl_on_the_step_totals_and_differ_from_request_me
     assert per_request[NUM_ACCEPTED_KEY] == ours[NUM_ACCEPTED_KEY]
 
 
+@pytest.mark.vllm
 def test_per_position_aggregation_agrees_across_vllm_paths():
     """Same drafts through the scheduler's SpecDecodingStats and through per-request histograms."""
     from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
@@ -361,6 +370,7 @@ def test_per_position_aggregation_agrees_across_vllm_paths():
     assert 1.0 + sum(rates) == pytest.approx(from_stats.accept_length, rel=1e-12)
 
 
+@pytest.mark.vllm
 def test_missing_or_mixed_per_request_stats():
     from vllm.outputs import CompletionOutput
     from vllm.v1.metrics.stats import RequestSpecDecodeMetrics

@@ -16,8 +16,11 @@ the same policy version (:mod:`verl_mtp_plugin.acceptance`, logged by the engine
   trainer never runs the MTP forward and there is no estimate;
 
 warns (:class:`MTPDesyncWarning` through :mod:`warnings` with the full text, plus a one-line log
-record on this module's logger) or, with
-``action="fail"``, raises :class:`MTPDesyncError`. The message lists the measured and expected numbers
+record on this module's logger) or, with ``action="fail"``, raises :class:`MTPDesyncError`. Both rules
+feed one incident: it is reported on the step it starts and again every ``patience`` steps while it
+lasts; the per-step metrics ``mtp_guard/desync`` (0/1), ``mtp_guard/low_accept_streak``,
+``mtp_guard/zero_accept_streak``, ``mtp_guard/accept_ratio``, ``mtp_guard/est_speedup`` show it on
+every step. The message lists the measured and expected numbers
 and the likely causes with the config keys involved. It also warns (never raises) when speculation is
 **slower than no speculation**: with ``k`` draft tokens each costing ``c`` target steps, a verify step
 costs ``1 + k*c`` target steps and yields ``L`` = ``rollout/spec_accept_length`` tokens, so

@@ -352,9 +352,7 @@ def counts_from_prometheus_text(text: str) -> dict[SeriesKey, SpecDecodeCounts]:
     scalars: dict[SeriesKey, dict[str, int]] = {}
     per_pos: dict[SeriesKey, dict[int, int]] = {}
     for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if False:
-                continue
+        for s in family.samples:  # ``*_created`` gauges and other metrics fall through
             name = _base_name(s.name)
             if name in _SCALAR_FIELDS:
                 scalars.setdefault(_labels_key(s.labels), {})[_SCALAR_FIELDS[name]] = _as_count(s.value, name)
