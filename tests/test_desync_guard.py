@@ -5,6 +5,7 @@ SpecDecodingStats / Prometheus counters in the end-to-end test); estimates by ve
 """
 
 import copy
+import dataclasses
 import logging
 import warnings
 
@@ -209,7 +210,9 @@ def test_without_positions_the_estimate_is_mapped_to_all_positions():
     mapped = expected_all_position_rate(alpha, k)
     assert mapped == pytest.approx((expected_accept_length(alpha, k) - 1) / k)
     # verl-style per-request metrics: overall rate only, no per-position keys
-    per_request = [{"spec_num_draft_tokens": 3 * N, "spec_num_accepted_tokens": int(0.6 * 3 * N), "spec_num_verify_steps": N}]
+    per_request = [
+        {"spec_num_draft_tokens": 3 * N, "spec_num_accepted_tokens": int(0.6 * 3 * N), "spec_num_verify_steps": N}
+    ]
     good = {**spec_metrics_from_requests(per_request), EXPECTED_METRIC: alpha}
     outs, rec = run(MTPDesyncGuard(num_speculative_tokens=k), [good] * 4)
     assert rec == [] and outs[0]["mtp_guard/expected_accept_rate"] == pytest.approx(mapped)
@@ -332,6 +335,20 @@ def test_config_from_dict_collects_every_error_with_full_keys():
         MTPGuardConfig(zero_patience=0)
 
 
+@pytest.mark.vllm
+def test_vllm_keys_named_in_messages_exist_in_vllm():
+    """engine_kwargs.vllm.* keys the messages name are vLLM 0.31.0 engine arguments; greedy is the
+    default draft method (which is why the auto estimate is the argmax-draft one)."""
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_args = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in ("worker_extension_cls", "mamba_cache_mode", "hf_overrides", "enable_prefix_caching",
+                "speculative_config", "per_request_spec_decode_metrics", "disable_log_stats"):
+        assert key in engine_args, key
+    assert SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default == "greedy"
+
+
 @pytest.fixture(scope="module")
 def verl_base():
     """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
@@ -356,7 +373,7 @@ def verl_base():
     return cfg
 
 
-def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base):
+def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base, caplog):
     from omegaconf import OmegaConf, open_dict
 
     from verl.utils.config import omega_conf_to_dataclass
@@ -367,7 +384,13 @@ def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base):
     for key in ("enable_train", "enable_rollout"):
         assert OmegaConf.select(verl_base, f"actor_rollout_ref.model.mtp.{key}") is not None, key
 
-    guard = guard_from_verl_config(verl_base)
+    from verl.workers.config import RolloutConfig
+
+    assert "enable_sleep_mode" in {f.name for f in dataclasses.fields(RolloutConfig)}  # a field, not in the YAML
+
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.desync_guard"):
+        guard = guard_from_verl_config(verl_base)  # verl's default disable_log_stats=true
+    assert "actor_rollout_ref.rollout.disable_log_stats=true" in caplog.text
     assert (guard.config.threshold, guard.config.action, guard.num_speculative_tokens) == (0.3, "fail", 2)
     assert guard.speculation and guard.draft_sample_method == "greedy"
     # the top-level block leaves verl's own rollout config intact
@@ -383,6 +406,11 @@ def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base):
     guard = guard_from_verl_config(cfg)
     assert guard.num_speculative_tokens == 3 and guard.draft_sample_method == "probabilistic"
     cfg = copy.deepcopy(verl_base)
+    cfg.actor_rollout_ref.rollout.disable_log_stats = False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.desync_guard"):
+        guard_from_verl_config(cfg)
+    assert "disable_log_stats" not in caplog.text
     cfg.actor_rollout_ref.model.mtp.enable_rollout = False
     assert not guard_from_verl_config(cfg).speculation
 

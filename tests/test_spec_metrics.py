@@ -300,7 +300,9 @@ def test_per_request_path_matches_verl_compute_spec_decode_metrics():
     reqs = _requests(rng, 12)
     # half of them as the CompletionOutput verl's server gets from vLLM 0.31.0
     outputs = [
-        CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None, spec_decode_metrics=r)
+        CompletionOutput(
+            index=0, text="", token_ids=[1], cumulative_logprob=None, logprobs=None, spec_decode_metrics=r
+        )
         if i % 2
         else r
         for i, r in enumerate(reqs)
@@ -410,9 +412,10 @@ def test_bad_counts_are_rejected():
 
 
 def test_modules_import_without_heavy_dependencies():
+    heavy = ("torch", "vllm", "verl", "megatron", "prometheus_client", "omegaconf")
     code = (
         "import sys, verl_mtp_plugin.spec_metrics, verl_mtp_plugin.desync_guard;"
-        "print(sorted(m for m in ('torch','vllm','verl','megatron','prometheus_client','omegaconf') if m in sys.modules))"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

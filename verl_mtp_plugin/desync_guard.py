@@ -626,7 +626,8 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (verl's condition) or
     ``actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config`` is set; ``k`` and the draft
     method come from the speculative config verl builds (``engine_kwargs`` win, as in verl's
-    ``build_mtp_speculative_config``).
+    ``build_mtp_speculative_config``). Logs a warning when speculation is on while
+    ``actor_rollout_ref.rollout.disable_log_stats`` is true (verl's default): vLLM then keeps no counters.
     """
     cfg = MTPGuardConfig.from_verl_config(config)
     mtp = _get(config, _MTP) or {}
@@ -638,9 +639,16 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     k = user_spec.get("num_speculative_tokens")
     if k is None and verl_spec:
         k = _get(mtp, "num_speculative_tokens", 1)
+    speculation = verl_spec or bool(user_spec)
+    if speculation and cfg.action != "off" and _truthy(_get(config, f"{_RO}.disable_log_stats", True)):
+        logger.warning(
+            "%s.disable_log_stats=true: vLLM keeps no speculative-decoding counters, so rollout acceptance "
+            "metrics and the MTP desync guard get no data from them; set it to false",
+            _RO,
+        )
     return MTPDesyncGuard(
         cfg,
         num_speculative_tokens=int(k) if k is not None else None,
-        speculation=verl_spec or bool(user_spec),
+        speculation=speculation,
         draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
     )

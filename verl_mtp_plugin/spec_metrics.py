@@ -250,7 +250,8 @@ class SpecDecodeCounts:
 
     def minus(self, previous: "SpecDecodeCounts") -> "SpecDecodeCounts":
         """``self - previous`` for a counter that did not go backwards (see :meth:`went_backwards_from`)."""
-        prev_pos = previous.accepted_per_pos + (0,) * max(0, len(self.accepted_per_pos) - len(previous.accepted_per_pos))
+        pad = max(0, len(self.accepted_per_pos) - len(previous.accepted_per_pos))
+        prev_pos = previous.accepted_per_pos + (0,) * pad
         return SpecDecodeCounts(
             self.num_drafts - previous.num_drafts,
             self.num_draft_tokens - previous.num_draft_tokens,
@@ -556,8 +557,10 @@ def spec_metrics_from_requests(requests: Iterable[Any]) -> dict[str, float]:
     n = len(present)
     total = total_counts(present)
     out = spec_metrics_from_counts(total)
-    out[ACCEPT_RATE_KEY] = sum(c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0 for c in present) / n
-    out[ACCEPT_LENGTH_KEY] = sum(1.0 + c.num_accepted_tokens / c.num_drafts if c.num_drafts else 0.0 for c in present) / n
+    rates = [c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0 for c in present]
+    lengths = [1.0 + c.num_accepted_tokens / c.num_drafts if c.num_drafts else 0.0 for c in present]
+    out[ACCEPT_RATE_KEY] = sum(rates) / n
+    out[ACCEPT_LENGTH_KEY] = sum(lengths) / n
     if not any(c.accepted_per_pos for c in present):
         for k in [k for k in out if k.startswith("rollout/spec_accept_rate_pos_")]:
             del out[k]
