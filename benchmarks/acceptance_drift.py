@@ -1,0 +1,806 @@
+"""Acceptance under policy drift (issue 7): online isolated MTP vs frozen MTP (and joint) under GRPO.
+
+What it shows: how the speculative-decoding acceptance of the MTP drafter evolves while RL moves the
+policy, for the plugin's modes, from one pretrained checkpoint, with identical seeds.
+
+1. **Pretrain** a small Nemotron-3-shaped megatron-core ``HybridModel`` (Mamba ``M``, attention ``*``,
+   MoE ``E`` main layers; MTP depth 1 ``*E``) on a synthetic language, MTP trained jointly (megatron's
+   MTP loss, factor 0.3), and save the checkpoint (``--ckpt``). The language ("noisy progressions"):
+   ``<bos> d0 d1 d2 d3`` (a clean arithmetic progression modulo ``num_digits`` with step 1..``max_step``)
+   followed by a continuation in which each token is the next progression digit with probability
+   ``1 - noise`` and one of ``num_fillers`` filler tokens (uniformly) otherwise; the progression keeps
+   advancing under fillers, so both the policy and the MTP head need the context (step, position),
+   not only the last token. Policy entropy ~0.5 nats per token: the MTP head can be accurate, so the
+   pretrained expected acceptance is far above chance.
+2. **RL**, three arms from the same checkpoint with identical seeds, stepped in lock-step (a deadline
+   stops all arms after the same step): GRPO with verl's ``compute_grpo_outcome_advantage`` and verl's
+   registered ``vanilla`` policy loss (``get_policy_loss_fn("vanilla")`` with a
+   ``verl.workers.config.ActorConfig``), one on-policy update per step, rollouts by plain batched
+   autoregressive sampling (temperature 1) from the current policy. Reward: the fraction of response
+   tokens that are fillers (a token class the pretrained policy emits ~10% of the time), so the
+   policy drifts measurably away from the pretrained one.
+
+   * ``frozen``: ``configure_transformer_config(cfg, "frozen")``, ``freeze_mtp`` before the optimizer;
+     ``run_mtp_forward("frozen", phase)`` is False in every phase, so the MTP head stays at the checkpoint.
+   * ``online``: ``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``
+     (``mtp_detach_heads=True``); the train forward runs MTP (``run_mtp_forward("online", "train")``)
+     with ``labels=None`` and ``loss_mask`` = the token-coordinate response mask, so megatron's MTP
+     loss is computed on the sampled response tokens and reaches the MTP parameters only.
+   * ``joint``: ``configure_transformer_config(cfg, "joint", mtp_loss_scaling_factor=0.1)`` (the
+     factor of ``recipes/nemotron3_super_mtp/config/grpo_joint.yaml``): the MTP loss also trains the trunk.
+
+   Gradient clipping is applied separately to the base (non-MTP) and the MTP parameters, so in the
+   online arm the MTP gradient cannot change the base update through a shared clip norm: frozen and
+   online then follow the same policy trajectory (up to GPU nondeterminism), and the frozen arm is the
+   online arm's counterfactual drafter.
+3. **Measured per step, the same way for every arm**: on a fixed held-out prompt batch, fresh samples
+   from the CURRENT policy (drawn in the same batched sampling call as the rollout, never trained on);
+   one forward of the current model with the MTP block run (``hybrid_forward(..., run_mtp_forward=True)``,
+   eval, no grad) with an :class:`~verl_mtp_plugin.acceptance.AcceptanceProbe` attached, estimating over
+   every counted response position: expected acceptance rate (speculative-sampling overlap
+   ``sum_v min(p_main, q_mtp)``, temperature 1), greedy agreement, argmax-draft acceptance; the implied
+   mean accepted length ``E_k`` and speedup ``E_k / (1 + k c)`` for ``k = 1, 2, 3`` (``--draft-cost c``);
+   KL(current || start policy) and entropy per response token (exact, over the vocabulary, at the
+   held-out sampled positions); held-out reward (filler rate); "on-language" rate (fraction of response
+   tokens that are the right progression digit or a filler). Also logged: the rollout reward, the
+   policy loss, megatron's MTP loss / top-1 (online, joint) and the probe's in-trainer estimate on the
+   train forward (online, joint), what the verl engine logs as ``actor/mtp_expected_accept_rate``.
+
+Outputs (``--out``): ``acceptance_drift_<tag>.jsonl`` (one row per pretrain log point / arm and step),
+``acceptance_drift_<tag>_meta.json`` (configuration, environment, summary vs the goal) and, with
+``--plot`` (or ``--plot-only``, from an existing JSONL), ``acceptance_drift_<tag>.png``.
+
+Commands::
+
+    # CPU check (tiny sizes, a few steps; megatron's CPU Mamba reference, no GPU):
+    .venv/bin/python benchmarks/acceptance_drift.py --device cpu --tiny --out /tmp/drift --plot
+    # H200 (see benchmarks/RESULTS.md, "Acceptance under policy drift (issue 7)"):
+    python3 benchmarks/acceptance_drift.py --device cuda --out $OUT --tag h200 --budget 330
+    # plot from the returned JSONL:
+    .venv/bin/python benchmarks/acceptance_drift.py --plot-only --out benchmarks/results --tag h200
+
+On a GPU machine without ray (its wheel is larger than what a device call may carry) the verl
+import path registers a placeholder ``ray`` module; see :func:`import_verl_algorithms`.
+``--make-deps-bundle PATH`` writes the tarball of the pure-Python verl dependencies that the GPU
+command unpacks (built from this machine's ``.venv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+import types
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+T0 = time.time()
+ARMS = ("frozen", "online", "joint")
+#: mtp_loss_scaling_factor per trained mode: online as recipes/nemotron3_super_mtp/config/super_mtp_common.yaml,
+#: joint as recipes/nemotron3_super_mtp/config/grpo_joint.yaml.
+MTP_FACTOR = {"online": 0.3, "joint": 0.1}
+PRETRAIN_MTP_FACTOR = 0.3
+KS = (1, 2, 3)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def import_verl_algorithms():
+    """verl's GRPO advantage, policy-loss registry and ``ActorConfig``.
+
+    verl 0.9.1 imports ``ray`` at module level on this import path (``verl.protocol`` annotates
+    ``futures: list[ray.ObjectRef]``), but none of the functions used here touch ray. Where ray is not
+    installed (the GPU machine: its wheel alone exceeds what a device call may carry), a placeholder
+    module named ``ray`` holding only ``ObjectRef`` is registered first; any other use of it fails
+    with AttributeError. Where ray is installed nothing is registered.
+
+    Returns:
+        tuple: ``(compute_grpo_outcome_advantage, get_policy_loss_fn, ActorConfig)``.
+    """
+    if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
+        ray = types.ModuleType("ray")
+        ray.__doc__ = "placeholder: ray is not installed here; only the ObjectRef annotation verl.protocol needs"
+
+        class ObjectRef:  # noqa: D401 - annotation target only
+            """Placeholder for ray.ObjectRef (annotations only)."""
+
+        ray.ObjectRef = ObjectRef
+        sys.modules["ray"] = ray
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
+    from verl.workers.config import ActorConfig
+
+    return compute_grpo_outcome_advantage, get_policy_loss_fn, ActorConfig
+
+
+#: Pure-Python packages the verl import path needs that the GPU image lacks (torch, numpy, transformers,
+#: pyyaml, cloudpickle, pynvml, ... are there).
+DEPS_BUNDLE_PACKAGES = ("verl", "tensordict", "omegaconf", "antlr4", "dill", "pyvers", "orjson", "codetiming",
+                        "jmespath")
+
+
+def make_deps_bundle(path: str) -> None:
+    """Tar the installed packages of :data:`DEPS_BUNDLE_PACKAGES` (with their dist-info) into ``path``."""
+    import glob
+    import tarfile
+
+    import verl
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(verl.__file__)))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name in DEPS_BUNDLE_PACKAGES:
+            paths = [os.path.join(site, name)] + glob.glob(os.path.join(site, f"{name}*.dist-info"))
+            paths += glob.glob(os.path.join(site, f"{name.replace('antlr4', 'antlr4_python3_runtime')}*.dist-info"))
+            found = [p for p in paths if os.path.exists(p)]
+            if not found or not os.path.exists(paths[0]):
+                raise SystemExit(f"--make-deps-bundle: package {name!r} not found in {site}")
+            for p in sorted(set(found)):
+                tar.add(p, arcname=os.path.basename(p),
+                        filter=lambda ti: None if "__pycache__" in ti.name else ti)
+    print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB): {', '.join(DEPS_BUNDLE_PACKAGES)}")
+
+
+# --------------------------------------------------------------------------- the synthetic language
+
+
+@dataclasses.dataclass
+class Language:
+    """Noisy progressions. Token ids: 0 pad, 1 bos, ``2 .. 2+D-1`` digits, then ``F`` filler tokens.
+
+    A sequence is ``<bos>`` + ``prompt_digits`` clean progression digits ``v_0, v_0+s, ...`` (mod D,
+    step ``s`` in 1..``max_step``) + ``response_len`` continuation tokens: token ``t`` is the digit
+    ``v_t`` with probability ``1 - noise`` and a uniformly chosen filler otherwise (the hidden
+    progression advances either way).
+    """
+
+    num_digits: int = 20
+    num_fillers: int = 8
+    max_step: int = 4
+    noise: float = 0.1
+    prompt_digits: int = 4
+    response_len: int = 24
+    vocab_size: int = 32
+
+    def __post_init__(self):
+        if 2 + self.num_digits + self.num_fillers > self.vocab_size:
+            raise ValueError("vocab_size too small for num_digits + num_fillers + 2")
+
+    @property
+    def prompt_len(self) -> int:
+        return 1 + self.prompt_digits
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def filler_lo(self) -> int:
+        return 2 + self.num_digits
+
+    def _start(self, n: int, gen: torch.Generator):
+        v0 = torch.randint(0, self.num_digits, (n, 1), generator=gen)
+        step = torch.randint(1, self.max_step + 1, (n, 1), generator=gen)
+        return v0, step
+
+    def _digits(self, v0, step, t: torch.Tensor) -> torch.Tensor:
+        return (v0 + step * t[None, :]) % self.num_digits + 2
+
+    def prompts(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """``[n, prompt_len]`` prompts (CPU)."""
+        v0, step = self._start(n, gen)
+        d = self._digits(v0, step, torch.arange(self.prompt_digits))
+        return torch.cat([torch.ones(n, 1, dtype=torch.long), d], dim=1)
+
+    def sample(self, n: int, gen: torch.Generator) -> torch.Tensor:
+        """``[n, seq_len]`` pretraining sequences (CPU)."""
+        v0, step = self._start(n, gen)
+        t = torch.arange(self.prompt_digits + self.response_len)
+        d = self._digits(v0, step, t)
+        noisy = torch.rand(n, self.response_len, generator=gen) < self.noise
+        fill = torch.randint(0, self.num_fillers, (n, self.response_len), generator=gen) + self.filler_lo
+        resp = torch.where(noisy, fill, d[:, self.prompt_digits:])
+        return torch.cat([torch.ones(n, 1, dtype=torch.long), d[:, : self.prompt_digits], resp], dim=1)
+
+    def is_filler(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens >= self.filler_lo) & (tokens < self.filler_lo + self.num_fillers)
+
+    def reward(self, responses: torch.Tensor) -> torch.Tensor:
+        """``[n]`` fraction of response tokens that are fillers."""
+        return self.is_filler(responses).float().mean(dim=1)
+
+    def on_language(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        """``[n]`` fraction of response tokens that are the right progression digit or a filler."""
+        a, b = prompts[:, 1] - 2, prompts[:, 2] - 2
+        step = (b - a) % self.num_digits
+        t = torch.arange(self.prompt_digits, self.prompt_digits + self.response_len, device=prompts.device)
+        right = (a[:, None] + step[:, None] * t[None, :]) % self.num_digits + 2
+        return ((responses == right) | self.is_filler(responses)).float().mean(dim=1)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def model_spec(tiny: bool):
+    from verl_mtp_plugin.testing import TinyHybridSpec
+
+    if tiny:
+        return TinyHybridSpec(
+            pattern="ME*E/*E", vocab_size=32, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+            num_query_groups=2, num_experts=4, moe_topk=2, moe_ffn_hidden_size=64,
+            moe_shared_expert_intermediate_size=64, moe_latent_size=None, mamba_state_dim=16, mamba_head_dim=16,
+            mamba_num_groups=1, max_sequence_length=64, params_dtype=torch.float32,
+            mtp_loss_scaling_factor=PRETRAIN_MTP_FACTOR,
+        )
+    # Nemotron-3-like alternation: 3 Mamba, 4 MoE, 1 attention main layers; MTP depth 1 = attention + MoE.
+    return TinyHybridSpec(
+        pattern="MEME*EME/*E", vocab_size=32, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+        num_query_groups=2, num_experts=8, moe_topk=2, moe_ffn_hidden_size=256,
+        moe_shared_expert_intermediate_size=256, moe_latent_size=None, mamba_state_dim=32, mamba_head_dim=32,
+        mamba_num_groups=2, max_sequence_length=64, params_dtype=torch.float32,
+        mtp_loss_scaling_factor=PRETRAIN_MTP_FACTOR,
+    )
+
+
+def build_model(spec, device: torch.device):
+    if device.type == "cuda":
+        from verl_mtp_plugin.testing.gpu import build_gpu_hybrid
+
+        return build_gpu_hybrid(spec)
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    return build_tiny_hybrid(spec, device=device)
+
+
+class Fwd:
+    """Positions / mask cache and the token log-prob helpers for one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._masks: dict[int, torch.Tensor | None] = {}
+
+    def mask(self, s: int):
+        if s not in self._masks:
+            from verl_mtp_plugin.testing import causal_mask
+
+            # GPU: megatron's causal default (what the GPU benchmarks use); CPU: explicit (its default is built on CUDA)
+            self._masks[s] = None if self.device.type == "cuda" else causal_mask(s, self.device)
+        return self._masks[s]
+
+    def pos(self, b: int, s: int) -> torch.Tensor:
+        return torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+
+    def __call__(self, model, ids, *, run_mtp: bool, **kw):
+        from verl_mtp_plugin.control import hybrid_forward
+
+        b, s = ids.shape
+        return hybrid_forward(model, ids, self.pos(b, s), self.mask(s), run_mtp_forward=run_mtp, **kw)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s-1]``: log p(token t+1 | ..t) at position t."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- pretraining
+
+
+def pretrain(model, lang: Language, fwd: Fwd, args, deadline: float, rows: list) -> dict:
+    """Joint pretraining (main next-token loss + megatron's MTP loss, factor 0.3, MTP trains the trunk)."""
+    from verl_mtp_plugin.control import configure_transformer_config
+    from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+
+    configure_transformer_config(model.config, "joint", mtp_loss_scaling_factor=PRETRAIN_MTP_FACTOR)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    steps, warm = args.pretrain_steps, max(1, args.pretrain_steps // 20)
+
+    def lr_at(i):
+        if i < warm:
+            return args.pretrain_lr * (i + 1) / warm
+        frac = (i - warm) / max(1, steps - warm)
+        return args.pretrain_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    model.train()
+    reset_mtp_metrics()
+    done, t_start, last = 0, time.time(), {}
+    for i in range(steps):
+        if time.time() > deadline:
+            log(f"pretrain: deadline reached after {i} of {steps} steps")
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i)
+        ids = lang.sample(args.pretrain_batch, gen).to(fwd.device)
+        tok_mask = torch.zeros(ids.shape, device=fwd.device)
+        tok_mask[:, 2:] = 1.0  # targets: every token after the first digit (token coordinates)
+        opt.zero_grad(set_to_none=True)
+        logits = fwd(model, ids, run_mtp=True, loss_mask=tok_mask)
+        lp = token_logprobs(logits, ids)
+        loss = -(lp * tok_mask[:, 1:]).sum() / tok_mask[:, 1:].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        done = i + 1
+        if done % args.pretrain_log_every == 0 or done == steps:
+            m = collect_mtp_metrics(num_microbatches=1)
+            last = {"type": "pretrain", "step": done, "loss": float(loss.detach()),
+                    "mtp_loss": m.get("mtp_losses/mtp_1_loss", math.nan),
+                    "mtp_top1": m.get("mtp_accuracy/mtp_1_top1", math.nan), "lr": lr_at(i),
+                    "elapsed_s": time.time() - t_start}
+            rows.append(last)
+            log(f"pretrain {done}/{steps} loss {last['loss']:.4f} mtp_loss {last['mtp_loss']:.4f} "
+                f"mtp_top1 {last['mtp_top1']:.3f}")
+        else:
+            reset_mtp_metrics()
+    # entropy floor of the language on the response positions (what a perfect policy reaches)
+    h = -(1 - lang.noise) * math.log(1 - lang.noise) - lang.noise * math.log(lang.noise / lang.num_fillers)
+    return {"pretrain_steps_done": done, "pretrain_seconds": time.time() - t_start, "final": last,
+            "language_entropy_nats": h}
+
+
+# --------------------------------------------------------------------------- RL arms
+
+
+@torch.no_grad()
+def sample(model, mode: str, fwd: Fwd, prompts: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Plain autoregressive sampling at temperature 1 (full recompute per token; the model is small)."""
+    from verl_mtp_plugin.policy import Phase, run_mtp_forward
+
+    run = run_mtp_forward(mode, Phase.ROLLOUT)
+    was = model.training
+    model.eval()
+    seq = prompts
+    for _ in range(length):
+        logits = fwd(model, seq, run_mtp=run)
+        probs = torch.softmax(logits[:, -1].float(), dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen)
+        seq = torch.cat([seq, nxt], dim=1)
+    model.train(was)
+    return seq
+
+
+class Arm:
+    """One RL arm (mode) from the checkpoint: model, optimizer, its own (identically seeded) generators."""
+
+    def __init__(self, mode, spec, state, lang, fwd, args, algos):
+        from verl_mtp_plugin.acceptance import AcceptanceProbe
+        from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, validate_model_for_mode
+        from verl_mtp_plugin.policy import MTPMode
+
+        self.mode, self.lang, self.fwd, self.args = mode, lang, fwd, args
+        self.grpo, get_policy_loss_fn, ActorConfig = algos
+        self.model = build_model(spec, fwd.device)
+        self.model.load_state_dict(state, strict=True)
+        configure_transformer_config(self.model.config, mode, mtp_loss_scaling_factor=MTP_FACTOR.get(mode))
+        self.frozen_names = freeze_mtp(self.model) if mode == "frozen" else []
+        validate_model_for_mode(self.model, MTPMode.parse(mode))
+        self.mtp_params = [p for n, p in self.model.named_parameters() if n.startswith("mtp.") and p.requires_grad]
+        self.base_params = [p for n, p in self.model.named_parameters() if not n.startswith("mtp.")]
+        self.opt = torch.optim.AdamW(self.base_params + self.mtp_params, lr=args.rl_lr, betas=(0.9, 0.99),
+                                     weight_decay=0.0)
+        self.actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=args.prompts_per_step,
+                                     ppo_micro_batch_size_per_gpu=args.prompts_per_step, rollout_n=args.group_size,
+                                     clip_ratio=0.2)
+        self.policy_loss = get_policy_loss_fn("vanilla")
+        self.probe = AcceptanceProbe(self.model, temperature=1.0)
+        dev_gen = fwd.device if fwd.device.type == "cuda" else "cpu"
+        self.sample_gen = torch.Generator(device=dev_gen).manual_seed(args.seed + 100)
+        self.prompt_gen = torch.Generator().manual_seed(args.seed + 200)
+        self.mtp_snapshot = {n: p.detach().clone() for n, p in self.model.named_parameters() if n.startswith("mtp.")}
+
+    def mtp_drift(self) -> float:
+        """Relative L2 change of the MTP parameters since the checkpoint."""
+        num = den = 0.0
+        for n, p in self.model.named_parameters():
+            if n in self.mtp_snapshot:
+                num += float((p.detach() - self.mtp_snapshot[n]).float().pow(2).sum())
+                den += float(self.mtp_snapshot[n].float().pow(2).sum())
+        return math.sqrt(num / max(den, 1e-30))
+
+    @torch.no_grad()
+    def evaluate(self, seq_eval: torch.Tensor, ref_model) -> dict:
+        """Metrics of the current policy/drafter on fresh held-out samples ``seq_eval`` ``[n, seq_len]``."""
+        from verl_mtp_plugin.acceptance import expected_accept_length, expected_speedup
+        from verl_mtp_plugin.metrics import reset_mtp_metrics
+
+        lang, fwd = self.lang, self.fwd
+        P, L = lang.prompt_len, lang.response_len
+        self.model.eval()
+        logits = fwd(self.model, seq_eval, run_mtp=True)  # MTP block run for the probe (measurement only)
+        tok_resp = torch.zeros(seq_eval.shape, device=fwd.device)
+        tok_resp[:, P:] = 1.0
+        acc = self.probe.estimate(logits, tok_resp, max_positions=10**7)
+        reset_mtp_metrics()
+        ref_logits = fwd(ref_model, seq_eval, run_mtp=False)
+        self.model.train()
+        sl = slice(P - 1, P - 1 + L)  # positions predicting the response tokens
+        lp = torch.log_softmax(logits[:, sl].float(), dim=-1)
+        lq = torch.log_softmax(ref_logits[:, sl].float(), dim=-1)
+        p = lp.exp()
+        kl = (p * (lp - lq)).sum(-1).mean()
+        ent = -(p * lp).sum(-1).mean()
+        resp, prompts = seq_eval[:, P:], seq_eval[:, :P]
+        alpha = acc["mtp_expected_accept_rate"]
+        row = {
+            "expected_accept_rate": alpha,
+            "greedy_accept_rate": acc["mtp_greedy_accept_rate"],
+            "argmax_draft_accept_rate": acc["mtp_argmax_draft_accept_rate"],
+            "accept_positions": acc["mtp_accept_num_positions"],
+            "kl_to_start": float(kl),
+            "entropy": float(ent),
+            "heldout_reward": float(lang.reward(resp).mean()),
+            "heldout_on_language": float(lang.on_language(prompts, resp).mean()),
+        }
+        for k in KS:
+            row[f"accept_length_k{k}"] = expected_accept_length(alpha, k)
+            row[f"speedup_k{k}"] = expected_speedup(alpha, k, self.args.draft_cost)
+        return row
+
+    def update(self, seq: torch.Tensor) -> dict:
+        """One GRPO step on the rollout batch ``seq`` ``[n_prompts * G, seq_len]``."""
+        from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+        from verl_mtp_plugin.policy import Phase, run_mtp_forward
+
+        lang, fwd, args = self.lang, self.fwd, self.args
+        P, L = lang.prompt_len, lang.response_len
+        b = seq.shape[0]
+        sl = slice(P - 1, P - 1 + L)
+        reward = lang.reward(seq[:, P:])
+        tok_resp = torch.zeros(seq.shape, device=fwd.device)
+        tok_resp[:, P:] = 1.0  # token coordinates: 1 on the sampled response tokens
+        resp_mask = torch.ones(b, L, device=fwd.device)
+        with torch.no_grad():  # logprob phase
+            self.model.eval()
+            old = fwd(self.model, seq, run_mtp=run_mtp_forward(self.mode, Phase.LOGPROB), loss_mask=tok_resp)
+            old_lp = token_logprobs(old, seq)[:, sl]
+            self.model.train()
+        token_rewards = torch.zeros(b, L)
+        token_rewards[:, -1] = reward.cpu()
+        index = torch.arange(args.prompts_per_step).repeat_interleave(args.group_size).numpy()
+        adv, _ = self.grpo(token_rewards, resp_mask.cpu(), index)
+        adv = adv.to(fwd.device)
+        run_mtp = run_mtp_forward(self.mode, Phase.TRAIN)
+        reset_mtp_metrics()
+        self.opt.zero_grad(set_to_none=True)
+        logits = fwd(self.model, seq, run_mtp=run_mtp, loss_mask=tok_resp)  # labels=None: logits + MTP loss
+        train_acc = self.probe.estimate(logits.detach(), tok_resp, max_positions=10**7) if run_mtp else {}
+        lp = token_logprobs(logits, seq)[:, sl]
+        pg_loss = self.policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=self.actor_cfg)[0]
+        pg_loss.backward()
+        gn_base = float(torch.nn.utils.clip_grad_norm_(self.base_params, args.clip_grad))
+        gn_mtp = float(torch.nn.utils.clip_grad_norm_(self.mtp_params, args.clip_grad)) if self.mtp_params else 0.0
+        m = collect_mtp_metrics(num_microbatches=1)
+        if bool(m) is not run_mtp:
+            raise RuntimeError(f"{self.mode}: MTP loss {'missing' if run_mtp else 'present'} in the train phase")
+        self.opt.step()
+        return {
+            "reward": float(reward.mean()),
+            "policy_loss": float(pg_loss.detach()),
+            "grad_norm_base": gn_base,
+            "grad_norm_mtp": gn_mtp,
+            "mtp_loss": m.get("mtp_losses/mtp_1_loss", math.nan),
+            "mtp_top1": m.get("mtp_accuracy/mtp_1_top1", math.nan),
+            "train_expected_accept_rate": train_acc.get("mtp_expected_accept_rate", math.nan),
+        }
+
+
+def run_rl(arms: list[Arm], ref_model, lang: Language, fwd: Fwd, args, deadline: float, rows: list, out_path: str):
+    heldout = Language.prompts(lang, args.heldout_size, torch.Generator().manual_seed(args.seed + 300)).to(fwd.device)
+    n_train = args.prompts_per_step * args.group_size
+    steps_done = 0
+    t_step = []
+    for step in range(args.rl_steps + 1):
+        t0 = time.time()
+        last = step == args.rl_steps
+        for arm in arms:
+            prompts = lang.prompts(args.prompts_per_step, arm.prompt_gen).repeat_interleave(args.group_size, dim=0)
+            batch = torch.cat([prompts.to(fwd.device), heldout], dim=0)  # rollout + held-out, one sampling call
+            seq = sample(arm.model, arm.mode, fwd, batch, lang.response_len, arm.sample_gen)
+            row = {"type": "rl", "arm": arm.mode, "step": step}
+            row.update(arm.evaluate(seq[n_train:], ref_model))
+            if not last:
+                row.update(arm.update(seq[:n_train]))
+            row["mtp_param_rel_change"] = arm.mtp_drift()
+            rows.append(row)
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        t_step.append(time.time() - t0)
+        steps_done = step
+        msg = " | ".join(
+            f"{r['arm']}: acc {r['expected_accept_rate']:.3f} greedy {r['greedy_accept_rate']:.3f} "
+            f"KL {r['kl_to_start']:.3f} R {r['heldout_reward']:.3f}" for r in rows[-len(arms):])
+        log(f"rl step {step:3d} ({t_step[-1]:.1f}s) {msg}")
+        if not last and time.time() + 2.5 * t_step[-1] > deadline:
+            # one more evaluation-only round for the final policy, then stop (all arms at the same step)
+            log(f"rl: deadline: stopping after {step + 1} updates of {args.rl_steps}")
+            for arm in arms:
+                prompts = lang.prompts(args.prompts_per_step, arm.prompt_gen).repeat_interleave(args.group_size, dim=0)
+                batch = torch.cat([prompts.to(fwd.device), heldout], dim=0)
+                seq = sample(arm.model, arm.mode, fwd, batch, lang.response_len, arm.sample_gen)
+                row = {"type": "rl", "arm": arm.mode, "step": step + 1}
+                row.update(arm.evaluate(seq[n_train:], ref_model))
+                row["mtp_param_rel_change"] = arm.mtp_drift()
+                rows.append(row)
+                with open(out_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            steps_done = step + 1
+            break
+    return {"rl_updates_done": steps_done, "rl_seconds_per_step_median": sorted(t_step)[len(t_step) // 2]}
+
+
+# --------------------------------------------------------------------------- summary and plot
+
+
+def summarize(rows: list, args) -> dict:
+    rl = [r for r in rows if r.get("type") == "rl"]
+    out = {}
+    for arm in sorted({r["arm"] for r in rl}, key=ARMS.index):
+        rs = sorted((r for r in rl if r["arm"] == arm), key=lambda r: r["step"])
+        if not rs:
+            continue
+        tail = rs[-min(args.summary_tail, len(rs)):]
+        a0 = rs[0]["expected_accept_rate"]
+        a_end = sum(r["expected_accept_rate"] for r in tail) / len(tail)
+        g0 = rs[0]["greedy_accept_rate"]
+        g_end = sum(r["greedy_accept_rate"] for r in tail) / len(tail)
+        s = {
+            "steps": rs[-1]["step"],
+            "accept_start": a0,
+            "accept_end_mean_last": a_end,
+            "accept_min": min(r["expected_accept_rate"] for r in rs),
+            "accept_rel_change": (a_end - a0) / a0,
+            "greedy_start": g0,
+            "greedy_end_mean_last": g_end,
+            "kl_end": rs[-1]["kl_to_start"],
+            "heldout_reward_start": rs[0]["heldout_reward"],
+            "heldout_reward_end": rs[-1]["heldout_reward"],
+            "entropy_start": rs[0]["entropy"],
+            "entropy_end": rs[-1]["entropy"],
+            "on_language_end": rs[-1]["heldout_on_language"],
+        }
+        for k in KS:
+            s[f"accept_length_k{k}_start"] = rs[0][f"accept_length_k{k}"]
+            s[f"accept_length_k{k}_end"] = sum(r[f"accept_length_k{k}"] for r in tail) / len(tail)
+            s[f"speedup_k{k}_start"] = rs[0][f"speedup_k{k}"]
+            s[f"speedup_k{k}_end"] = sum(r[f"speedup_k{k}"] for r in tail) / len(tail)
+        out[arm] = s
+    goal = {}
+    if "online" in out:
+        goal["online_within_5pct_of_start"] = abs(out["online"]["accept_rel_change"]) <= 0.05 or \
+            out["online"]["accept_rel_change"] > 0
+        goal["online_no_drop_over_5pct"] = out["online"]["accept_rel_change"] >= -0.05
+    if "frozen" in out:
+        goal["frozen_decays"] = out["frozen"]["accept_rel_change"] < -0.05
+    out["goal"] = goal
+    out["summary_tail_steps"] = args.summary_tail
+    return out
+
+
+def plot(rows: list, path: str, draft_cost: float) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot")
+        return None
+    rl = [r for r in rows if r.get("type") == "rl"]
+    arms = sorted({r["arm"] for r in rl}, key=ARMS.index)
+    colors = {"frozen": "tab:red", "online": "tab:blue", "joint": "tab:green"}
+    panels = [
+        ("expected_accept_rate", "expected acceptance rate\n(overlap, held-out fresh samples)"),
+        ("greedy_accept_rate", "greedy agreement"),
+        ("kl_to_start", "KL(current || start policy)\nper response token (nats)"),
+        ("heldout_reward", "reward (filler rate, held-out)"),
+        ("entropy", "policy entropy per token (nats)"),
+        ("speedup", f"expected speedup E_k/(1+k c), c={draft_cost}"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (key, title) in zip(axes.flat, panels):
+        for arm in arms:
+            rs = sorted((r for r in rl if r["arm"] == arm), key=lambda r: r["step"])
+            x = [r["step"] for r in rs]
+            if key == "speedup":
+                for k, ls in zip(KS, ("-", "--", ":")):
+                    ax.plot(x, [r[f"speedup_k{k}"] for r in rs], ls, color=colors.get(arm), label=f"{arm} k={k}")
+            else:
+                ax.plot(x, [r[key] for r in rs], color=colors.get(arm), label=arm, marker="." if len(x) < 40 else None)
+        if key == "expected_accept_rate" and "online" in arms:
+            a0 = next(r for r in rl if r["arm"] == "online" and r["step"] == 0)["expected_accept_rate"]
+            ax.axhspan(0.95 * a0, 1.05 * a0, color="tab:blue", alpha=0.1, label="online start ±5%")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("MTP acceptance under policy drift (GRPO toward filler tokens): frozen vs online vs joint MTP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- main
+
+
+def environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        from importlib.metadata import version
+
+        for pkg in ("megatron-core", "verl", "mamba_ssm", "triton"):
+            try:
+                env[pkg] = version(pkg)
+            except Exception:
+                env[pkg] = None
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        from verl_mtp_plugin.testing.gpu import mamba_kernels_active
+
+        env["mamba_triton_kernels"] = mamba_kernels_active()
+    return env
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model and run (for checking the script)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None, help="file tag (default: tiny / gpu)")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole script; pretraining and RL stop early (all arms at the same step)")
+    ap.add_argument("--ckpt", default=None, help="checkpoint path (default: <out>/acceptance_drift_<tag>_ckpt.pt)")
+    ap.add_argument("--reuse-ckpt", action="store_true", help="load --ckpt if it exists instead of pretraining")
+    ap.add_argument("--pretrain-steps", type=int, default=None)
+    ap.add_argument("--pretrain-batch", type=int, default=None)
+    ap.add_argument("--pretrain-lr", type=float, default=None)
+    ap.add_argument("--pretrain-log-every", type=int, default=None)
+    ap.add_argument("--rl-steps", type=int, default=None)
+    ap.add_argument("--rl-lr", type=float, default=None)
+    ap.add_argument("--prompts-per-step", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--heldout-size", type=int, default=None)
+    ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--draft-cost", type=float, default=0.05,
+                    help="cost c of one MTP draft step relative to one target forward, for E_k/(1+k c)")
+    ap.add_argument("--summary-tail", type=int, default=5, help="mean of the last N evaluations = the end value")
+    ap.add_argument("--plot", action="store_true", help="also write the PNG (needs matplotlib)")
+    ap.add_argument("--plot-only", action="store_true", help="only plot <out>/acceptance_drift_<tag>.jsonl")
+    ap.add_argument("--make-deps-bundle", default=None, metavar="PATH",
+                    help="write the tarball of verl's pure-Python dependencies for the GPU machine and exit")
+    args = ap.parse_args(argv)
+    big = dict(pretrain_steps=1500, pretrain_batch=128, pretrain_lr=2e-3, pretrain_log_every=100, rl_steps=60,
+               rl_lr=1e-4, prompts_per_step=16, group_size=8, heldout_size=128)
+    tiny = dict(pretrain_steps=300, pretrain_batch=32, pretrain_lr=3e-3, pretrain_log_every=50, rl_steps=8,
+                rl_lr=1e-4, prompts_per_step=4, group_size=4, heldout_size=16)
+    for k, v in (tiny if args.tiny else big).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.tag is None:
+        args.tag = "tiny" if args.tiny else "gpu"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.make_deps_bundle:
+        make_deps_bundle(args.make_deps_bundle)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, f"acceptance_drift_{args.tag}.jsonl")
+    meta_path = os.path.join(args.out, f"acceptance_drift_{args.tag}_meta.json")
+    png = os.path.join(args.out, f"acceptance_drift_{args.tag}.png")
+    if args.plot_only:
+        with open(jsonl) as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+        log(f"wrote {plot(rows, png, args.draft_cost)}")
+        return 0
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    budget_end = T0 + args.budget if args.budget else float("inf")
+    arms_wanted = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for a in arms_wanted:
+        if a not in ARMS:
+            raise SystemExit(f"--arms: unknown arm {a!r}; allowed: {', '.join(ARMS)}")
+
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    if device.type == "cuda":
+        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+
+        if not install_mamba_ssm_triton():
+            raise SystemExit("mamba_ssm is not importable: install the pure-Python mamba_ssm wheel (.whl)")
+    algos = import_verl_algorithms()  # fail fast, before any training
+    from verl_mtp_plugin.testing import init_megatron, reset_mtp_globals
+
+    init_megatron(seed=args.seed)
+    reset_mtp_globals(1)
+    lang = Language(response_len=12) if args.tiny else Language()
+    spec = model_spec(args.tiny)
+    fwd = Fwd(device)
+    env = environment(device)
+    log(f"device {device} {env.get('gpu', '')} | pattern {spec.pattern!r} hidden {spec.hidden_size} | "
+        f"language {dataclasses.asdict(lang)}")
+    open(jsonl, "w").close()
+    rows: list = []
+
+    ckpt = args.ckpt or os.path.join(args.out, f"acceptance_drift_{args.tag}_ckpt.pt")
+    torch.manual_seed(args.seed)
+    model = build_model(spec, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    log(f"model: {n_params:,} parameters ({n_mtp:,} MTP)")
+    if args.reuse_ckpt and os.path.exists(ckpt):
+        model.load_state_dict(torch.load(ckpt, map_location=device), strict=True)
+        pre = {"loaded": ckpt}
+        log(f"loaded checkpoint {ckpt}")
+    else:
+        # pretraining may use up to 40% of the budget
+        pre_deadline = T0 + 0.4 * args.budget if args.budget else float("inf")
+        pre = pretrain(model, lang, fwd, args, pre_deadline, rows)
+        torch.save(model.state_dict(), ckpt)
+        pre["ckpt"] = ckpt
+        pre["ckpt_bytes"] = os.path.getsize(ckpt)
+        log(f"saved checkpoint {ckpt} ({pre['ckpt_bytes'] / 2**20:.1f} MiB)")
+    with open(jsonl, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    state = torch.load(ckpt, map_location=device)
+    del model
+    ref = build_model(spec, device)
+    ref.load_state_dict(state, strict=True)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    arms = [Arm(m, spec, state, lang, fwd, args, algos) for m in arms_wanted]
+    log(f"arms: {', '.join(a.mode for a in arms)}; rl_lr {args.rl_lr}, {args.prompts_per_step} prompts x "
+        f"{args.group_size} samples per step, held-out {args.heldout_size} prompts")
+    rl = run_rl(arms, ref, lang, fwd, args, budget_end - 10.0, rows, jsonl)
+    summary = summarize(rows, args)
+    meta = {"args": vars(args), "spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()},
+            "language": dataclasses.asdict(lang), "params": n_params, "mtp_params": n_mtp,
+            "mtp_loss_scaling_factor": {"pretrain": PRETRAIN_MTP_FACTOR, **MTP_FACTOR},
+            "environment": env, "pretrain": pre, "rl": rl, "summary": summary,
+            "wall_seconds": time.time() - T0}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+    for arm, s in summary.items():
+        if arm in ARMS:
+            log(f"{arm:6s}: accept {s['accept_start']:.3f} -> {s['accept_end_mean_last']:.3f} "
+                f"({100 * s['accept_rel_change']:+.1f}%), greedy {s['greedy_start']:.3f} -> "
+                f"{s['greedy_end_mean_last']:.3f}, KL {s['kl_end']:.3f}, reward {s['heldout_reward_start']:.3f} -> "
+                f"{s['heldout_reward_end']:.3f}, entropy {s['entropy_start']:.3f} -> {s['entropy_end']:.3f}")
+    log(f"goal: {summary.get('goal')}")
+    if args.plot:
+        log(f"wrote {plot(rows, png, args.draft_cost)}")
+    log(f"wrote {jsonl}, {meta_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
