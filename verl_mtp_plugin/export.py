@@ -503,7 +503,7 @@ def export_mtp_weights(
             m, rx = found
             e = int(m.group(2))
             for r, part in enumerate(_all_gather(t, shards.ep, shards.ep_size)):
-                global_name = _with_expert_index(name, m, rx, e * shards.ep_size + r)
+                global_name = _with_expert_index(name, m, rx, r * local_experts + e)
                 yield from finish(megatron_to_hf_name(global_name, L or 1), global_name, part)
 
     return produce()
