@@ -92,17 +92,29 @@ ARMS = ("frozen", "online", "joint")
 #: param group); used to tell a tracking lag from a capacity limit.
 
 
+#: ``online+refit``: online, plus every ``--refit-every`` steps a capacity probe on a copy of the MTP
+#: weights (see :meth:`Arm.refit_probe`); the arm's own training is unchanged.
+
+
+def _parse_label(label: str) -> tuple[str, float, bool]:
+    base, plus, extra = label.partition("+")
+    mode, _, mult = base.partition("*")
+    ok = mode in ARMS and (not mult or (mode == "online" and mult.replace(".", "", 1).isdigit()))
+    ok = ok and (not plus or (mode == "online" and extra == "refit"))
+    if not ok:
+        raise SystemExit(f"bad arm {label!r}: use one of {', '.join(ARMS)}, online*K (K a number) or online+refit")
+    return mode, float(mult or 1), bool(plus)
+
+
 def arm_mode(label: str) -> str:
-    """``"online*3"`` -> ``"online"``; validates the label."""
-    mode, _, mult = label.partition("*")
-    if mode not in ARMS or (mult and (mode != "online" or not mult.replace(".", "", 1).isdigit())):
-        raise SystemExit(f"bad arm {label!r}: use one of {', '.join(ARMS)} or online*K (K a number)")
-    return mode
+    """``"online*3"`` / ``"online+refit"`` -> ``"online"``; validates the label."""
+    return _parse_label(label)[0]
 
 
 def arm_order(label: str) -> tuple:
-    mode, _, mult = label.partition("*")
-    return (ARMS.index(mode), float(mult or 1))
+    mode, mult, refit = _parse_label(label)
+    return (ARMS.index(mode), mult, refit)
+
 #: mtp_loss_scaling_factor per trained mode: online as recipes/nemotron3_super_mtp/config/super_mtp_common.yaml,
 #: joint as recipes/nemotron3_super_mtp/config/grpo_joint.yaml.
 MTP_FACTOR = {"online": 0.3, "joint": 0.1}
@@ -413,7 +425,7 @@ class Arm:
 
         mode = arm_mode(label)
         self.label, self.mode, self.lang, self.fwd, self.args = label, mode, lang, fwd, args
-        self.mtp_lr_mult = float(label.partition("*")[2] or 1)
+        _, self.mtp_lr_mult, self.refit = _parse_label(label)
         self.grpo, get_policy_loss_fn, ActorConfig = algos
         self.model = build_model(spec, fwd.device)
         self.model.load_state_dict(state, strict=True)
@@ -487,6 +499,55 @@ class Arm:
             row[f"speedup_k{k}"] = expected_speedup(alpha, k, self.args.draft_cost)
         return row
 
+    def refit_probe(self, seq_eval: torch.Tensor, step: int) -> dict:
+        """Capacity probe: how much acceptance could the MTP head reach for the CURRENT policy and trunk?
+
+        Samples ``--refit-batch`` sequences from the current policy (fresh prompts), trains a copy of the
+        MTP weights alone on them (megatron's MTP loss, online isolation, its own Adam at ``--refit-lr``,
+        ``--refit-steps`` steps of ``--refit-minibatch`` sequences), measures the expected acceptance on
+        the held-out sequences ``seq_eval``, then restores the MTP weights. The arm's optimizer, trunk
+        and sampling generators are untouched. A refit value well above the arm's own value means the
+        online head lags the policy; a value close to it means the head (or the trunk features it reads)
+        cannot represent the drifted policy's next-next-token distribution better.
+        """
+        from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+
+        args, lang, fwd = self.args, self.lang, self.fwd
+        t0 = time.time()
+        P = lang.prompt_len
+        g = torch.Generator().manual_seed(args.seed + 500 + step)
+        prompts = lang.prompts(args.refit_batch, g).to(fwd.device)
+        u = torch.rand(args.refit_batch, lang.response_len, generator=g).to(fwd.device)
+        data = sample(self.model, self.mode, fwd, prompts, u)
+        named = [(n, p) for n, p in self.model.named_parameters() if n.startswith("mtp.")]
+        saved = {n: p.detach().clone() for n, p in named}
+        opt = torch.optim.AdamW([p for _, p in named], lr=args.refit_lr, betas=(0.9, 0.99), weight_decay=0.0)
+        tok_resp = torch.zeros(args.refit_minibatch, data.shape[1], device=fwd.device)
+        tok_resp[:, P:] = 1.0
+        self.model.train()
+        loss = math.nan
+        for i in range(args.refit_steps):
+            idx = torch.randint(0, data.shape[0], (args.refit_minibatch,), generator=g).to(fwd.device)
+            reset_mtp_metrics()
+            logits = fwd(self.model, data[idx], run_mtp=True, loss_mask=tok_resp)
+            (logits.float().sum() * 0.0).backward()  # only megatron's MTP loss carries gradient
+            opt.step()
+            self.model.zero_grad(set_to_none=True)
+            loss = collect_mtp_metrics(num_microbatches=1).get("mtp_losses/mtp_1_loss", math.nan)
+        self.model.eval()
+        with torch.no_grad():
+            tok_eval = torch.zeros(seq_eval.shape, device=fwd.device)
+            tok_eval[:, P:] = 1.0
+            logits = fwd(self.model, seq_eval, run_mtp=True)
+            acc = self.probe.estimate(logits, tok_eval, max_positions=10**7)
+            reset_mtp_metrics()
+            for n, p in named:
+                p.copy_(saved[n])
+        self.model.train()
+        return {"refit_expected_accept_rate": acc["mtp_expected_accept_rate"],
+                "refit_greedy_accept_rate": acc["mtp_greedy_accept_rate"], "refit_mtp_loss": loss,
+                "refit_seconds": time.time() - t0}
+
     def update(self, seq: torch.Tensor) -> dict:
         """One GRPO step on the rollout batch ``seq`` ``[n_prompts * G, seq_len]``."""
         from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
@@ -555,6 +616,8 @@ def run_rl(arms: list[Arm], ref_model, lang: Language, fwd: Fwd, args, deadline:
         seq = sample(arm.model, arm.mode, fwd, torch.cat([prompts.to(fwd.device), heldout]), torch.cat([u, heldout_u]))
         row = {"type": "rl", "arm": arm.label, "mode": arm.mode, "lr": lr, "step": step}
         row.update(arm.evaluate(seq[n_train:], ref_model))
+        if arm.refit and step % args.refit_every == 0:
+            row.update(arm.refit_probe(seq[n_train:], step))
         if update:
             row.update(arm.update(seq[:n_train]))
         row["mtp_param_rel_change"] = arm.mtp_drift()
@@ -649,6 +712,8 @@ COLORS = {"frozen": "tab:red", "online": "tab:blue", "joint": "tab:green"}
 
 
 def _color(label: str) -> str:
+    if "+refit" in label:
+        return "tab:cyan"
     return "tab:purple" if "*" in label else COLORS[label]
 
 
@@ -678,6 +743,10 @@ def plot(rows: list, path: str, draft_cost: float, main_lr: float | None = None)
         for (lr, arm), rs in series.items():
             if lr == main_lr:
                 ax.plot([r["step"] for r in rs], [r[key] for r in rs], color=_color(arm), label=arm)
+                refit = [r for r in rs if key == "expected_accept_rate" and "refit_expected_accept_rate" in r]
+                if refit:
+                    ax.plot([r["step"] for r in refit], [r["refit_expected_accept_rate"] for r in refit], "x",
+                            color=_color(arm), ms=8, label="MTP refit to current policy (capacity probe)")
         if key == "expected_accept_rate":
             for (lr, arm), rs in series.items():
                 if lr == main_lr and arm == "online":
@@ -784,6 +853,11 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=None)
     ap.add_argument("--heldout-size", type=int, default=None)
     ap.add_argument("--clip-grad", type=float, default=1.0)
+    ap.add_argument("--refit-every", type=int, default=10, help="online+refit arms: probe every N steps")
+    ap.add_argument("--refit-steps", type=int, default=100)
+    ap.add_argument("--refit-batch", type=int, default=512)
+    ap.add_argument("--refit-minibatch", type=int, default=128)
+    ap.add_argument("--refit-lr", type=float, default=1e-3)
     ap.add_argument("--draft-cost", type=float, default=0.05,
                     help="cost c of one MTP draft step relative to one target forward, for E_k/(1+k c)")
     ap.add_argument("--summary-tail", type=int, default=5, help="end value = mean of the last N evaluations")

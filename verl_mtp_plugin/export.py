@@ -332,10 +332,7 @@ def _gather_tp(name: str, p: torch.Tensor, t: torch.Tensor, group, size: int) ->
     """
     if size == 1 or not getattr(p, "tensor_model_parallel", False):
         return t
-    stride = getattr(p, "partition_stride", 1)
-    if stride != 1:
-        raise NotImplementedError(f"{name}: partition_stride={stride} (strided TP layout) is not supported")
-    dim = p.partition_dim
+    dim = p.partition_dim  # partition_stride == 1 was checked before the first tensor was yielded
     parts = _all_gather(t, group, size)
     sizes = getattr(p, "partition_sizes", None)
     if sizes is None:
@@ -347,15 +344,12 @@ def _gather_tp(name: str, p: torch.Tensor, t: torch.Tensor, group, size: int) ->
     return torch.cat([blocks[r][j] for j in range(len(sizes)) for r in range(size)], dim)
 
 
-def _expert_local_index(name: str) -> tuple[re.Match, re.Pattern] | None:
-    for rx in (_EXPERT_LOCAL_RE, _EXPERT_GROUPED_RE):
-        m = rx.search(name)
-        if m:
-            return m, rx
-    return None
+def _expert_local_index(name: str) -> re.Match | None:
+    """The match of a routed expert's local index (group 2) in a megatron name, ``None`` for other names."""
+    return _EXPERT_LOCAL_RE.search(name) or _EXPERT_GROUPED_RE.search(name)
 
 
-def _with_expert_index(name: str, m: re.Match, rx: re.Pattern, index: int) -> str:
+def _with_expert_index(name: str, m: re.Match, index: int) -> str:
     return name[: m.start(2)] + str(index) + name[m.end(2) :]
 
 
@@ -446,10 +440,13 @@ def export_mtp_weights(
         if hf is None:
             unknown.append(name)
             return
+        if shards.sharded and getattr(t, "tensor_model_parallel", False) and getattr(t, "partition_stride", 1) != 1:
+            raise NotImplementedError(
+                f"{name}: partition_stride={t.partition_stride} (strided tensor-parallel layout) is not supported")
         if shards.ep_size > 1:
             found = _expert_local_index(name)
             if found is not None:
-                e = int(found[0].group(2))
+                e = int(found.group(2))
                 if e >= local_experts:
                     raise MTPExportError(
                         f"{name}: local expert {e} >= num_moe_experts/expert_model_parallel_size = {local_experts}"
@@ -500,10 +497,9 @@ def export_mtp_weights(
             if shards.ep_size == 1:
                 yield from finish(hf, name, t)
                 continue
-            m, rx = found
-            e = int(m.group(2))
+            e = int(found.group(2))
             for r, part in enumerate(_all_gather(t, shards.ep, shards.ep_size)):
-                global_name = _with_expert_index(name, m, rx, r * local_experts + e)
+                global_name = _with_expert_index(name, found, r * local_experts + e)
                 yield from finish(megatron_to_hf_name(global_name, L or 1), global_name, part)
 
     return produce()

@@ -24,6 +24,16 @@ Tolerance: relative L2 error per tensor ``<= max(floor, 4 x run-to-run noise)``,
 running the reference step twice; floor 1e-5 in fp32 (same math, other summation order: the first and
 last stage's embedding gradients are summed by an all-reduce instead of accumulated in one buffer;
 CUDA atomics in MoE combine and embedding backward) and 1e-2 in bf16 (one bf16 rounding is 3.9e-3).
+H200 x2 (benchmarks/results/pp_tp_h200x2_*): losses, MTP loss and logits bitwise equal; gradients
+bitwise except fp32 Mamba ``D``/``dt_bias`` (<= 2.5e-7) and the word embedding (fp32 2.0e-8; bf16
+1.7e-3, because with PP=1 autograd adds the embedding's two uses, main and MTP, in bf16 before the
+fp32 grad buffer, while PP=2 adds them in fp32 in finalize_model_grads' all-reduce).
+
+Ends with ``os._exit`` after a barrier (no NCCL communicator teardown: on the H200 x2 run that
+teardown outlasted the time limit after every check had passed and the JSON had been written).
+The ``negative_control`` check runs the PP=2 step with ``run_mtp_forward=False``: the shared
+embedding / output-layer gradients then differ from the PP=1 MTP step by 60-70% (far above the
+tolerance) and the MTP parameters get zero gradient.
 
 TP=2 / TP=2+EP=2: ``pp2_tp2_common.tp_export_check`` with NCCL (as ``tests/test_export_tp.py`` on CPU):
 sharded forward == unsharded forward (fp32, rel <= 1e-5), ``export_mtp_weights`` on every rank ==
