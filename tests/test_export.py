@@ -261,7 +261,7 @@ def test_unknown_mtp_tensor_raises_before_yielding():
         export_mtp_weights(model)
 
 
-def test_sharded_model_is_refused():
+def test_config_parallel_sizes_disagreeing_with_the_model_groups_are_refused():
     model = build_tiny_hybrid()
     model.config.tensor_model_parallel_size = 2
     try:
