@@ -12,13 +12,14 @@ policy, for the plugin's modes, from one pretrained checkpoint, with identical s
    advancing under fillers, so both the policy and the MTP head need the context (step, position),
    not only the last token. Policy entropy ~0.5 nats per token: the MTP head can be accurate, so the
    pretrained expected acceptance is far above chance.
-2. **RL**, three arms from the same checkpoint with identical seeds, stepped in lock-step (a deadline
-   stops all arms after the same step): GRPO with verl's ``compute_grpo_outcome_advantage`` and verl's
-   registered ``vanilla`` policy loss (``get_policy_loss_fn("vanilla")`` with a
-   ``verl.workers.config.ActorConfig``), one on-policy update per step, rollouts by plain batched
-   autoregressive sampling (temperature 1) from the current policy. Reward: the fraction of response
-   tokens that are fillers (a token class the pretrained policy emits ~10% of the time), so the
-   policy drifts measurably away from the pretrained one.
+2. **RL**, arms from the same checkpoint with identical seeds, grouped by learning rate (``--groups
+   "lr:arm,arm;lr:arm"``); the arms of a group step in lock-step in one process (a deadline stops them
+   after the same step; several groups run as concurrent processes). GRPO with verl's
+   ``compute_grpo_outcome_advantage`` and verl's registered ``vanilla`` policy loss
+   (``get_policy_loss_fn("vanilla")`` with a ``verl.workers.config.ActorConfig``), one on-policy update
+   per step, rollouts by plain batched autoregressive sampling (temperature 1) from the current policy.
+   Reward: the fraction of response tokens that are fillers (a token class the pretrained policy emits
+   ~10% of the time), so the policy drifts measurably away from the pretrained one.
 
    * ``frozen``: ``configure_transformer_config(cfg, "frozen")``, ``freeze_mtp`` before the optimizer;
      ``run_mtp_forward("frozen", phase)`` is False in every phase, so the MTP head stays at the checkpoint.
@@ -28,13 +29,19 @@ policy, for the plugin's modes, from one pretrained checkpoint, with identical s
      loss is computed on the sampled response tokens and reaches the MTP parameters only.
    * ``joint``: ``configure_transformer_config(cfg, "joint", mtp_loss_scaling_factor=0.1)`` (the
      factor of ``recipes/nemotron3_super_mtp/config/grpo_joint.yaml``): the MTP loss also trains the trunk.
+   * diagnostics (same policy trajectory as ``online``): ``online*K`` gives the MTP parameters K times the
+     policy's learning rate; ``online+refit`` adds a capacity probe every ``--refit-every`` steps (a copy
+     of the MTP head refit to the current policy, :meth:`Arm.refit_probe`), to tell a tracking lag from
+     a ceiling of the head itself.
 
    Gradient clipping is applied separately to the base (non-MTP) and the MTP parameters, so in the
    online arm the MTP gradient cannot change the base update through a shared clip norm: frozen and
    online then follow the same policy trajectory (up to GPU nondeterminism), and the frozen arm is the
    online arm's counterfactual drafter.
 3. **Measured per step, the same way for every arm**: on a fixed held-out prompt batch, fresh samples
-   from the CURRENT policy (drawn in the same batched sampling call as the rollout, never trained on);
+   from the CURRENT policy (drawn in the same batched sampling call as the rollout, never trained on;
+   inverse-CDF sampling with the same uniforms for the held-out rows at every step, i.e. common random
+   numbers, so step-to-step changes reflect the policy and not the draw);
    one forward of the current model with the MTP block run (``hybrid_forward(..., run_mtp_forward=True)``,
    eval, no grad) with an :class:`~verl_mtp_plugin.acceptance.AcceptanceProbe` attached, estimating over
    every counted response position: expected acceptance rate (speculative-sampling overlap
@@ -42,22 +49,29 @@ policy, for the plugin's modes, from one pretrained checkpoint, with identical s
    mean accepted length ``E_k`` and speedup ``E_k / (1 + k c)`` for ``k = 1, 2, 3`` (``--draft-cost c``);
    KL(current || start policy) and entropy per response token (exact, over the vocabulary, at the
    held-out sampled positions); held-out reward (filler rate); "on-language" rate (fraction of response
-   tokens that are the right progression digit or a filler). Also logged: the rollout reward, the
+   tokens that are the right progression digit or a filler); the acceptance a uniform drafter would get
+   (chance level). Also logged: the rollout reward, the
    policy loss, megatron's MTP loss / top-1 (online, joint) and the probe's in-trainer estimate on the
    train forward (online, joint), what the verl engine logs as ``actor/mtp_expected_accept_rate``.
 
 Outputs (``--out``): ``acceptance_drift_<tag>.jsonl`` (one row per pretrain log point / arm and step),
 ``acceptance_drift_<tag>_meta.json`` (configuration, environment, summary vs the goal) and, with
-``--plot`` (or ``--plot-only``, from an existing JSONL), ``acceptance_drift_<tag>.png``.
+``--plot`` (or ``--plot-only``, from an existing JSONL, which also writes ``_summary.json``),
+``acceptance_drift_<tag>.png``. Without ``--reuse-ckpt`` the checkpoint is always regenerated.
 
 Commands::
 
     # CPU check (tiny sizes, a few steps; megatron's CPU Mamba reference, no GPU):
     .venv/bin/python benchmarks/acceptance_drift.py --device cpu --tiny --out /tmp/drift --plot
-    # H200 (see benchmarks/RESULTS.md, "Acceptance under policy drift (issue 7)"):
-    python3 benchmarks/acceptance_drift.py --device cuda --out $OUT --tag h200 --budget 330
-    # plot from the returned JSONL:
-    .venv/bin/python benchmarks/acceptance_drift.py --plot-only --out benchmarks/results --tag h200
+    # H200 (exact commands with the environment set-up: benchmarks/RESULTS.md, "Acceptance under policy
+    # drift (issue 7)"):
+    python3 benchmarks/acceptance_drift.py --device cuda --mamba-impl torch --out $OUT --tag h200 \
+        --budget 95 --pretrain-share 0.4 --pretrain-steps 200 --pretrain-log-every 50 \
+        --groups "2e-4:frozen,online,joint,online+refit" --refit-every 5 --refit-steps 30 \
+        --refit-batch 256 --ckpt /tmp/ckpt.pt
+    # plot + summary from the returned JSONL:
+    .venv/bin/python benchmarks/acceptance_drift.py --plot-only --out benchmarks/results --tag h200 \
+        --groups "2e-4:frozen,online,joint,online+refit"
 
 On a GPU machine without ray (its wheel is larger than what a device call may carry) the verl
 import path registers a placeholder ``ray`` module; see :func:`import_verl_algorithms`.
@@ -285,7 +299,39 @@ def model_spec(tiny: bool):
     )
 
 
+def use_torch_mamba_reference() -> None:
+    """GPU without mamba_ssm's Triton kernels: megatron's ``MambaMixer`` runs the plugin's plain-torch
+    Mamba-2 reference (:mod:`verl_mtp_plugin.testing._mamba_ref`, the substitution the CPU tests use; the
+    same math, a sequential scan). Chosen with ``--mamba-impl torch``: on the H200 the Triton kernels'
+    compile + autotune took ~100 s per process, more than a short device call can pay. Call before
+    building a model, in a process where mamba_ssm was not made importable."""
+    import megatron.core.ssm.mamba_mixer as mm
+
+    from verl_mtp_plugin.testing._mamba_ref import (
+        GatedRMSNormRef,
+        mamba_chunk_scan_combined_ref,
+        mamba_split_conv1d_scan_combined_ref,
+    )
+
+    if mm.HAVE_MAMBA_SSM and getattr(mm.mamba_chunk_scan_combined, "__module__", "").startswith("mamba_ssm."):
+        raise SystemExit("--mamba-impl torch: mamba_ssm's Triton ops are already active in this process")
+    if not mm.HAVE_MAMBA_SSM:
+        mm.HAVE_MAMBA_SSM = True
+        mm.ExtendedRMSNorm = type("ExtendedRMSNorm", (GatedRMSNormRef,), {})
+    mm.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined_ref
+    mm.mamba_chunk_scan_combined = mamba_chunk_scan_combined_ref
+    if hasattr(mm, "MAMBA_HAS_STATE_DTYPE"):
+        mm.MAMBA_HAS_STATE_DTYPE = False
+
+
+MAMBA_IMPL = "triton"
+
+
 def build_model(spec, device: torch.device):
+    if device.type == "cuda" and MAMBA_IMPL == "torch":
+        from verl_mtp_plugin.testing import build_tiny_hybrid
+
+        return build_tiny_hybrid(spec, device=device)  # use_mamba_mem_eff_path=False on CUDA
     if device.type == "cuda":
         from verl_mtp_plugin.testing.gpu import build_gpu_hybrid
 
@@ -674,6 +720,8 @@ def summarize(rows: list, tail_n: int) -> dict:
             "accept_start": a0,
             "accept_end": end("expected_accept_rate"),
             "accept_rel_change_end": end("expected_accept_rate") / a0 - 1,
+            "accept_final": rs[-1]["expected_accept_rate"],
+            "accept_rel_change_final": rs[-1]["expected_accept_rate"] / a0 - 1,
             "accept_min": worst["expected_accept_rate"],
             "accept_min_step": worst["step"],
             "accept_rel_change_min": worst["expected_accept_rate"] / a0 - 1,
@@ -692,6 +740,12 @@ def summarize(rows: list, tail_n: int) -> dict:
             s[f"accept_length_k{k}_end"] = end(f"accept_length_k{k}")
             s[f"speedup_k{k}_start"] = rs[0][f"speedup_k{k}"]
             s[f"speedup_k{k}_end"] = end(f"speedup_k{k}")
+            s[f"accept_length_k{k}_final"] = rs[-1][f"accept_length_k{k}"]
+            s[f"speedup_k{k}_final"] = rs[-1][f"speedup_k{k}"]
+        refit = [r for r in rs if "refit_expected_accept_rate" in r]
+        if refit:
+            s["refit_probe"] = {r["step"]: {"refit": r["refit_expected_accept_rate"], "arm": r["expected_accept_rate"]}
+                                for r in refit}
         out[f"lr={lr:g}/{arm}"] = s
     goal = {}
     for lr in sorted({k[0] for k in _series(rows)}):
@@ -755,7 +809,7 @@ def plot(rows: list, path: str, draft_cost: float, main_lr: float | None = None)
         ax.set_title(title, fontsize=10)
     ax = axes[1, 1]
     for (lr, arm), rs in series.items():
-        if lr == main_lr:
+        if lr == main_lr and arm in ARMS:
             for k, ls in zip(KS, ("-", "--", ":")):
                 ax.plot([r["step"] for r in rs], [r[f"speedup_k{k}"] for r in rs], ls, color=_color(arm),
                         label=f"{arm} k={k}")
@@ -805,6 +859,7 @@ def environment(device: torch.device) -> dict:
         from verl_mtp_plugin.testing.gpu import mamba_kernels_active
 
         env["mamba_triton_kernels"] = mamba_kernels_active()
+        env["mamba_impl"] = MAMBA_IMPL
     return env
 
 
@@ -839,8 +894,11 @@ def parse_args(argv=None):
     ap.add_argument("--parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="run the groups as concurrent processes (default: on CUDA)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--mamba-impl", default="triton", choices=("triton", "torch"),
+                    help="CUDA: mamba_ssm's Triton kernels, or the plugin's plain-torch reference (no compile)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole script; pretraining and RL stop early (a group's arms at the same step)")
+                    help="seconds for the whole script; pretraining and RL stop early "
+                         "(a group's arms at the same step)")
     ap.add_argument("--pretrain-share", type=float, default=0.45, help="share of --budget pretraining may use")
     ap.add_argument("--ckpt", default=None, help="checkpoint path (default: <out>/acceptance_drift_<tag>_ckpt.pt)")
     ap.add_argument("--reuse-ckpt", action="store_true", help="load --ckpt if it exists instead of pretraining")
@@ -854,10 +912,10 @@ def parse_args(argv=None):
     ap.add_argument("--heldout-size", type=int, default=None)
     ap.add_argument("--clip-grad", type=float, default=1.0)
     ap.add_argument("--refit-every", type=int, default=10, help="online+refit arms: probe every N steps")
-    ap.add_argument("--refit-steps", type=int, default=100)
-    ap.add_argument("--refit-batch", type=int, default=512)
+    ap.add_argument("--refit-steps", type=int, default=80)
+    ap.add_argument("--refit-batch", type=int, default=1024)
     ap.add_argument("--refit-minibatch", type=int, default=128)
-    ap.add_argument("--refit-lr", type=float, default=1e-3)
+    ap.add_argument("--refit-lr", type=float, default=3e-4)
     ap.add_argument("--draft-cost", type=float, default=0.05,
                     help="cost c of one MTP draft step relative to one target forward, for E_k/(1+k c)")
     ap.add_argument("--summary-tail", type=int, default=5, help="end value = mean of the last N evaluations")
@@ -872,7 +930,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     big = dict(pretrain_steps=2000, pretrain_batch=128, pretrain_lr=1e-3, pretrain_log_every=100, rl_steps=150,
                prompts_per_step=16, group_size=8, heldout_size=256,
-               groups="1e-4:frozen,online,joint;1e-4:online*3;3e-5:frozen,online;3e-4:frozen,online")
+               groups="1e-4:frozen,online,joint;1e-4:online*3,online+refit;3e-5:frozen,online;3e-4:frozen,online")
     tiny = dict(pretrain_steps=300, pretrain_batch=32, pretrain_lr=3e-3, pretrain_log_every=50, rl_steps=8,
                 prompts_per_step=4, group_size=4, heldout_size=16, groups="3e-4:frozen,online,joint")
     for k, v in (tiny if args.tiny else big).items():
@@ -897,7 +955,11 @@ def _setup(args):
     """Mamba kernels (GPU), verl (fail fast), megatron parallel state; the language, spec and forward helper."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
+    global MAMBA_IMPL
+    MAMBA_IMPL = args.mamba_impl
+    if device.type == "cuda" and args.mamba_impl == "torch":
+        use_torch_mamba_reference()
+    elif device.type == "cuda":
         from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
 
         if not install_mamba_ssm_triton():
@@ -955,6 +1017,10 @@ def main(argv=None) -> int:
         with open(jsonl) as f:
             rows = [json.loads(x) for x in f if x.strip()]
         log(f"wrote {plot(rows, png, args.draft_cost, groups[0][0])}")
+        summary_path = os.path.join(args.out, f"acceptance_drift_{args.tag}_summary.json")
+        with open(summary_path, "w") as f:
+            json.dump(summarize(rows, args.summary_tail), f, indent=1)
+        log(f"wrote {summary_path} (recomputed from the JSONL, end = mean of the last {args.summary_tail})")
         return 0
     if args.phase == "rl":
         PREFIX = f"[lr={parse_groups(args.group_spec)[0][0]:g}] "
@@ -996,7 +1062,8 @@ def main(argv=None) -> int:
     heldout, heldout_u = heldout_batch(args, lang, device)
     n_train = args.prompts_per_step * args.group_size
     u = torch.rand(n_train, lang.response_len, generator=torch.Generator().manual_seed(0)).to(device)
-    prompts = lang.prompts(args.prompts_per_step, torch.Generator().manual_seed(1)).repeat_interleave(args.group_size, 0)
+    prompts = lang.prompts(args.prompts_per_step, torch.Generator().manual_seed(1))
+    prompts = prompts.repeat_interleave(args.group_size, 0)
     seq = sample(warm.model, "online", fwd, torch.cat([prompts.to(device), heldout]), torch.cat([u, heldout_u]))
     ck = warm.evaluate(seq[n_train:], _ref_model(spec, state, device))
     warm.update(seq[:n_train])
@@ -1012,9 +1079,17 @@ def main(argv=None) -> int:
     import subprocess
 
     deadline = budget_end - 12.0
+    t_rl = time.time()
+    if len(groups) == 1:  # one group: run it in this process (no second start-up)
+        lr, arms_wanted = groups[0]
+        args.rl_lr = lr
+        arms = [Arm(m, spec, state, lang, fwd, args, algos) for m in arms_wanted]
+        log(f"arms {', '.join(arms_wanted)}; lr {lr:g}; {args.prompts_per_step} prompts x {args.group_size} "
+            f"samples per step; held-out {args.heldout_size} prompts (in-process)")
+        log(f"done: {run_rl(arms, _ref_model(spec, state, device), lang, fwd, args, deadline, lr, jsonl)}")
+        groups = []
     base = [sys.executable] + (["-S"] if sys.flags.no_site else []) + [os.path.abspath(__file__)]
     base += list(argv if argv is not None else sys.argv[1:])
-    t_rl = time.time()
     procs = []
     for lr, arms in groups:
         cmd = base + ["--phase", "rl", "--group-spec", f"{lr}:{','.join(arms)}", "--ckpt", ckpt,
@@ -1038,12 +1113,13 @@ def main(argv=None) -> int:
         if "/" in key:
             log(f"{key:16s}: steps {s['steps']:3d} accept {s['accept_start']:.3f} -> {s['accept_end']:.3f} "
                 f"({100 * s['accept_rel_change_end']:+.1f}%; worst {100 * s['accept_rel_change_min']:+.1f}% at step "
-                f"{s['accept_min_step']}), greedy {s['greedy_start']:.3f} -> {s['greedy_end']:.3f}, KL {s['kl_end']:.3f},"
+                f"{s['accept_min_step']}), greedy {s['greedy_start']:.3f} -> {s['greedy_end']:.3f}, "
+                f"KL {s['kl_end']:.3f},"
                 f" reward {s['heldout_reward_start']:.3f} -> {s['heldout_reward_end']:.3f}, entropy "
                 f"{s['entropy_start']:.3f} -> {s['entropy_end']:.3f}")
     log(f"goal: {json.dumps(summary['goal'])}")
     if args.plot:
-        log(f"wrote {plot(rows, png, args.draft_cost, groups[0][0])}")
+        log(f"wrote {plot(rows, png, args.draft_cost, parse_groups(args.groups)[0][0])}")
     log(f"wrote {jsonl}, {meta_path}")
     return 0 if all(c == 0 for c in codes) else 1
 
