@@ -24,6 +24,10 @@ def _cmd_phases(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    import warnings
+
+    # megatron warns at import that Transformer Engine / Apex are absent (expected on CPU)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     from verl_mtp_plugin.demo import DemoInvariantError, run_demo
 
     try:

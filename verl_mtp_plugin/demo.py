@@ -383,6 +383,7 @@ def _make_sink(model, spec, mode, out, log):
         return _NoSync()
     # The demo's drafter is a verification copy on the host: vLLM's CPU platform, chosen before import.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the demo's output readable
     try:
         import vllm  # noqa: F401
     except ImportError:
