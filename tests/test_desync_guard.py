@@ -352,24 +352,19 @@ def test_vllm_keys_named_in_messages_exist_in_vllm():
 @pytest.fixture(scope="module")
 def verl_base():
     """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from verl_mtp_plugin.verl_config import compose_ppo_trainer
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose(
-            "ppo_trainer",
-            overrides=[
-                "model_engine=megatron",
-                "actor_rollout_ref.rollout.name=vllm",
-                "actor_rollout_ref.model.mtp.enable=true",
-                "actor_rollout_ref.model.mtp.enable_rollout=true",
-                "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
-                f"+{GUARD_CONFIG_PATH}.threshold=0.3",
-                f"+{GUARD_CONFIG_PATH}.action=fail",
-            ],
-        )
-    GlobalHydra.instance().clear()
+    cfg = compose_ppo_trainer(
+        [
+            "model_engine=megatron",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.mtp.enable=true",
+            "actor_rollout_ref.model.mtp.enable_rollout=true",
+            "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
+            f"+{GUARD_CONFIG_PATH}.threshold=0.3",
+            f"+{GUARD_CONFIG_PATH}.action=fail",
+        ]
+    )
     return cfg
 
 

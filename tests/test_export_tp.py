@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(HERE, "gpu"))
 
 import pp2_tp2_common as C  # noqa: E402
 
+from verl_mtp_plugin.testing import free_port  # noqa: E402
+
 WORLD = 2
 SEED = 1234
 #: vocab 100 padded to 128 (Megatron padding; 64 rows per TP rank), 2 query groups and 2 Mamba groups
@@ -76,7 +78,7 @@ def test_tp2_and_ep2_export_equals_unsharded(tmp_path):
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(C.free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:

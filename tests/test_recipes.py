@@ -3,7 +3,6 @@ path pkg://verl.trainer.config), passes the plugin's validation, instantiates ve
 dataclasses, and selects the plugin engine with the intended mode and phase behaviour."""
 
 import copy
-import json
 import os
 import re
 import subprocess
@@ -36,17 +35,9 @@ def composed():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """Stands in for the 120B checkpoint: Nemotron-H HF config with one MTP layer ("*E")."""
-    cfg = dict(
-        model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=128, hidden_size=64,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        hybrid_override_pattern="M*-E", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, n_shared_experts=1, num_nextn_predict_layers=1,
-        mtp_hybrid_override_pattern="*E", tie_word_embeddings=False,
-    )
-    d = tmp_path_factory.mktemp("super_stand_in")
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+
+    return write_hf_config_dir(tmp_path_factory.mktemp("super_stand_in"))
 
 
 def ref_config(cfg):

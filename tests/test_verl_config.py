@@ -2,7 +2,6 @@
 each error is raised with its key names; valid configs resolve to the expected settings."""
 
 import copy
-import json
 
 import pytest
 from omegaconf import OmegaConf, open_dict
@@ -18,46 +17,18 @@ from verl_mtp_plugin.verl_registry import MODEL_TYPE
 
 
 def write_hf_dir(path, num_nextn_predict_layers=1):
-    """A tiny Nemotron-H HF config dir (the tiny megatron model's shapes)."""
-    cfg = dict(
-        model_type="nemotron_h",
-        architectures=["NemotronHForCausalLM"],
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        hybrid_override_pattern="M*-E",
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32,
-        n_shared_experts=1,
-        num_nextn_predict_layers=num_nextn_predict_layers,
-        mtp_hybrid_override_pattern="*E",
-        tie_word_embeddings=False,
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
+    """A tiny Nemotron-H HF config dir (the tiny megatron model's shapes; no MTP when 0 layers)."""
+    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+
+    return write_hf_config_dir(path, pattern="M*-E/*E" if num_nextn_predict_layers else "M*-E")
 
 
 @pytest.fixture(scope="module")
 def verl_base():
     """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from verl_mtp_plugin.verl_config import compose_ppo_trainer
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose("ppo_trainer", overrides=["model_engine=megatron", "actor_rollout_ref.rollout.name=vllm"])
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_ppo_trainer(["model_engine=megatron", "actor_rollout_ref.rollout.name=vllm"])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ HybridModel ("-E/-E": MLP + MoE, MTP "-E") and must match the padded path exactl
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 from functools import partial
 
@@ -52,17 +51,9 @@ def _verl_device():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    cfg = dict(
-        model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=128, hidden_size=64,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        hybrid_override_pattern="M*-E", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, n_shared_experts=1, num_nextn_predict_layers=1,
-        mtp_hybrid_override_pattern="*E", tie_word_embeddings=False,
-    )
-    d = tmp_path_factory.mktemp("nemotron_h_tiny")
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+
+    return write_hf_config_dir(tmp_path_factory.mktemp("nemotron_h_tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +67,18 @@ def registered():
 @pytest.fixture(scope="module")
 def ppo_loss_fn():
     """verl's ppo_loss bound to a McoreActorConfig built from verl's own composed config."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    GlobalHydra.instance().clear()
-    with initialize_config_module("verl.trainer.config", version_base=None):
-        cfg = compose(
-            "ppo_trainer",
-            overrides=[
-                "model_engine=megatron",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            ],
-        )
-    GlobalHydra.instance().clear()
+    from verl_mtp_plugin.verl_config import compose_ppo_trainer
+
+    cfg = compose_ppo_trainer(
+        [
+            "model_engine=megatron",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        ]
+    )
     return partial(ppo_loss, config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
 
 

@@ -259,7 +259,8 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
         spec, model = _build(mode, task, device, seed)
         warm_loss = _warmup(model, task, warmup_steps, gen, device)
         configure_transformer_config(model.config, mode, mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor)
-        frozen = freeze_mtp(model) if mode is MTPMode.FROZEN else []
+        if mode is MTPMode.FROZEN:
+            freeze_mtp(model)  # pre-wrap hook: before the optimizer exists
         validate_model_for_mode(model, mode)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
         actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=task.prompts_per_step,

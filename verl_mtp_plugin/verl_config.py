@@ -44,6 +44,8 @@ __all__ = [
     "EngineMTPSettings",
     "ResolvedMTPSettings",
     "apply_mtp_overrides",
+    "compose_ppo_trainer",
+    "compose_recipe",
     "hf_mtp_num_layers",
     "is_hybrid_hf_config",
     "main",
@@ -568,6 +570,19 @@ def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | Non
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
         return compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def compose_ppo_trainer(overrides: list[str] | None = None):
+    """verl's own ``ppo_trainer`` config composed with ``overrides`` (real schema and defaults)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            return compose("ppo_trainer", overrides=list(overrides or []))
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -468,12 +468,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         n_micro = tu.get_non_tensor_data(data, key="num_micro_batch", default=None)
         if n_micro is None:
             raise RuntimeError("num_micro_batch missing from the batch (set by verl's forward_backward_batch)")
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-        # Reduce first, on every rank: collect_mtp_metrics decides locally whether anything was
-        # recorded, which must not differ between ranks that take part in the all-reduce.
-        MTPLossLoggingHelper.reduce_metrics_in_tracker()
-        metrics = collect_mtp_metrics(int(n_micro), reset=True, reduce=False)
+        # every rank of the stage joins the reduction (collect_mtp_metrics reduces before deciding)
+        metrics = collect_mtp_metrics(int(n_micro), reset=True)
         acc = getattr(self, "_mtp_acceptance", None) or {}
         metrics.update({k: v for k, v in acc.items() if k in ACCEPTANCE_METRICS})
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):

@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import torch
 
 EXPERT_RE = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 WEIGHT_BUFFERS = (".expert_bias",)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def set_dist_env(rank: int, world: int, port: int) -> None:

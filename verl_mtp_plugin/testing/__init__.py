@@ -198,7 +198,6 @@ def _install_mamba_reference_on_cpu() -> None:
 
 def _local_hybrid_stack_spec(num_experts: int | None):
     """megatron's hybrid stack spec with megatron's own local modules in place of TE ones."""
-    from megatron.core.extensions.transformer_engine import HAVE_TE  # noqa: F401  (import order)
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules

@@ -44,6 +44,7 @@ __all__ = [
     "build_drafter_for_spec",
     "build_vllm_models",
     "hf_config_for_tiny",
+    "write_hf_config_dir",
     "init_vllm_distributed",
     "install_cpu_workarounds",
     "make_syncer",
@@ -196,6 +197,14 @@ def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
             norm_topk_prob=True,
         )
     return cfg
+
+
+def write_hf_config_dir(path, spec=None, **fields) -> str:
+    """Write :func:`hf_config_for_tiny` as ``path/config.json`` (a stand-in checkpoint dir); returns ``path``."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config_for_tiny(spec, **fields)))
+    return str(path)
 
 
 def init_vllm_distributed(vllm_config=None) -> None:
