@@ -127,7 +127,16 @@ _EXT = "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"
 
 
 class MTPDesyncError(RuntimeError):
-    """Raised by the guard with ``action="fail"``; the message names the likely causes and keys."""
+    """Raised by the guard with ``action="fail"``; the message names the likely causes and keys.
+
+    Attributes:
+        metrics (dict[str, float]): the ``mtp_guard/*`` metrics of the step that raised (so a trainer
+            can still log the step before stopping).
+    """
+
+    def __init__(self, message: str, metrics: Mapping[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
 
 
 class MTPDesyncWarning(UserWarning):
@@ -354,13 +363,15 @@ class MTPDesyncGuard:
                 return v, key
         return None, None
 
-    def _act(self, message: str, category: type[Warning], *, may_fail: bool) -> None:
+    def _act(
+        self, message: str, category: type[Warning], *, may_fail: bool, metrics: Mapping[str, float] | None = None
+    ) -> None:
         # Full text in the warning / exception, the headline in the log (no double-printed essay).
         self.last_message = message
         headline = message.splitlines()[0]
         if may_fail and self.config.action == "fail":
             logger.error("%s (raising MTPDesyncError)", headline)
-            raise MTPDesyncError(message)
+            raise MTPDesyncError(message, metrics)
         logger.warning("%s (details in %s)", headline, category.__name__)
         warnings.warn(message, category, stacklevel=3)
 
@@ -457,6 +468,7 @@ class MTPDesyncGuard:
                 ),
                 MTPDesyncWarning,
                 may_fail=True,
+                metrics=out,
             )
         if slow_msg is not None:
             self._act(slow_msg, MTPSlowSpeculationWarning, may_fail=False)

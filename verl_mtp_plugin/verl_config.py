@@ -19,6 +19,9 @@ verl keys read (verl 0.9.1 names):
   dynamic_context_parallel,router_replay.mode}``
 * ``actor_rollout_ref.rollout.{name,free_cache_engine,enable_sleep_mode,enable_prefix_caching,
   engine_kwargs.vllm.{speculative_config,enable_prefix_caching,mamba_cache_mode,worker_extension_cls}}``
+* ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
+  ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
+  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.desync_guard.MTPGuardConfig`)
 * ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
   ``online`` reloads the drafter on every sync, ``frozen`` once)
 
@@ -36,7 +39,8 @@ import os
 from typing import Any, Mapping
 
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_verl_mtp, run_mtp_forward
-from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE
+from verl_mtp_plugin.desync_guard import MTPGuardConfig
+from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE, TRAINER_MODES
 
 __all__ = [
     "DRAFTER_SYNC_ENV",
@@ -356,6 +360,10 @@ class ResolvedMTPSettings:
         worker_extension_cls: ``engine_kwargs.vllm.worker_extension_cls`` (None: verl's default).
         drafter_sync: ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (``online`` /
             ``frozen``; None: unset, the extension's default ``online``).
+        trainer_mode: ``trainer.v1.trainer_mode`` (None: the legacy trainer, ``trainer.use_v1=false``).
+        rollout_metrics: the trainer logs the plugin's rollout speculation metrics and runs the desync
+            guard (a plugin trainer mode, :data:`~verl_mtp_plugin.verl_registry.TRAINER_MODES`, with
+            speculation on).
     """
 
     model_type: str
@@ -374,6 +382,8 @@ class ResolvedMTPSettings:
     mamba_cache_mode: str | None
     worker_extension_cls: str | None
     drafter_sync: str | None = None
+    trainer_mode: str | None = None
+    rollout_metrics: bool = False
 
 
 def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
@@ -520,6 +530,26 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
 
+    # --- trainer (rollout speculation metrics, desync guard) ---------------------------------------
+    use_v1 = _as_bool(_get(config, "trainer.use_v1", True))
+    trainer_mode = str(_get(config, "trainer.v1.trainer_mode", "sync") or "sync") if use_v1 else None
+    plugin_mode = str(_get(config, "trainer.v1.trainer_mode", "") or "")
+    if plugin_mode.startswith("mtp_") and plugin_mode not in TRAINER_MODES:
+        errors.append(
+            f"trainer.v1.trainer_mode={plugin_mode!r} is not a plugin trainer; the plugin registers "
+            f"{sorted(TRAINER_MODES)} (verl's own: sync, colocate_async, separate_async)"
+        )
+    elif plugin_mode in TRAINER_MODES and not use_v1:
+        errors.append(
+            f"trainer.v1.trainer_mode={plugin_mode} needs verl's v1 trainer, but trainer.use_v1=false selects the "
+            "legacy RayPPOTrainer; set trainer.use_v1=true"
+        )
+    try:
+        MTPGuardConfig.from_verl_config(config)
+    except MTPConfigError as e:
+        lines = str(e).splitlines()
+        errors.extend([ln.strip()[2:] for ln in lines[1:]] if len(lines) > 1 else lines)
+
     if errors:
         raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
     assert mode is not None
@@ -558,6 +588,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         mamba_cache_mode=mamba_cache_mode,
         worker_extension_cls=vllm_kwargs.get("worker_extension_cls"),
         drafter_sync=drafter_sync,
+        trainer_mode=trainer_mode,
+        rollout_metrics=bool(speculation and trainer_mode in TRAINER_MODES),
     )
 
 

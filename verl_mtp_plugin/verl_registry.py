@@ -28,7 +28,15 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["BACKEND", "DEVICES", "MODEL_TYPE", "UNSUPPORTED_BACKENDS", "register", "registered_engines"]
+__all__ = [
+    "BACKEND",
+    "DEVICES",
+    "MODEL_TYPE",
+    "TRAINER_MODES",
+    "UNSUPPORTED_BACKENDS",
+    "register",
+    "registered_engines",
+]
 
 #: ``actor_rollout_ref.model.model_type`` that selects the plugin engine.
 MODEL_TYPE = "nemotron_h_mtp"
@@ -39,6 +47,9 @@ DEVICES = ("cuda",)
 #: verl backends that cannot run the plugin (registered to fail with a clear message).
 UNSUPPORTED_BACKENDS = ("fsdp", "fsdp2", "fsdp_turbo", "veomni", "torchtitan", "automodel")
 _UNSUPPORTED_DEVICES = ("cuda", "npu")
+#: ``trainer.v1.trainer_mode`` values the plugin registers (:mod:`verl_mtp_plugin.verl_trainer`, verl's
+#: ``register_trainer``) -> the verl trainer mode each behaves as.
+TRAINER_MODES = {"mtp_sync": "sync", "mtp_colocate_async": "colocate_async", "mtp_separate_async": "separate_async"}
 
 
 def _wanted():

@@ -1,0 +1,174 @@
+"""verl v1 trainers that log rollout speculation metrics and run the MTP desync guard (issue 9).
+
+verl 0.9.x computes a step's metrics inside its trainer (``PPOTrainer._compute_metrics``) and offers
+two extension points there: trainer hooks (``on_train_begin``, ``on_validate_begin/end``, ...) and a
+registry of trainer classes keyed by ``trainer.v1.trainer_mode`` (``@register_trainer``). This module
+registers one subclass per verl trainer, each adding :class:`~verl_mtp_plugin.rollout_monitor.RolloutSpecMonitor`
+to the hooks:
+
+=========================================  ======================  ==================================
+``trainer.v1.trainer_mode``                behaves as verl's       validation rollouts
+=========================================  ======================  ==================================
+``mtp_sync``                               ``sync``                not counted
+``mtp_colocate_async``                     ``colocate_async``      counted (rollouts overlap)
+``mtp_separate_async``                     ``separate_async``      counted (rollouts overlap)
+=========================================  ======================  ==================================
+
+Everything else is verl's: the class's ``trainer_mode`` attribute reads as the base mode, so verl's
+mode-dependent code (replay buffer kind, checkpoint layout, ``trainer.v1.<mode>.*`` settings) runs
+exactly as for the base trainer and reads the base mode's settings block.
+
+Per step the metric dict verl logs gains ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``
+(kept from verl when it computed them from per-request statistics),
+``rollout/spec_accept_rate_pos_{k}``, ``rollout/spec_num_*``, ``rollout/spec_counter_reset`` and
+the guard's ``mtp_guard/*``. The counters come from each rollout replica's ``/metrics``
+(``actor_rollout_ref.rollout.disable_log_stats=false``). With ``verl_mtp_plugin.mtp_guard.action=fail`` a
+desync stops training after that step's metrics were logged.
+
+The registry lives in the process that runs verl's ``TaskRunnerV1`` (a Ray actor). Start training
+with ``python -m verl_mtp_plugin.main_ppo`` (its task runner imports this module), or keep
+``python -m verl.trainer.main_ppo`` and import this module in every Ray process with
+``VERL_USE_EXTERNAL_MODULES=verl_mtp_plugin.verl_trainer`` in
+``ray_kwargs.ray_init.runtime_env.env_vars``. Importing this module imports verl's v1 trainer stack
+(and so TransferQueue).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from verl_mtp_plugin.desync_guard import guard_from_verl_config
+from verl_mtp_plugin.rollout_monitor import RolloutSpecMonitor
+from verl_mtp_plugin.verl_registry import TRAINER_MODES
+
+__all__ = [
+    "MTPPPOTrainerColocateAsync",
+    "MTPPPOTrainerSeparateAsync",
+    "MTPPPOTrainerSync",
+    "MTPRolloutMetricsMixin",
+    "build_rollout_monitor",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True) -> RolloutSpecMonitor:
+    """The monitor for a composed verl trainer config.
+
+    Speculation is on when ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (or a
+    speculative config is given under ``engine_kwargs.vllm``); the guard reads
+    ``verl_mtp_plugin.mtp_guard`` (:func:`~verl_mtp_plugin.desync_guard.guard_from_verl_config`, which
+    also warns when ``actor_rollout_ref.rollout.disable_log_stats`` leaves vLLM without counters).
+
+    Raises:
+        MTPConfigError: an invalid guard block.
+    """
+    guard = guard_from_verl_config(config)
+    return RolloutSpecMonitor(
+        addresses,
+        guard=guard if guard.config.action != "off" else None,
+        speculation=guard.speculation,
+        exclude_validation=exclude_validation,
+    )
+
+
+class MTPRolloutMetricsMixin:
+    """Adds the rollout speculation monitor to a verl v1 trainer (put it before the verl class).
+
+    Class attributes:
+        mtp_base_mode (str): the verl trainer mode this class behaves as.
+        mtp_exclude_validation (bool): drop validation rollouts from the step's counters.
+    """
+
+    mtp_mode: str = ""
+    mtp_base_mode: str = ""
+    mtp_exclude_validation: bool = True
+
+    # verl reads self.trainer_mode for its mode-dependent code; it must see the base mode.
+    @property
+    def trainer_mode(self) -> str:
+        return self.mtp_base_mode
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        if value not in (self.mtp_base_mode, self.mtp_mode):
+            raise ValueError(
+                f"{type(self).__name__} runs as trainer.v1.trainer_mode={self.mtp_mode} "
+                f"(verl's {self.mtp_base_mode}); got trainer.v1.trainer_mode={value!r}"
+            )
+
+    @property
+    def mtp_monitor(self) -> RolloutSpecMonitor:
+        monitor = self.__dict__.get("_mtp_monitor")
+        if monitor is None:
+            monitor = build_rollout_monitor(
+                self.config, self._mtp_server_addresses, exclude_validation=self.mtp_exclude_validation
+            )
+            self._mtp_monitor = monitor
+        return monitor
+
+    def _mtp_server_addresses(self) -> list[str]:
+        out: list[str] = []
+        for manager in self._rollout_server_managers():
+            out.extend(getattr(manager, "server_addresses", None) or [])
+        return out
+
+    def on_train_begin(self):
+        self.mtp_monitor.begin()  # before the async trainers queue their warm-up rollouts
+        super().on_train_begin()
+
+    def on_validate_begin(self):
+        self.mtp_monitor.pause()
+        super().on_validate_begin()
+
+    def on_validate_end(self):
+        super().on_validate_end()
+        self.mtp_monitor.resume()
+
+    def on_step_begin(self):
+        self.mtp_monitor.raise_pending()
+        super().on_step_begin()
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        last = global_steps >= getattr(self, "total_training_steps", float("inf"))
+        # a desync with action=fail stops the run after this step's metrics were logged: at the
+        # next step's start, or here when there is no next step
+        self.mtp_monitor.step_metrics(metrics, global_steps, raise_now=last)
+
+
+@register_trainer("mtp_sync")
+class MTPPPOTrainerSync(MTPRolloutMetricsMixin, PPOTrainerSync):
+    """verl's ``sync`` trainer + rollout speculation metrics and the desync guard."""
+
+    mtp_mode = "mtp_sync"
+    mtp_base_mode = "sync"
+    mtp_exclude_validation = True
+
+
+@register_trainer("mtp_colocate_async")
+class MTPPPOTrainerColocateAsync(MTPRolloutMetricsMixin, PPOTrainerColocateAsync):
+    """verl's ``colocate_async`` trainer + rollout speculation metrics and the desync guard."""
+
+    mtp_mode = "mtp_colocate_async"
+    mtp_base_mode = "colocate_async"
+    mtp_exclude_validation = False
+
+
+@register_trainer("mtp_separate_async")
+class MTPPPOTrainerSeparateAsync(MTPRolloutMetricsMixin, PPOTrainerSeparateAsync):
+    """verl's ``separate_async`` trainer + rollout speculation metrics and the desync guard."""
+
+    mtp_mode = "mtp_separate_async"
+    mtp_base_mode = "separate_async"
+    mtp_exclude_validation = False
+
+
+_CLASSES = (MTPPPOTrainerSync, MTPPPOTrainerColocateAsync, MTPPPOTrainerSeparateAsync)
+if {c.mtp_mode: c.mtp_base_mode for c in _CLASSES} != TRAINER_MODES:  # pragma: no cover - a coding error
+    raise RuntimeError("verl_mtp_plugin.verl_registry.TRAINER_MODES is out of date")
