@@ -41,3 +41,16 @@ def test_keys_lists_the_hf_mtp_names(tmp_path, capsys):
 def test_unknown_mode_is_refused_by_the_parser():
     with pytest.raises(SystemExit):
         main(["demo", "--mode", "sometimes"])
+
+
+def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
+    """python -m verl_mtp_plugin.main_ppo takes verl's main_ppo arguments; the plugin's check runs first."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", f"hydra.run.dir={tmp_path}",
+           "trainer.use_v1=false", "trainer.v1.trainer_mode=mtp_sync"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "verl_mtp_plugin: invalid verl config" in out.stderr and "trainer.use_v1=false" in out.stderr
+    assert "ray init kwargs" not in out.stdout  # verl's run_ppo was never reached

@@ -84,6 +84,9 @@ def test_recipe_composes_on_verls_ppo_trainer_and_resolves(composed, name):
     assert s.sleep_level == 1 and s.prefix_caching is False and s.mamba_cache_mode == "align"
     assert s.worker_extension_cls == EXTENSION
     assert s.drafter_sync == ("frozen" if mode is MTPMode.FROZEN else "online")
+    # rollout speculation metrics + desync guard: the plugin's sync trainer, guard block valid
+    assert s.trainer_mode == "mtp_sync" and s.rollout_metrics
+    assert cfg.verl_mtp_plugin.mtp_guard.action == "warn"
 
 
 def test_recipe_worker_extension_resolves_to_a_verl_extension_subclass():
@@ -189,12 +192,12 @@ def test_required_verl_pin_matches_the_installed_verl():
 
 
 @pytest.mark.parametrize("script,names", [("run_grpo.sh", ["grpo_frozen", "grpo_online", "grpo_joint"]), ("run_ppo.sh", ["ppo_frozen", "ppo_online"])])
-def test_run_scripts_launch_verls_entrypoint_on_these_configs(script, names):
+def test_run_scripts_launch_the_plugin_entrypoint_on_these_configs(script, names):
     path = RECIPE / script
     text = path.read_text()
     assert os.access(path, os.X_OK)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
-    assert "python3 -m verl.trainer.main_ppo --config-path" in text
+    assert "python3 -m verl_mtp_plugin.main_ppo --config-path" in text  # registers trainer mode mtp_sync
     assert "python3 -m verl_mtp_plugin.verl_config --config-path" in text  # pre-flight
     prefix = re.search(r"CONFIG_NAME=(\w+)_\$\{MODE\}", text).group(1)
     for name in names:

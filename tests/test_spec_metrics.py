@@ -414,7 +414,7 @@ def test_bad_counts_are_rejected():
 def test_modules_import_without_heavy_dependencies():
     heavy = ("torch", "vllm", "verl", "megatron", "prometheus_client", "omegaconf")
     code = (
-        "import sys, verl_mtp_plugin.spec_metrics, verl_mtp_plugin.desync_guard;"
+        "import sys, verl_mtp_plugin.spec_metrics, verl_mtp_plugin.desync_guard, verl_mtp_plugin.rollout_monitor;"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

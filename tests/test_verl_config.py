@@ -329,3 +329,28 @@ def test_preflight_cli_composes_and_reports(tmp_path, hf_dirs, capsys):
     ) == 0
     out = capsys.readouterr().out
     assert "mode: frozen" in out and "engine_selected: True" in out
+
+
+def test_trainer_mode_rollout_metrics_and_guard_block(verl_base, hf_dirs):
+    # verl's own sync trainer: valid, but no plugin rollout metrics
+    s = validate_verl_config(make(verl_base, hf_dirs))
+    assert s.trainer_mode == "sync" and not s.rollout_metrics
+    s = validate_verl_config(make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_sync"))
+    assert s.trainer_mode == "mtp_sync" and s.rollout_metrics
+    # speculation off: the plugin trainer runs, there is nothing to measure
+    off = make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_sync", actor_rollout_ref__model__mtp__enable_rollout=False)
+    assert not validate_verl_config(off).rollout_metrics
+
+    msg = errors_of(make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_synk"))
+    assert "trainer.v1.trainer_mode='mtp_synk' is not a plugin trainer" in msg and "mtp_sync" in msg
+    msg = errors_of(make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_sync", trainer__use_v1=False))
+    assert "trainer.v1.trainer_mode=mtp_sync needs verl's v1 trainer" in msg and "trainer.use_v1=true" in msg
+    # the guard block's errors join the same message, each with its full key
+    msg = errors_of(
+        make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_foo", verl_mtp_plugin__mtp_guard__patience=0,
+             verl_mtp_plugin__mtp_guard__actoin="fail")
+    )
+    assert "trainer.v1.trainer_mode='mtp_foo'" in msg
+    assert "verl_mtp_plugin.mtp_guard.patience" in msg and "verl_mtp_plugin.mtp_guard.actoin: unknown key" in msg
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__mtp_guard__action="fail"))
+    assert "actor_rollout_ref.rollout.mtp_guard is not a verl key" in msg

@@ -153,12 +153,15 @@ def _trainer(server, extra=(), **guard):
     """A verl v1 trainer as verl's TaskRunnerV1 makes it, with one rollout replica address."""
     import verl_mtp_plugin.verl_trainer  # noqa: F401 - registers the plugin trainers
     from verl.trainer.ppo.v1 import get_trainer_cls
+    from omegaconf import open_dict
     from verl.workers.rollout.llm_server import LLMServerManager
 
     cfg = _compose(extra, **guard)
     trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(cfg)
     trainer._init_resource_pool_mgr()
-    manager = LLMServerManager.create_empty(config=cfg, worker_group=object())
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.rollout.nnodes = 1  # create_empty is verl's standalone-replica path
+    manager = LLMServerManager.create_empty(config=cfg)
     if asyncio.iscoroutine(manager):
         manager = asyncio.run(manager)
     manager.server_addresses = [server.address]  # what _initialize_llm_servers records per replica
@@ -370,3 +373,25 @@ def test_fail_action_stops_after_the_step_is_logged(cluster):
     with pytest.raises(MTPDesyncError, match="step 1"):
         _finish_step(trainer, 1, _put_rollouts(1), metrics)
     assert metrics["mtp_guard/desync"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry point's task runner (last in this module: verl's TaskRunnerV1.run closes TransferQueue)
+
+
+def test_plugin_task_runner_resolves_plugin_modes_in_its_ray_actor(cluster):
+    """``python -m verl_mtp_plugin.main_ppo`` runs this actor class: verl's TaskRunnerV1 looks the
+    trainer mode up in the actor's own process, where only the plugin's runner has registered it."""
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    from verl_mtp_plugin.main_ppo import MTPTaskRunner, MTPTaskRunnerV1
+
+    assert issubclass(MTPTaskRunner, TaskRunnerV1.__ray_actor_class__)
+    # separate_async checks train_batch_size == parameter_sync_step (4) * ppo_mini_batch_size (2) in its
+    # constructor: reaching that check proves the lookup found the plugin class (a verl subclass)
+    cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async"])
+    with pytest.raises(ray.exceptions.RayTaskError, match="Unknown trainer 'mtp_separate_async'"):
+        ray.get(TaskRunnerV1.remote().run.remote(cfg))
+    with pytest.raises(ray.exceptions.RayTaskError, match="train_batch_size must equal parameter_sync_step"):
+        ray.get(MTPTaskRunnerV1.remote().run.remote(cfg))
