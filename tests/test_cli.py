@@ -48,7 +48,9 @@ def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", f"hydra.run.dir={tmp_path}",
+    # a relative --config-path means verl/trainer/<path>, as for python -m verl.trainer.main_ppo
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path=config",
+           "--config-name=ppo_megatron_trainer", f"hydra.run.dir={tmp_path}",
            "trainer.use_v1=false", "trainer.v1.trainer_mode=mtp_sync"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]

@@ -273,6 +273,36 @@ def test_partial_reset_with_reader_objects_built_directly():
     assert step.reset_series == (ENGINE1,)
 
 
+@pytest.mark.vllm
+def test_an_unreadable_server_does_not_count_its_history_when_it_is_back(prom, caplog):
+    """One failed /metrics read must not turn that replica's whole cumulative counter into a step."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    rng = random.Random(5)
+    for s in _scheduler_steps(rng, 3, 20):
+        prom.observe(s, engine_idx=0)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=REGISTRY)
+    addr, dead = f"127.0.0.1:{server.server_port}", "127.0.0.1:9"
+    try:
+        tracker = SpecDecodeCounterTracker()
+        tracker.set_baseline(scrape_spec_counters([addr]))
+        step1 = _scheduler_steps(rng, 2, 20)
+        for s in step1:
+            prom.observe(s, engine_idx=0)
+        # this step the replica cannot be read (the address list is wrong for a moment)
+        assert tracker.update(scrape_spec_counters([dead], timeout=2.0)).counts == SpecDecodeCounts()
+        step2 = _scheduler_steps(rng, 2, 20)
+        for s in step2:
+            prom.observe(s, engine_idx=0)
+        got = tracker.update(scrape_spec_counters([addr])).counts
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    want = total_counts(SpecDecodeCounts.from_stats(s) for s in step1 + step2)
+    assert got == want  # the steps it missed, not its whole history
+
+
 # --------------------------------------------------------------------------------------------------
 # per-position aggregation and verl's semantics
 

@@ -245,7 +245,6 @@ def test_plugin_trainer_modes_resolve_in_verl_and_behave_as_verls(cluster):
                        "mtp_separate_async": PPOTrainerSeparateAsync}.items():
         cls = get_trainer_cls(mode)
         assert issubclass(cls, base) and cls.mtp_base_mode == TRAINER_MODES[mode]
-    assert get_trainer_cls("sync") is PPOTrainerSync  # verl's own entries untouched
 
     trainer = _trainer(cluster, extra=["+trainer.v1.sync.parameter_sync_step=2"])
     # verl's mode-dependent code sees "sync": the synchronous replay buffer, trainer.v1.sync.* settings
@@ -364,15 +363,43 @@ def test_fail_action_stops_after_the_step_is_logged(cluster):
         trainer.on_step_begin()  # the next step does not start
     trainer.on_step_begin()  # raised once
 
-    # on the last step there is no next step: it raises right away (after filling the dict)
-    trainer = _trainer(cluster, min_drafts=1, zero_patience=1, action="fail")
-    trainer.total_training_steps = 1
+    # the last step: nothing follows it inside verl's loop, so verl's fit() returns normally (after
+    # logging the step) and the plugin's fit() raises then. Here verl's real fit() runs with its loop
+    # already exhausted (what _init_dataloader / _load_checkpoint would have set).
+    trainer = _trainer(cluster, ["trainer.val_before_train=false"], min_drafts=1, zero_patience=1, action="fail")
     trainer.on_train_begin()
     cluster.rollout(rng, 200, 0.0)
     metrics = {"actor/mtp_argmax_draft_accept_rate": 0.8}
+    _finish_step(trainer, 1, _put_rollouts(1), metrics)
+    assert metrics["mtp_guard/desync"] == 1.0 and trainer.mtp_monitor.pending_error is not None
+    trainer.global_steps, trainer.steps_per_epoch, trainer.total_training_steps = 1, 1, 1
+    trainer._init_dump_executor()
     with pytest.raises(MTPDesyncError, match="step 1"):
-        _finish_step(trainer, 1, _put_rollouts(1), metrics)
-    assert metrics["mtp_guard/desync"] == 1.0
+        trainer.fit(agent_loop_manager=None)
+
+
+def test_invalid_guard_block_fails_when_the_trainer_is_built(cluster):
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_mtp_plugin.policy import MTPConfigError
+
+    cfg = _compose(action="explode")
+    with pytest.raises(MTPConfigError, match="verl_mtp_plugin.mtp_guard.action"):
+        get_trainer_cls("mtp_sync")(cfg)  # before trainer.init() would place any GPU worker
+
+
+def test_rollout_skip_cache_reads_the_base_modes_settings(cluster):
+    """verl's rollout skip cache reads trainer.v1.<trainer_mode>.parameter_sync_step from the config."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.skip.rollout_skip import RolloutTqSkip
+
+    cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async", "data.train_batch_size=8",
+                          "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
+    trainer = get_trainer_cls("mtp_separate_async")(cfg)
+    assert trainer.parameter_sync_step == 4  # verl's separate_async default, through the mode property
+    skip = RolloutTqSkip(cfg.skip.rollout_tq, cfg)
+    assert skip.parameter_sync_step == 4
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``python -m verl_mtp_plugin.main_ppo``: verl's PPO/GRPO entry point with the plugin's trainers.
 
 Takes exactly the arguments of ``python -m verl.trainer.main_ppo`` (same Hydra config, same
-``--config-path/--config-name``) and differs in three ways:
+``--config-path/--config-name``; a relative ``--config-path`` is relative to ``verl/trainer`` as it is
+for verl's entry point) and differs in three ways:
 
 1. the plugin's start-up check (:func:`verl_mtp_plugin.verl_config.validate_verl_config`) runs first
    and stops with every problem listed by key;
@@ -85,5 +86,38 @@ def main(config):
     run_ppo(config, task_runner_class=MTPTaskRunnerV1)
 
 
+def _verl_relative_config_path(argv: list[str]) -> list[str]:
+    """Hydra resolves a relative ``--config-path`` against the directory of the main module; make it
+    mean what it means for ``python -m verl.trainer.main_ppo`` (relative to ``verl/trainer``)."""
+    import os
+
+    import verl.trainer.main_ppo as verl_main
+
+    base = os.path.dirname(os.path.abspath(verl_main.__file__))
+
+    def fix(path: str) -> str:
+        if os.path.isabs(path) or "://" in path:
+            return path
+        return os.path.normpath(os.path.join(base, path))
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config-path", "-cp") and i + 1 < len(argv):
+            out += [arg, fix(argv[i + 1])]
+            i += 2
+            continue
+        for flag in ("--config-path=", "-cp="):
+            if arg.startswith(flag):
+                arg = flag + fix(arg[len(flag) :])
+        out.append(arg)
+        i += 1
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    sys.argv[1:] = _verl_relative_config_path(sys.argv[1:])
+    # run the importable module's main, so Ray pickles MTPTaskRunner by reference (not from __main__)
+    from verl_mtp_plugin.main_ppo import main as _main
+
+    _main()

@@ -432,15 +432,17 @@ class SpecDecodeCounterTracker:
     restart, a new front-end process; verl's sleep/wake keeps the process and the counters) takes its
     current value as the delta and flags the step; a series seen for the first time contributes its
     whole value (call :meth:`set_baseline` before the first training rollout to exclude earlier
-    traffic such as validation before training). Series that disappear are forgotten.
+    traffic such as validation before training). A series missing from a snapshot (a server that could
+not be read) keeps its last value: when it is back, its delta covers the steps it missed, never its
+whole history.
     """
 
     def __init__(self) -> None:
         self._last: dict[Hashable, SpecDecodeCounts] = {}
 
     def set_baseline(self, snapshot: Mapping[Hashable, SpecDecodeCounts]) -> None:
-        """Remember ``snapshot`` without producing a step."""
-        self._last = dict(snapshot)
+        """Remember ``snapshot`` without producing a step (series missing from it keep their last value)."""
+        self._last.update(snapshot)
 
     def update(self, snapshot: Mapping[Hashable, SpecDecodeCounts]) -> SpecDecodeStep:
         """Deltas since the previous snapshot.
@@ -472,7 +474,7 @@ class SpecDecodeCounterTracker:
             else:
                 delta = cur.minus(prev)
             total = total + delta
-        self._last = dict(snapshot)
+        self._last.update(snapshot)
         return SpecDecodeStep(total, bool(resets), tuple(resets), tuple(new))
 
 

@@ -16,14 +16,17 @@ to the hooks:
 
 Everything else is verl's: the class's ``trainer_mode`` attribute reads as the base mode, so verl's
 mode-dependent code (replay buffer kind, checkpoint layout, ``trainer.v1.<mode>.*`` settings) runs
-exactly as for the base trainer and reads the base mode's settings block.
+exactly as for the base trainer and reads the base mode's settings block; for verl code that reads
+``trainer.v1.<trainer.v1.trainer_mode>`` from the config itself, the constructor adds
+``trainer.v1.mtp_<mode>`` as a copy of ``trainer.v1.<mode>`` when it is absent.
 
 Per step the metric dict verl logs gains ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``
 (kept from verl when it computed them from per-request statistics),
 ``rollout/spec_accept_rate_pos_{k}``, ``rollout/spec_num_*``, ``rollout/spec_counter_reset`` and
 the guard's ``mtp_guard/*``. The counters come from each rollout replica's ``/metrics``
 (``actor_rollout_ref.rollout.disable_log_stats=false``). With ``verl_mtp_plugin.mtp_guard.action=fail`` a
-desync stops training after that step's metrics were logged.
+desync stops training after verl has logged that step's metrics (:class:`MTPDesyncError` from the next
+``on_step_begin``, or from ``fit`` when it was the last step).
 
 The registry lives in the process that runs verl's ``TaskRunnerV1`` (a Ray actor). Start training
 with ``python -m verl_mtp_plugin.main_ppo`` (its task runner imports this module), or keep
@@ -35,7 +38,10 @@ with ``python -m verl_mtp_plugin.main_ppo`` (its task runner imports this module
 
 from __future__ import annotations
 
+import copy
 import logging
+
+from omegaconf import open_dict
 
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
@@ -102,15 +108,17 @@ class MTPRolloutMetricsMixin:
                 f"(verl's {self.mtp_base_mode}); got trainer.v1.trainer_mode={value!r}"
             )
 
-    @property
-    def mtp_monitor(self) -> RolloutSpecMonitor:
-        monitor = self.__dict__.get("_mtp_monitor")
-        if monitor is None:
-            monitor = build_rollout_monitor(
-                self.config, self._mtp_server_addresses, exclude_validation=self.mtp_exclude_validation
-            )
-            self._mtp_monitor = monitor
-        return monitor
+    def __init__(self, config):
+        # verl code that reads the settings block by the configured mode name (rollout skip cache:
+        # trainer.v1.<trainer_mode>.parameter_sync_step) must find the base mode's block
+        with open_dict(config):
+            if self.mtp_mode not in config.trainer.v1:
+                config.trainer.v1[self.mtp_mode] = copy.deepcopy(config.trainer.v1.get(self.mtp_base_mode, {}))
+        # built here so an invalid verl_mtp_plugin.mtp_guard block fails before any GPU work (init())
+        self.mtp_monitor = build_rollout_monitor(
+            config, self._mtp_server_addresses, exclude_validation=self.mtp_exclude_validation
+        )
+        super().__init__(config)
 
     def _mtp_server_addresses(self) -> list[str]:
         out: list[str] = []
@@ -118,8 +126,15 @@ class MTPRolloutMetricsMixin:
             out.extend(getattr(manager, "server_addresses", None) or [])
         return out
 
+    def fit(self, agent_loop_manager):
+        super().fit(agent_loop_manager)
+        # a desync on the last step (action=fail): verl has logged that step; stop with the error now
+        self.mtp_monitor.raise_pending()
+
     def on_train_begin(self):
-        self.mtp_monitor.begin()  # before the async trainers queue their warm-up rollouts
+        # before the async trainers queue their warm-up rollouts (prompts re-issued from a checkpoint
+        # are dispatched earlier, in fit(), and their first tokens are not counted)
+        self.mtp_monitor.begin()
         super().on_train_begin()
 
     def on_validate_begin(self):
@@ -131,15 +146,13 @@ class MTPRolloutMetricsMixin:
         self.mtp_monitor.resume()
 
     def on_step_begin(self):
+        # a desync with action=fail stops the run here, after verl logged the step that found it
         self.mtp_monitor.raise_pending()
         super().on_step_begin()
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
-        last = global_steps >= getattr(self, "total_training_steps", float("inf"))
-        # a desync with action=fail stops the run after this step's metrics were logged: at the
-        # next step's start, or here when there is no next step
-        self.mtp_monitor.step_metrics(metrics, global_steps, raise_now=last)
+        self.mtp_monitor.step_metrics(metrics, global_steps, raise_now=False)
 
 
 @register_trainer("mtp_sync")
