@@ -255,6 +255,11 @@ def test_plugin_trainer_modes_resolve_in_verl_and_behave_as_verls(cluster):
         trainer.trainer_mode = "colocate_async"
     assert trainer._mtp_server_addresses() == [cluster.address]
 
+    # the async plugin mode gets verl's async replay buffer and keeps counting through validation
+    trainer = get_trainer_cls("mtp_colocate_async")(_compose(extra=["trainer.v1.trainer_mode=mtp_colocate_async"]))
+    assert trainer.trainer_mode == "colocate_async" and isinstance(trainer.replay_buffer, ReplayBufferAsync)
+    assert not trainer.mtp_monitor.exclude_validation
+
 
 # --------------------------------------------------------------------------------------------------
 # the step loop
