@@ -532,16 +532,16 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     # --- trainer (rollout speculation metrics, desync guard) ---------------------------------------
     use_v1 = _as_bool(_get(config, "trainer.use_v1", True))
-    trainer_mode = str(_get(config, "trainer.v1.trainer_mode", "sync") or "sync") if use_v1 else None
-    plugin_mode = str(_get(config, "trainer.v1.trainer_mode", "") or "")
-    if plugin_mode.startswith("mtp_") and plugin_mode not in TRAINER_MODES:
+    configured_mode = str(_get(config, "trainer.v1.trainer_mode", "sync") or "sync")
+    trainer_mode = configured_mode if use_v1 else None
+    if configured_mode.startswith("mtp_") and configured_mode not in TRAINER_MODES:
         errors.append(
-            f"trainer.v1.trainer_mode={plugin_mode!r} is not a plugin trainer; the plugin registers "
+            f"trainer.v1.trainer_mode={configured_mode!r} is not a plugin trainer; the plugin registers "
             f"{sorted(TRAINER_MODES)} (verl's own: sync, colocate_async, separate_async)"
         )
-    elif plugin_mode in TRAINER_MODES and not use_v1:
+    elif configured_mode in TRAINER_MODES and not use_v1:
         errors.append(
-            f"trainer.v1.trainer_mode={plugin_mode} needs verl's v1 trainer, but trainer.use_v1=false selects the "
+            f"trainer.v1.trainer_mode={configured_mode} needs verl's v1 trainer, but trainer.use_v1=false selects the "
             "legacy RayPPOTrainer; set trainer.use_v1=true"
         )
     try:
