@@ -16,9 +16,14 @@ verl keys read (verl 0.9.1 names):
   mtp_loss_scaling_factor,method,num_speculative_tokens}``
 * ``actor_rollout_ref.{actor,ref}.strategy``
 * ``actor_rollout_ref.actor.megatron.{override_transformer_config,vanilla_mbridge,context_parallel_size,
-  dynamic_context_parallel,router_replay.mode}``
-* ``actor_rollout_ref.rollout.{name,free_cache_engine,enable_sleep_mode,enable_prefix_caching,
-  engine_kwargs.vllm.{speculative_config,enable_prefix_caching,mamba_cache_mode,worker_extension_cls}}``
+  dynamic_context_parallel,router_replay.mode,virtual_pipeline_model_parallel_size,qat.enable}``
+* ``actor_rollout_ref.rollout.{name,free_cache_engine,enable_sleep_mode,enable_prefix_caching,quantization,
+  engine_kwargs.vllm.{speculative_config,enable_prefix_caching,mamba_cache_mode,worker_extension_cls,
+  quantization}}``
+* ``critic.{enable,strategy,model.path,model.mtp.enable}``, ``algorithm.adv_estimator`` (verl's
+  ``need_critic``) and ``critic.megatron.{vanilla_mbridge,virtual_pipeline_model_parallel_size,
+  override_transformer_config.mtp_hybrid_override_pattern}``: a Megatron critic on a Nemotron-H
+  checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`)
 * ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
   ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.desync_guard.MTPGuardConfig`)
@@ -34,7 +39,9 @@ and zero acceptance after wake-up: that is the sleep-level check below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 from typing import Any, Mapping
 
@@ -43,7 +50,9 @@ from verl_mtp_plugin.desync_guard import MTPGuardConfig
 from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE, TRAINER_MODES
 
 __all__ = [
+    "BRIDGE_NO_MTP_OVERRIDES",
     "DRAFTER_SYNC_ENV",
+    "PLUGIN_EXTENSIONS",
     "PLUGIN_LIB",
     "EngineMTPSettings",
     "ResolvedMTPSettings",
@@ -69,6 +78,18 @@ _VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: Environment variable read by :mod:`verl_mtp_plugin.vllm_ext` in the vLLM workers.
 DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
+#: ``override_transformer_config`` entries that make Megatron-Bridge's ``HybridModelProvider`` build
+#: no MTP block (with ``mtp_num_layers=None``, which verl's ``check_mtp_config`` sets when the
+#: engine's MTP is off): ``finalize`` appends ``mtp_hybrid_override_pattern`` to the layer pattern
+#: whenever it is set and ``mtp_use_repeated_layer`` is on.
+BRIDGE_NO_MTP_OVERRIDES = {"mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False}
+_CRITIC = "critic"
+_CRITIC_MEG = "critic.megatron"
+#: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
+PLUGIN_EXTENSIONS = (
+    "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension",
+    "verl_mtp_plugin.vllm_ext.MTPDrafterSyncWorkerExtension",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +209,7 @@ def _engine_errors(
     router_replay_mode: str,
     lora_rank: int,
     errors: list[str],
+    virtual_pipeline_model_parallel_size: Any = None,
 ) -> EngineMTPSettings | None:
     try:
         mode = mode_from_verl_mtp(
@@ -214,6 +236,12 @@ def _engine_errors(
             f"{_MEG}.context_parallel_size={context_parallel_size} / dynamic_context_parallel="
             f"{dynamic_context_parallel}: the plugin engine supports context parallel size 1 only (its MTP loss "
             "mask is packed for CP=1)"
+        )
+    if virtual_pipeline_model_parallel_size is not None:
+        errors.append(
+            f"{_MEG}.virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}: Megatron-Bridge "
+            "refuses virtual pipeline parallelism for hybrid (Nemotron-H) models (HybridModelProvider.provide "
+            "asserts it is None) and verl passes any value through; set it to null"
         )
     if str(router_replay_mode or "disabled") != "disabled":
         errors.append(
@@ -299,6 +327,7 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         router_replay_mode=_get(engine_config, "router_replay.mode", "disabled"),
         lora_rank=_lora_rank(model_config),
         errors=errors,
+        virtual_pipeline_model_parallel_size=_get(engine_config, "virtual_pipeline_model_parallel_size"),
     )
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
@@ -322,16 +351,23 @@ def apply_mtp_overrides(overrides: dict, settings: EngineMTPSettings) -> dict:
     """Write the build-time Megatron fields for ``settings.mode`` into verl's
     ``override_transformer_config`` dict (before verl builds the Megatron-Bridge provider).
 
-    off: ``mtp_num_layers=None``; online: ``mtp_detach_heads=True``; frozen/joint:
-    ``mtp_detach_heads=False``; ``mtp_loss_scaling_factor`` unless the user set it there.
+    off: ``mtp_num_layers=None`` and :data:`BRIDGE_NO_MTP_OVERRIDES` (Megatron-Bridge's
+    ``HybridModelProvider.finalize`` re-appends ``mtp_hybrid_override_pattern`` and sets
+    ``mtp_num_layers=1`` whenever ``mtp_use_repeated_layer`` is on, which the Bridge defaults to for
+    any checkpoint with MTP layers: ``mtp_num_layers=None`` alone still builds ``model.mtp``);
+    online: ``mtp_detach_heads=True``; frozen/joint: ``mtp_detach_heads=False``;
+    ``mtp_loss_scaling_factor`` unless the user set it there.
     """
     from verl_mtp_plugin.control import configure_transformer_config
 
-    return configure_transformer_config(
+    configure_transformer_config(
         overrides,
         settings.mode,
         mtp_loss_scaling_factor=settings.mtp_loss_scaling_factor if settings.set_scaling_factor else None,
     )
+    if settings.mode is MTPMode.OFF:
+        overrides.update(BRIDGE_NO_MTP_OVERRIDES)
+    return overrides
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,6 +492,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             router_replay_mode=_get(config, f"{_MEG}.router_replay.mode", "disabled"),
             lora_rank=_lora_rank(_get(config, _M)),
             errors=errors,
+            virtual_pipeline_model_parallel_size=_get(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
         )
         mode = settings.mode if settings is not None else None
     else:
@@ -519,6 +556,38 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{_VLLM}.mamba_cache_mode=align (got {mamba_cache_mode!r}): the recurrent state must roll back "
             f"when drafts are rejected (vLLM #39809); set mamba_cache_mode: align or {_RO}.enable_prefix_caching=false"
         )
+
+    if hybrid is not False and not prefix_caching and mamba_cache_mode not in (None, "none"):
+        where = (
+            f"{_VLLM}.enable_prefix_caching=false"
+            if "enable_prefix_caching" in vllm_kwargs
+            else f"{_RO}.enable_prefix_caching=false"
+        )
+        errors.append(
+            f"{_VLLM}.mamba_cache_mode={mamba_cache_mode!r} with prefix caching off ({where}): vLLM resets the mode "
+            "to 'none' for hybrid models without prefix caching and only logs a warning "
+            "(vllm/model_executor/models/config.py), so the setting has no effect; drop "
+            f"{_VLLM}.mamba_cache_mode (without prefix caching vLLM keeps the Mamba state of rejected drafts out "
+            "of its cache itself) or turn prefix caching on"
+        )
+
+    extension = vllm_kwargs.get("worker_extension_cls")
+    quantization = _get(config, f"{_RO}.quantization") or vllm_kwargs.get("quantization")
+    qat = _as_bool(_get(config, f"{_MEG}.qat.enable", False))
+    if speculation and extension in PLUGIN_EXTENSIONS and (quantization or qat):
+        keys = ", ".join(
+            ([f"{_RO}.quantization={quantization!r}"] if quantization else [])
+            + ([f"{_MEG}.qat.enable=true"] if qat else [])
+        )
+        errors.append(
+            f"{keys} with MTP speculation and the plugin's drafter sync ({_VLLM}.worker_extension_cls={extension}): "
+            "the plugin loads the MTP tensors through the drafter's own load_weights and, while it runs, verl's "
+            "quantized drafter load (load_quanted_weights(..., is_drafter=True)) is switched off, so a quantized "
+            f"drafter would be reloaded with unquantized weights; run the rollout unquantized or set "
+            f"{_MTP}.enable_rollout=false"
+        )
+
+    errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
 
     drafter_sync = _get(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
@@ -593,6 +662,82 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     )
 
 
+def _critic_in_use(config: Any) -> bool:
+    """verl's ``need_critic``: ``critic.enable`` when set, else ``algorithm.adv_estimator == gae``."""
+    enable = _get(config, f"{_CRITIC}.enable")
+    if enable is not None:
+        return _as_bool(enable)
+    return str(_get(config, "algorithm.adv_estimator", "") or "") == "gae"
+
+
+def _critic_errors(config: Any, *, actor_hf_config: Any, actor_selected: bool) -> list[str]:
+    """Problems of a Megatron critic built from a Nemotron-H checkpoint with MTP layers.
+
+    verl drives the critic with its stock value-model engine (``model_type=value_model``), which builds
+    the model through Megatron-Bridge like the actor. For a checkpoint with MTP layers the Bridge sets
+    ``mtp_use_repeated_layer=True`` and ``mtp_hybrid_override_pattern``; verl's ``check_mtp_config``
+    (critic MTP off) sets only ``mtp_num_layers=None``, and ``HybridModelProvider.finalize`` then
+    re-appends the MTP pattern with ``mtp_num_layers=1``: the critic gets an MTP block whose loss
+    (computed from labels HybridModel derives itself) flows through the 1-wide value head on every
+    training forward. Only clearing ``mtp_hybrid_override_pattern`` prevents it.
+    """
+    if not _critic_in_use(config) or str(_get(config, f"{_CRITIC}.strategy", "") or "") != BACKEND:
+        return []
+    if _as_bool(_get(config, f"{_CRITIC_MEG}.vanilla_mbridge", False)):
+        return []  # the legacy mbridge has no Nemotron-H mapping: verl fails there on its own
+    errors: list[str] = []
+    vpp = _get(config, f"{_CRITIC_MEG}.virtual_pipeline_model_parallel_size")
+    critic_path = _get(config, f"{_CRITIC}.model.path")
+    actor_path = _get(config, f"{_M}.path")
+    same = critic_path is None or str(critic_path) == str(actor_path)
+    hf = actor_hf_config if same else _load_hf_config(
+        critic_path, _as_bool(_get(config, f"{_CRITIC}.model.trust_remote_code", False))
+    )
+    if hf is not None:
+        hybrid = is_hybrid_hf_config(hf)
+        mtp_ckpt = hybrid and hf_mtp_num_layers(hf) > 0
+        why = f"its checkpoint has num_nextn_predict_layers={hf_mtp_num_layers(hf)}"
+    else:  # not readable here: the plugin's model_type means a Nemotron-H checkpoint with MTP layers
+        hybrid = mtp_ckpt = same and actor_selected
+        why = f"it shares {_M}.path with an actor of model_type={MODEL_TYPE}"
+    if hybrid and vpp is not None:
+        errors.append(
+            f"{_CRITIC_MEG}.virtual_pipeline_model_parallel_size={vpp}: Megatron-Bridge refuses virtual pipeline "
+            "parallelism for hybrid (Nemotron-H) models; set it to null"
+        )
+    if _as_bool(_get(config, f"{_CRITIC}.model.mtp.enable", False)) and hybrid:
+        errors.append(
+            f"{_CRITIC}.model.mtp.enable=true: the critic (verl's value-model engine) must be built without MTP; "
+            f"set it to false and {_CRITIC_MEG}.override_transformer_config.mtp_hybrid_override_pattern: null"
+        )
+    overrides = dict(_plain(_get(config, f"{_CRITIC_MEG}.override_transformer_config", {})) or {})
+    cleared = "mtp_hybrid_override_pattern" in overrides and not overrides["mtp_hybrid_override_pattern"]
+    if mtp_ckpt and not cleared:
+        errors.append(
+            f"{_CRITIC_MEG}.override_transformer_config.mtp_hybrid_override_pattern is not null: the critic "
+            f"({_CRITIC}.strategy=megatron, verl's value-model engine through Megatron-Bridge) would be built with "
+            f"an MTP block because {why}; Megatron-Bridge's HybridModelProvider.finalize re-appends the MTP "
+            "pattern although verl sets mtp_num_layers=None, and HybridModel then adds an MTP loss through the "
+            "1-wide value head on every training forward (a corrupted critic gradient). Set "
+            f"{_CRITIC_MEG}.override_transformer_config.mtp_hybrid_override_pattern: null"
+        )
+    return errors
+
+
+@contextlib.contextmanager
+def _quiet_msc_config_source():
+    """While Hydra composes: multi-storage-client (a Megatron-Bridge dependency through megatron-energon)
+    registers a Hydra config source that logs a traceback on every compose when no MSC profile is
+    configured ("MSC config source not available"); no recipe uses ``msc://`` paths."""
+    log = logging.getLogger("multistorageclient.contrib.hydra")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | None = None):
     """Compose a recipe exactly as ``python -m verl.trainer.main_ppo --config-path ... --config-name ...``
     would (Hydra compose API; the recipe's ``hydra.searchpath`` reaches verl's ``ppo_trainer``)."""
@@ -600,7 +745,7 @@ def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | Non
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+    with _quiet_msc_config_source(), initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
         return compose(config_name=config_name, overrides=list(overrides or []))
 
 
@@ -611,7 +756,7 @@ def compose_ppo_trainer(overrides: list[str] | None = None):
 
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module("verl.trainer.config", version_base=None):
+        with _quiet_msc_config_source(), initialize_config_module("verl.trainer.config", version_base=None):
             return compose("ppo_trainer", overrides=list(overrides or []))
     finally:
         GlobalHydra.instance().clear()
