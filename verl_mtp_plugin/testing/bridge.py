@@ -13,12 +13,23 @@ two things stand in its way without a GPU, and both substitutes live here, named
   ``HAVE_TE`` flags then stay False and it builds its local modules); every attribute of the
   placeholder is a placeholder class, so module-level subclassing succeeds. Nothing from it is ever
   instantiated on the paths the tests run: Nemotron-H uses no LoRA and no TE module here.
-* :func:`local_hybrid_stack_spec`: the Bridge's default hybrid stack spec is megatron's TE spec.
-  The provider's ``hybrid_stack_spec`` field (a public Megatron-Bridge setting) is pointed at the
-  package's TE-free spec (:func:`verl_mtp_plugin.testing._local_hybrid_stack_spec`: megatron's own
-  local modules, ``WrappedTorchNorm`` for the TE-only final norm), and the latent-MoE projections
-  (TE-only in megatron) use :class:`verl_mtp_plugin.testing.LatentLinearRef` while the model is
-  built (:func:`local_build_context`).
+* :func:`te_layout_hybrid_stack_spec`: the Bridge's default hybrid stack spec is megatron's TE spec
+  (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``). The provider's
+  ``hybrid_stack_spec`` field (a public Megatron-Bridge setting, passed here through verl's
+  ``override_transformer_config``) is pointed at the same layout built from megatron's local modules,
+  so parameter names equal the production (TE) names the Bridge maps: the fused
+  norm + column-parallel linear that megatron builds only through TE (``TELayerNormColumnParallelLinear``:
+  Mamba ``mixer.in_proj``, attention ``linear_qkv``, MLP ``linear_fc1``, each with its
+  ``layer_norm_weight``) is :class:`LayerNormColumnParallelLinearRef` (RMSNorm, then megatron's own
+  ``ColumnParallelLinear``); the final norm is megatron's ``WrappedTorchNorm``
+  (``verl_mtp_plugin.testing``'s ``LocalHybridStack``); routed experts are megatron's local
+  ``SequentialMLP`` (the Bridge maps its names and TE's grouped names to the same HF names); the
+  latent-MoE projections (TE-only in megatron) use :class:`verl_mtp_plugin.testing.LatentLinearRef`
+  while the model is built (:func:`local_build_context`).
+* :data:`CPU_PROVIDER_OVERRIDES`: provider fields whose defaults need TE or CUDA kernels (fusions,
+  the all-to-all token dispatcher's CUDA stream) are switched off through verl's
+  ``override_transformer_config`` exactly like a user override. They change kernels, not the model's
+  structure or parameter names.
 
 Everything else is the real library: the Bridge's config translation, ``finalize``, its pre-wrap
 hook machinery (``register_pre_wrap_hook`` / ``provide_distributed_model``), its mapping registry and
@@ -28,17 +39,29 @@ hook machinery (``register_pre_wrap_hook`` / ``provide_distributed_model``), its
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.machinery
 import sys
 import types
 from typing import Any
 
+import torch
+
 __all__ = [
+    "CPU_PROVIDER_OVERRIDES",
+    "BuiltRole",
+    "build_role",
+    "cpu_build_overrides",
+    "role_engine",
+    "verl_worker_configs",
+    "write_tiny_checkpoint",
+    "LayerNormColumnParallelLinearRef",
     "TE_PLACEHOLDER_VERSION",
     "bridge_available",
     "install_te_import_placeholder",
+    "register_bridge_module_types",
     "local_build_context",
-    "local_hybrid_stack_spec",
+    "te_layout_hybrid_stack_spec",
     "te_placeholder_installed",
 ]
 
@@ -148,18 +171,6 @@ def bridge_available() -> bool:
     return importlib.util.find_spec("megatron.bridge") is not None
 
 
-def local_hybrid_stack_spec(provider: Any = None):
-    """The TE-free hybrid stack spec for a ``HybridModelProvider`` (``provider.hybrid_stack_spec``).
-
-    Args:
-        provider: the provider (called by ``HybridModelProvider._resolve_hybrid_stack_spec``); its
-            ``num_moe_experts`` sizes the local MoE spec.
-    """
-    from verl_mtp_plugin.testing import _local_hybrid_stack_spec
-
-    return _local_hybrid_stack_spec(getattr(provider, "num_moe_experts", None))
-
-
 @contextlib.contextmanager
 def local_build_context(provider: Any = None):
     """While a tiny model is built on CPU: the latent-MoE projection stand-in (TE-only in megatron),
@@ -176,3 +187,383 @@ def local_build_context(provider: Any = None):
     latent = provider is None or bool(getattr(provider, "moe_latent_size", None))
     with _latent_moe_projection_ref() if latent else contextlib.nullcontext():
         yield
+
+
+#: ``override_transformer_config`` entries for building a Megatron-Bridge Nemotron-H provider on CPU.
+#: Each default needs Transformer Engine or a CUDA kernel: the fusions are TE/apex/CUDA kernels,
+#: ``moe_shared_expert_overlap`` needs the all-to-all dispatcher, whose constructor creates a CUDA
+#: stream (megatron ``MoEAlltoAllTokenDispatcher``) and which verl selects; megatron's all-gather
+#: dispatcher needs ``variable_seq_lengths=False``. None of them changes a parameter name or shape.
+CPU_PROVIDER_OVERRIDES: dict[str, Any] = {
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "bias_dropout_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "moe_permute_fusion": False,
+    "moe_grouped_gemm": False,
+    "moe_shared_expert_overlap": False,
+    "moe_token_dispatcher_type": "allgather",
+    "variable_seq_lengths": False,
+    "sequence_parallel": False,
+}
+
+
+def _layer_norm_column_parallel_linear_ref():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class LayerNormColumnParallelLinearRef(ColumnParallelLinear):
+        """RMSNorm then megatron's ``ColumnParallelLinear``: the math and parameter names
+        (``layer_norm_weight``, ``weight``) of TE's ``TELayerNormColumnParallelLinear`` (RMSNorm mode)."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = torch.nn.Parameter(
+                torch.ones(input_size, dtype=config.params_dtype, device=self.weight.device)
+            )
+            setattr(self.layer_norm_weight, "sequence_parallel", bool(config.sequence_parallel))
+            self.layernorm_epsilon = config.layernorm_epsilon
+
+        def forward(self, input_, *args, **kwargs):
+            x = input_.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.layernorm_epsilon)
+            x = (x * self.layer_norm_weight.float()).to(input_.dtype)
+            return super().forward(x, *args, **kwargs)
+
+    return LayerNormColumnParallelLinearRef
+
+
+_LNCOL = None
+
+
+def __getattr__(name: str):
+    global _LNCOL
+    if name == "LayerNormColumnParallelLinearRef":  # built on first use: importing this module imports no megatron
+        _LNCOL = _LNCOL or _layer_norm_column_parallel_linear_ref()
+        return _LNCOL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def te_layout_hybrid_stack_spec(provider: Any = None):
+    """megatron's TE hybrid stack spec (``hybrid_layer_specs.hybrid_stack_spec``) with megatron's
+    local modules and the named stand-ins above: production parameter names, no TE.
+
+    Args:
+        provider: the ``HybridModelProvider`` (``HybridModelProvider._resolve_hybrid_stack_spec``
+            passes it); its ``num_moe_experts`` sizes the MoE spec.
+    """
+    import torch  # noqa: F401
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    from functools import partial
+
+    from verl_mtp_plugin.testing import _local_hybrid_stack_spec
+
+    lncol = __getattr__("LayerNormColumnParallelLinearRef")
+    num_experts = getattr(provider, "num_moe_experts", None)
+    stack = _local_hybrid_stack_spec(num_experts).module  # HybridStack with a WrappedTorchNorm final norm
+    return ModuleSpec(
+        module=stack,
+        submodules=HybridStackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    mixer=ModuleSpec(
+                        module=MambaMixer,
+                        submodules=MambaMixerSubmodules(in_proj=lncol, out_proj=RowParallelLinear),
+                    ),
+                    mamba_bda=get_bias_dropout_add,
+                ),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    self_attention=ModuleSpec(
+                        module=SelfAttention,
+                        params={"attn_mask_type": AttnMaskType.causal},
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=lncol,
+                            core_attention=DotProductAttention,
+                            linear_proj=RowParallelLinear,
+                            q_layernorm=IdentityOp,
+                            k_layernorm=IdentityOp,
+                        ),
+                    ),
+                    self_attn_bda=get_bias_dropout_add,
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    mlp=partial(
+                        MLP.as_mlp_submodule,
+                        submodules=MLPSubmodules(linear_fc1=lncol, linear_fc2=RowParallelLinear),
+                    ),
+                    mlp_bda=get_bias_dropout_add,
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=MoETransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=WrappedTorchNorm,
+                    mlp=get_moe_module_spec(use_te=False, num_experts=num_experts or 1, moe_grouped_gemm=False),
+                    mlp_bda=get_bias_dropout_add,
+                ),
+            ),
+            mtp_block_spec=ModuleSpec(
+                module=MultiTokenPredictionBlock,
+                submodules=MultiTokenPredictionBlockSubmodules(
+                    layer_specs=[
+                        ModuleSpec(
+                            module=MultiTokenPredictionLayer,
+                            submodules=MultiTokenPredictionLayerSubmodules(
+                                enorm=WrappedTorchNorm,
+                                hnorm=WrappedTorchNorm,
+                                eh_proj=ColumnParallelLinear,
+                                mtp_model_layer=None,  # built by megatron from the MTP pattern
+                                layer_norm=WrappedTorchNorm,
+                            ),
+                        )
+                    ]
+                ),
+            ),
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# verl's model-build path for one role, as far as a CPU allows
+# ------------------------------------------------------------------------------------------------
+
+
+def cpu_build_overrides() -> dict[str, Any]:
+    """What the CPU build adds to a role's ``override_transformer_config`` (verl passes every entry to
+    the Bridge provider): :data:`CPU_PROVIDER_OVERRIDES`, the TE-free spec
+    (:func:`te_layout_hybrid_stack_spec`) and ``init_model_with_meta_device=True``, whose only effect
+    on this path is that Megatron-Bridge's ``get_model`` skips its ``module.cuda()`` move (megatron
+    allocates on ``torch.cuda.current_device()``, which the testing package answers ``"cpu"``)."""
+    return {**CPU_PROVIDER_OVERRIDES, "hybrid_stack_spec": te_layout_hybrid_stack_spec, "init_model_with_meta_device": True}
+
+
+class _RecordingWorker:
+    """Takes the place of verl's ``TrainingWorker`` in ``ActorRolloutRefWorker.init_model`` (its
+    ``actor_worker_cls`` / ``ref_worker_cls`` class attributes): records the ``TrainingWorkerConfig``
+    verl builds for the role instead of starting a GPU worker."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def reset(self):
+        return None
+
+    def set_loss_fn(self, loss_fn):
+        return None
+
+    def get_dispatch_collect(self):
+        return {}
+
+
+def verl_worker_configs(cfg: Any, role: str):
+    """verl's own ``TrainingWorkerConfig`` for ``role`` (``actor``, ``ref`` or ``critic``) of a composed
+    trainer config.
+
+    actor / ref: verl's ``ActorRolloutRefWorker.init_model`` runs for real (unbound, on a namespace
+    holding what it reads) with :class:`_RecordingWorker` as the worker class: the reference model gets
+    verl's ``MtpConfig(enable=False)`` and its own ``ref`` engine config exactly as in a run. critic:
+    what verl's v1 trainer does (``trainer/ppo/v1/trainer_base.py``): ``omega_conf_to_dataclass(critic)``
+    -> ``TrainingWorkerConfig(model_type="value_model", model_config=critic.model, engine_config=critic.engine)``.
+    """
+    import copy
+    from types import SimpleNamespace
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+
+    if role == "critic":
+        critic = omega_conf_to_dataclass(cfg.critic)
+        return TrainingWorkerConfig(
+            model_type="value_model",
+            model_config=critic.model,
+            engine_config=critic.engine,
+            optimizer_config=critic.optim,
+            checkpoint_config=critic.checkpoint,
+        )
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    recorded: dict[str, Any] = {}
+
+    def dispatch(**kwargs):
+        return None
+
+    worker = SimpleNamespace(
+        config=copy.deepcopy(cfg.actor_rollout_ref),
+        role=role,
+        distillation_config=None,
+        distillation_enabled=False,
+        _omega_profiler_config=None,
+        actor_worker_cls=_RecordingWorker,
+        ref_worker_cls=_RecordingWorker,
+        set_dispatch_collect=dispatch,
+    )
+    if role == "actor":
+        # stop after the actor's worker config: init_model then builds the checkpoint engine (GPU)
+        class _Stop(Exception):
+            pass
+
+        def actor_cls(config):
+            recorded["actor"] = config
+            raise _Stop
+
+        worker.actor_worker_cls = actor_cls
+        try:
+            ActorRolloutRefWorker.init_model(worker)
+        except _Stop:
+            pass
+        return recorded["actor"]
+    ActorRolloutRefWorker.init_model(worker)
+    return worker.ref.config
+
+
+def role_engine(worker_config):
+    """The engine verl's ``TrainingWorker`` would build for ``worker_config`` (``EngineRegistry.new``
+    with the worker config's model type and strategy, as in ``TrainingWorker.__init__``)."""
+    from verl.workers.engine import EngineRegistry
+
+    worker_config.model_config.model_type = worker_config.model_type
+    return EngineRegistry.new(
+        model_type=worker_config.model_type,
+        backend=worker_config.engine_config.strategy,
+        model_config=worker_config.model_config,
+        engine_config=worker_config.engine_config,
+        optimizer_config=worker_config.optimizer_config,
+        checkpoint_config=worker_config.checkpoint_config,
+    )
+
+
+@dataclasses.dataclass
+class BuiltRole:
+    """One role's engine and the model chunks verl's path built for it."""
+
+    engine: Any
+    module: list
+
+    @property
+    def model(self):
+        """The first chunk without its Float16Module wrapper."""
+        from verl_mtp_plugin.control import unwrap_model
+
+        return unwrap_model(self.module[0])
+
+
+def build_role(engine) -> BuiltRole:
+    """Build ``engine``'s model along verl's real path, as far as a CPU allows.
+
+    Runs the engine's ``_build_tf_config`` (verl's ``check_mtp_config``, ``AutoBridge.from_hf_pretrained``
+    -> ``NemotronHBridge`` -> ``HybridModelProvider``, verl's provider overrides, the plugin engine's
+    MTP overrides and pre-wrap hook) and then verl's ``make_megatron_module`` with the arguments
+    ``MegatronEngine._build_megatron_module`` passes (Megatron-Bridge's ``provide_distributed_model``:
+    provider ``finalize``d model, verl's value-head and the plugin's pre-wrap hooks). Two differences,
+    both CPU limits: no DDP wrap (Megatron-Bridge's ``_ddp_wrap`` creates a CUDA stream; the pre-wrap
+    hooks run before it either way) and no checkpoint load (``bridge.load_hf_weights``: the tiny
+    checkpoint has no weights). Add :func:`cpu_build_overrides` to the engine's
+    ``override_transformer_config`` first.
+    """
+    import os
+
+    from verl.utils.megatron_utils import McoreModuleWrapperConfig, make_megatron_module
+
+    # Each verl role builds in its own worker process; megatron records the attention backend in
+    # process-wide NVTE_* variables (and asserts they agree), so one role's choice must not leak into
+    # the next role built in this process.
+    saved = {k: os.environ.pop(k, None) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+    try:
+        return _build_role(engine, McoreModuleWrapperConfig, make_megatron_module)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def register_bridge_module_types() -> None:
+    """Tell Megatron-Bridge's ``AutoMapping`` how the stand-ins are sharded, through its public
+    registration API (as verl does for its ``LinearForLastLayer``): :class:`LayerNormColumnParallelLinearRef`
+    like ``TELayerNormColumnParallelLinear`` (column), ``LatentLinearRef`` like the latent projections'
+    ``TELinear(parallel_mode="duplicated")`` (replicated)."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    AutoMapping.register_module_type("LayerNormColumnParallelLinearRef", "column")
+    AutoMapping.register_module_type("LatentLinearRef", "replicated")
+
+
+def _build_role(engine, McoreModuleWrapperConfig, make_megatron_module) -> BuiltRole:
+    register_bridge_module_types()
+    engine._build_tf_config()
+    wrap = McoreModuleWrapperConfig(
+        is_value_model=engine.is_value_model,
+        wrap_with_ddp=False,
+        use_distributed_optimizer=engine.engine_config.use_distributed_optimizer,
+        use_megatron_fsdp=engine.engine_config.use_megatron_fsdp,
+    )
+    with local_build_context(engine.provider):
+        module, tf_config = make_megatron_module(
+            wrap_config=wrap,
+            tf_config=engine.tf_config,
+            hf_config=engine.model_config.hf_config,
+            bridge=engine.bridge,
+            provider=engine.provider,
+            override_model_config=engine.engine_config.override_mcore_model_config,
+            override_ddp_config=engine._resolve_override_ddp_config(),
+            peft_cls=engine.peft_cls,
+            peft_config=engine.model_config.get("lora", None),
+        )
+    engine.tf_config = tf_config
+    engine.module = module
+    return BuiltRole(engine=engine, module=module)
+
+
+def write_tiny_checkpoint(path, spec=None, *, seed: int = 0) -> str:
+    """A tiny Nemotron-H checkpoint directory: ``config.json`` (:func:`~verl_mtp_plugin.testing.vllm_drafter.hf_config_for_tiny`)
+    and ``model.safetensors`` holding every HF tensor of a tiny megatron model of ``spec``
+    (:func:`~verl_mtp_plugin.export.export_mtp_weights` with ``include_backbone=True``). Megatron-Bridge
+    reads the checkpoint's tensors when it exports (``AutoBridge.export_hf_weights`` looks up expected
+    keys in ``hf_pretrained.state``). Call :func:`verl_mtp_plugin.testing.init_megatron` first."""
+    import pathlib
+
+    from safetensors.torch import save_file
+
+    from verl_mtp_plugin.export import export_mtp_weights
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+
+    path = pathlib.Path(write_hf_config_dir(path, spec))
+    torch.manual_seed(seed)
+    model = build_tiny_hybrid(spec, device="cpu")
+    tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in export_mtp_weights(model, include_backbone=True)}
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
