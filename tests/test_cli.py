@@ -56,3 +56,40 @@ def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     assert "verl_mtp_plugin: invalid verl config" in out.stderr and "trainer.use_v1=false" in out.stderr
     assert "ray init kwargs" not in out.stdout  # verl's run_ppo was never reached
+
+
+SHIPPED = ["grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online"]
+SUPER = "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
+# (recipe, overrides, keys the error must name): what would fail at model build or be silently dropped
+BROKEN = [
+    ("ppo_online", ["critic.megatron.override_transformer_config.mtp_hybrid_override_pattern=*E"],
+     ["critic.megatron.override_transformer_config.mtp_hybrid_override_pattern"]),
+    ("ppo_frozen", ["critic.megatron.override_transformer_config.mtp_hybrid_override_pattern=*E",
+                    "critic.megatron.virtual_pipeline_model_parallel_size=2"],
+     ["critic.megatron.override_transformer_config.mtp_hybrid_override_pattern",
+      "critic.megatron.virtual_pipeline_model_parallel_size=2"]),
+    ("grpo_online", ["critic.enable=true", f"critic.model.path={SUPER}"],
+     ["critic.megatron.override_transformer_config.mtp_hybrid_override_pattern"]),
+    ("grpo_frozen", ["+actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode=align"],
+     ["actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode='align'",
+      "actor_rollout_ref.rollout.enable_prefix_caching=false"]),
+    ("grpo_joint", ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"]),
+    ("ppo_online", ["actor_rollout_ref.rollout.quantization=fp8"],
+     ["actor_rollout_ref.rollout.quantization='fp8'", "worker_extension_cls"]),
+]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_check_passes_every_shipped_recipe(name, capsys):
+    assert main(["check", f"{RECIPES}/{name}.yaml"]) == 0
+    assert f"{name}.yaml: OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,overrides,keys", BROKEN, ids=[f"{b[0]}-{i}" for i, b in enumerate(BROKEN)])
+def test_check_refuses_broken_variants_naming_the_keys(name, overrides, keys, capsys):
+    assert main(["check", f"{RECIPES}/{name}.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID" in err
+    for key in keys:
+        assert key in err, (key, err)

@@ -307,20 +307,41 @@ def test_drafter_layout_and_digests():
     assert tensor_digest(bf) == tensor_digest(bf.float())
 
 
-def test_megatron_bridge_names_agree_if_installed():
-    """Cross-check with Megatron-Bridge's NemotronHBridge mapping (only where it is installed)."""
-    pytest.importorskip("megatron.bridge", reason="megatron-bridge is not installed in this environment")
+def test_megatron_bridge_mapping_agrees_with_the_export_names(megatron_env):
+    """Megatron-Bridge's own NemotronHBridge mapping (built from the checkpoint's HF config, as verl's
+    AutoBridge builds it) maps every MTP parameter to the HF name ``export_mtp_weights`` uses. Without
+    ``hf_config`` the Bridge builds no MTP mappings at all. The end-to-end check (the Bridge's
+    ``export_hf_weights`` stream == ``expected_hf_mtp_keys`` == vLLM's drafter, through the strict sync
+    check) is in tests/test_bridge_build.py."""
+    from transformers import AutoConfig
+
+    from verl_mtp_plugin.testing.bridge import install_te_import_placeholder
+    from verl_mtp_plugin.testing.vllm_drafter import hf_config_for_tiny
+
+    install_te_import_placeholder()
     from megatron.bridge.models.nemotronh.nemotron_h_bridge import NemotronHBridge
 
+    hf = AutoConfig.for_model(**hf_config_for_tiny(**SUPER_LIKE))
+    assert hf.num_nextn_predict_layers == 1 and hf.mtp_hybrid_override_pattern == "*E"
     bridge = NemotronHBridge()
-    bridge._mtp_layers_per_block = 2
+    bridge.hf_config = hf
     registry = bridge.mapping_registry()
     model = build_tiny_hybrid(**SUPER_LIKE)
+    checked = 0
     for name, _ in model.named_parameters():
-        if not name.startswith("mtp.") or "input_layernorm" in name:  # Bridge maps TE norm names only
+        # the local spec's separate attention norm: production (TE) fuses it into linear_qkv, which the
+        # Bridge maps; tests/test_bridge_build.py builds that layout
+        if not name.startswith("mtp.") or "input_layernorm" in name:
             continue
         mapping = registry.megatron_to_hf_lookup(name)
+        assert mapping is not None, name
         ours = megatron_to_hf_name(name, 2)
         theirs = mapping.hf_param
         theirs = tuple(theirs[x] for x in "qkv") if isinstance(theirs, dict) else theirs
         assert ours == theirs, name
+        checked += 1
+    assert checked >= 20
+    # what verl would get from a Bridge without the checkpoint's config: no MTP mapping at all
+    nomtp = NemotronHBridge()
+    nomtp.hf_config = AutoConfig.for_model(**{**hf_config_for_tiny(**SUPER_LIKE), "num_nextn_predict_layers": 0})
+    assert nomtp.mapping_registry().megatron_to_hf_lookup("mtp.layers.0.eh_proj.weight") is None

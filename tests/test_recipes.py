@@ -81,7 +81,7 @@ def test_recipe_composes_on_verls_ppo_trainer_and_resolves(composed, name):
     assert s.mtp_num_layers == 2  # one repeated "*E" block, two depths (Megatron-Bridge Super recipe)
     assert s.mtp_loss_scaling_factor == (0.1 if mode is MTPMode.JOINT else 0.3)
     assert s.rollout_speculation and s.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
-    assert s.sleep_level == 1 and s.prefix_caching is False and s.mamba_cache_mode == "align"
+    assert s.sleep_level == 1 and s.prefix_caching is False and s.mamba_cache_mode is None  # vLLM would drop it
     assert s.worker_extension_cls == EXTENSION
     assert s.drafter_sync == ("frozen" if mode is MTPMode.FROZEN else "online")
     # rollout speculation metrics + desync guard: the plugin's sync trainer, guard block valid
@@ -167,7 +167,10 @@ def test_recipe_selects_the_plugin_engine_for_actor_and_ref(megatron_env, tiny_c
         optimizer_config=None, checkpoint_config=CheckpointConfig(),
     )
     assert ref.mtp_mode is MTPMode.OFF
-    assert ref.apply_mtp_overrides() == {"mtp_num_layers": None}  # MTP not built for the reference model
+    # MTP not built for the reference model (the Bridge's MTP pattern cleared too)
+    assert ref.apply_mtp_overrides() == {
+        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False
+    }
     with ref.mtp_pass(forward_only=True) as phase:
         assert phase is Phase.REF
 

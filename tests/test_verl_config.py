@@ -8,6 +8,7 @@ from omegaconf import OmegaConf, open_dict
 
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode
 from verl_mtp_plugin.verl_config import (
+    PLUGIN_EXTENSIONS,
     apply_mtp_overrides,
     main,
     resolve_engine_settings,
@@ -50,7 +51,8 @@ def make(verl_base, hf_dirs, *, hf="mtp", **updates):
         "actor_rollout_ref.model.mtp.enable_rollout": True,
         "actor_rollout_ref.model.mtp.num_speculative_tokens": 2,
         "actor_rollout_ref.rollout.enable_prefix_caching": False,
-        "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode": "align",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode": None,
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls": PLUGIN_EXTENSIONS[0],
     }
     base.update({k.replace("__", "."): v for k, v in updates.items()})
     with open_dict(cfg):
@@ -158,7 +160,12 @@ def test_hybrid_speculation_with_prefix_caching_needs_mamba_cache_mode_align(ver
     )
     assert "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_prefix_caching=true" in errors_of(cfg2)
     # fixes: align, or prefix caching off
-    ok = make(verl_base, hf_dirs, actor_rollout_ref__rollout__enable_prefix_caching=True)
+    ok = make(
+        verl_base,
+        hf_dirs,
+        actor_rollout_ref__rollout__enable_prefix_caching=True,
+        actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode="align",
+    )
     s = validate_verl_config(ok)
     assert s.prefix_caching is True and s.mamba_cache_mode == "align"
     s = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode=None))
@@ -306,7 +313,10 @@ def test_apply_mtp_overrides_writes_the_mode_fields(hf_dirs):
         "mtp_detach_heads": False,
         "mtp_loss_scaling_factor": 0.3,
     }
-    assert overrides_for(MtpConfig(enable=False)) == {"mtp_num_layers": None}
+    # off: Megatron-Bridge would re-append the checkpoint's MTP pattern unless it is cleared too
+    assert overrides_for(MtpConfig(enable=False)) == {
+        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False
+    }
     # a factor already in override_transformer_config is verl's (check_mtp_config keeps it): not rewritten
     assert overrides_for(
         MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.3), {"mtp_loss_scaling_factor": 0.3}
@@ -354,3 +364,71 @@ def test_trainer_mode_rollout_metrics_and_guard_block(verl_base, hf_dirs):
     assert "verl_mtp_plugin.mtp_guard.patience" in msg and "verl_mtp_plugin.mtp_guard.actoin: unknown key" in msg
     msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__mtp_guard__action="fail"))
     assert "actor_rollout_ref.rollout.mtp_guard is not a verl key" in msg
+
+
+def test_mamba_cache_mode_without_prefix_caching_is_refused_not_dropped(verl_base, hf_dirs):
+    """vLLM resets any mamba_cache_mode to 'none' when prefix caching is off (only a log line)."""
+    for mode in ("align", "all"):
+        msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode=mode))
+        assert f"actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode='{mode}' with prefix caching off" in msg
+        assert "actor_rollout_ref.rollout.enable_prefix_caching=false" in msg and "no effect" in msg
+    s = validate_verl_config(
+        make(verl_base, hf_dirs, actor_rollout_ref__rollout__engine_kwargs__vllm__mamba_cache_mode="none")
+    )
+    assert s.mamba_cache_mode == "none"
+
+
+def test_quantized_rollout_with_the_plugins_drafter_sync_is_refused(verl_base, hf_dirs):
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__quantization="fp8"))
+    assert "actor_rollout_ref.rollout.quantization='fp8'" in msg and "worker_extension_cls" in msg
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__actor__megatron__qat__enable=True))
+    assert "actor_rollout_ref.actor.megatron.qat.enable=true" in msg
+    # without MTP speculation there is no drafter sync: allowed
+    validate_verl_config(
+        make(verl_base, hf_dirs, actor_rollout_ref__rollout__quantization="fp8", actor_rollout_ref__model__mtp__enable_rollout=False)
+    )
+
+
+def test_virtual_pipeline_parallelism_is_refused(verl_base, hf_dirs):
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__actor__megatron__virtual_pipeline_model_parallel_size=1))
+    assert "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=1" in msg
+    # the reference model and mode off too (Megatron-Bridge asserts for every hybrid build)
+    msg = errors_of(
+        make(
+            verl_base,
+            hf_dirs,
+            actor_rollout_ref__model__mtp__enable=False,
+            actor_rollout_ref__model__mtp__enable_train=False,
+            actor_rollout_ref__model__mtp__enable_rollout=False,
+            actor_rollout_ref__actor__megatron__virtual_pipeline_model_parallel_size=2,
+        )
+    )
+    assert "virtual_pipeline_model_parallel_size=2" in msg
+
+
+def test_critic_on_an_mtp_checkpoint_must_clear_the_bridge_mtp_pattern(verl_base, hf_dirs):
+    crit = "critic__megatron__override_transformer_config__"
+    base = dict(algorithm__adv_estimator="gae", critic__strategy="megatron", critic__model__path=hf_dirs["mtp"])
+    msg = errors_of(make(verl_base, hf_dirs, **base))
+    assert "critic.megatron.override_transformer_config.mtp_hybrid_override_pattern is not null" in msg
+    assert "num_nextn_predict_layers=1" in msg
+    ok = validate_verl_config(make(verl_base, hf_dirs, **base, **{crit + "mtp_hybrid_override_pattern": None}))
+    assert ok.mode is MTPMode.ONLINE
+    # a checkpoint without MTP layers needs nothing; GRPO (no critic) needs nothing
+    validate_verl_config(make(verl_base, hf_dirs, **{**base, "critic__model__path": hf_dirs["nomtp"]}))
+    validate_verl_config(make(verl_base, hf_dirs, **{**base, "algorithm__adv_estimator": "grpo"}))
+    # critic.enable wins over the estimator (verl's need_critic)
+    assert "mtp_hybrid_override_pattern" in errors_of(
+        make(verl_base, hf_dirs, **{**base, "algorithm__adv_estimator": "grpo"}, critic__enable=True)
+    )
+    msg = errors_of(
+        make(
+            verl_base,
+            hf_dirs,
+            **base,
+            **{crit + "mtp_hybrid_override_pattern": None},
+            critic__megatron__virtual_pipeline_model_parallel_size=2,
+            critic__model__mtp__enable=True,
+        )
+    )
+    assert "critic.megatron.virtual_pipeline_model_parallel_size=2" in msg and "critic.model.mtp.enable=true" in msg

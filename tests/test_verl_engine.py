@@ -287,20 +287,41 @@ def test_engine_keeps_verls_gptmodel_mtp_paths_off(megatron_env, registered, hf_
 
 
 def test_build_tf_config_shows_verl_the_user_mtp_block_and_writes_mode_overrides(megatron_env, registered, hf_dir):
-    """Runs verl's real _build_tf_config: check_mtp_config must see enable=true (else it zeroes the HF
-    MTP layer count and forces mtp_num_layers=None); the plugin's overrides are in place before verl
-    builds the provider. Megatron-Bridge is not installed on the CPU stack, so the call ends at verl's
-    ``from verl.models.mcore.bridge import AutoBridge``."""
-    if importlib.util.find_spec("megatron.bridge") is not None:
-        pytest.skip("Megatron-Bridge installed: _build_tf_config would build a real provider")
+    """Runs verl's real _build_tf_config through Megatron-Bridge: check_mtp_config must see enable=true
+    (else it zeroes the HF MTP layer count and forces mtp_num_layers=None); the plugin's overrides are
+    in place before verl builds the provider, reach the finalized provider, and the plugin's pre-wrap
+    hook is registered on it."""
+    from verl_mtp_plugin.testing.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
+
+    install_te_import_placeholder()
     engine = new_engine(hf_dir, enable=True, enable_train=True, detach=True)
-    with pytest.raises(ImportError, match=r"megatron\.bridge"):
-        engine._build_tf_config()
+    engine.engine_config.override_transformer_config.update(CPU_PROVIDER_OVERRIDES)
+    engine._build_tf_config()
     overrides = engine.engine_config.override_transformer_config
     assert overrides["mtp_detach_heads"] is True and overrides["mtp_loss_scaling_factor"] == 0.1
     assert "mtp_num_layers" not in overrides  # verl would have set None had it seen enable=false
     assert engine.model_config.hf_config.num_nextn_predict_layers == 1
-    assert engine.model_config.mtp.enable is False  # view restored although verl raised
+    assert engine.model_config.mtp.enable is False  # the engine's private view is restored
+    provider = engine.provider
+    assert type(provider).__name__ == "HybridModelProvider"
+    assert provider.mtp_detach_heads is True and provider.mtp_num_layers == 1
+    assert provider.hybrid_layer_pattern == "M*-E/*E"
+    hooks = [h for h in provider._pre_wrap_hooks if getattr(h, "mode", None) is not None]  # no public list
+    assert [h.mode for h in hooks] == [MTPMode.ONLINE]
+
+
+def test_build_tf_config_in_mode_off_builds_no_mtp_pattern(megatron_env, registered, hf_dir):
+    """Mode off (verl's reference model): the finalized provider has no MTP pattern and no MTP depth,
+    although the checkpoint has MTP layers and Megatron-Bridge turns mtp_use_repeated_layer on."""
+    from verl_mtp_plugin.testing.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
+
+    install_te_import_placeholder()
+    engine = new_engine(hf_dir, enable=False, enable_train=False, forward_only=True)
+    engine.engine_config.override_transformer_config.update(CPU_PROVIDER_OVERRIDES)
+    engine._build_tf_config()
+    provider = engine.provider
+    assert provider.hybrid_layer_pattern == "M*-E" and not provider.mtp_num_layers
+    assert provider.mtp_hybrid_override_pattern is None
 
 
 def test_frozen_pre_wrap_hook_freezes_mtp_before_ddp(megatron_env, registered, hf_dir, ppo_loss_fn):
