@@ -18,7 +18,7 @@ import torch
 
 from verl_mtp_plugin.export import canonical_drafter_name, export_mtp_weights, hf_mtp_digests
 from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, make_batch
-from verl_mtp_plugin.vllm_ext import MTPDrafterSync, MTPSyncError, drafter_digests
+from verl_mtp_plugin.vllm_ext import MTPDrafterSync, MTPSyncError, drafter_digests, drafter_tensors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
@@ -30,14 +30,10 @@ E = SPEC.num_experts
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
     """megatron model + vLLM target and drafter (wired) for the same tiny config, in one process."""
-    from verl_mtp_plugin.testing.vllm_drafter import (
-        build_vllm_models,
-        hf_config_for_tiny,
-        init_vllm_distributed,
-        install_cpu_workarounds,
-    )
+    from verl_mtp_plugin.testing.vllm_drafter import build_vllm_models, hf_config_for_tiny, init_vllm_distributed
+    from verl_mtp_plugin.testing.vllm_engine import install_engine_workarounds
 
-    install_cpu_workarounds()
+    install_engine_workarounds()  # incl. CPU linear weights kept in their parameters (verl reloads the target in place)
     init_vllm_distributed()  # reuses megatron's gloo world (size 1) as vLLM's default group
     cfg = hf_config_for_tiny(SPEC)
     vm = build_vllm_models(cfg, tmp_path_factory.mktemp("tiny_nemotron_h"))
@@ -107,8 +103,14 @@ def _expected_target(full):
 
 
 def _own(drafter, target):
-    shared = {id(p) for p in target.parameters()}
-    return {n: p for n, p in drafter.named_parameters() if id(p) not in shared}
+    """The drafter's own tensors now, in vLLM's loaded layout (vLLM's CPU build moves linear weights
+    into its GEMM kernels after loading and leaves the parameter empty: read back through the kernel)."""
+    return drafter_tensors(drafter, target)
+
+
+def _ptrs(model):
+    """Storage of every parameter vLLM kept in place (the emptied CPU linear weights have none)."""
+    return {n: p.data_ptr() for n, p in model.named_parameters() if p.numel()}
 
 
 def _snapshot(named):
@@ -185,16 +187,15 @@ def test_drafter_refits_are_exact_and_in_place(env, post_processing, monkeypatch
     sync = _new_sync(env)
     own, shared, extra = sync.drafter_structure()
     assert shared == {"model.embed_tokens.weight", "lm_head.weight"} and extra == {} and len(own) == 16
-    params = dict(vm.drafter.named_parameters())
-    ptrs = {n: p.data_ptr() for n, p in params.items()}
-    target_before = _snapshot(dict(vm.target.named_parameters()))
+    ptrs = _ptrs(vm.drafter)
+    target_before = _snapshot(drafter_tensors(vm.target))
     calls = []
     real_load = vm.drafter.load_weights
     monkeypatch.setattr(vm.drafter, "load_weights", lambda w: real_load(calls.append(list(w)) or calls[-1]))
     for update, seed in enumerate((1, 2), start=1):
         _train_step(env.megatron, seed)
         hf = dict(export_mtp_weights(env.megatron))
-        before = _snapshot(params)
+        before = _snapshot(_own(vm.drafter, vm.target))
         post_processing.clear()
         sync.begin()
         for bucket in _buckets(hf.items(), 5):
@@ -205,13 +206,13 @@ def test_drafter_refits_are_exact_and_in_place(env, post_processing, monkeypatch
         metrics = sync.finish()
         assert len(calls) == update and {n for n, _ in calls[-1]} == set(hf)  # one call, all MTP tensors
         expected = _expected_drafter(hf)
-        now = dict(vm.drafter.named_parameters())
-        assert {canonical_drafter_name(n) for n in own} == set(expected)
-        for n in own:
-            assert torch.equal(now[n], expected[canonical_drafter_name(n)]), n
+        now = _own(vm.drafter, vm.target)
+        assert {canonical_drafter_name(n) for n in own} == set(expected) == set(now)
+        for n in now:
+            assert torch.equal(now[n], expected[n]), n
             assert not torch.equal(now[n], before[n]), n
-        assert {n: p.data_ptr() for n, p in now.items()} == ptrs
-        for n, p in vm.target.named_parameters():
+        assert _ptrs(vm.drafter) == ptrs
+        for n, p in drafter_tensors(vm.target).items():
             assert torch.equal(p, target_before[n]), n
         # post-processing: exactly once for every drafter module that holds weights, never whole-model
         layerwise = [i for kind, i in post_processing if kind in ("layerwise", "attention")]
@@ -243,7 +244,7 @@ def test_wrong_or_missing_names_raise(env):
     native["mtp.layers.0.mixer.linear_qkv.weight"] = torch.cat([hf[f"mtp.layers.0.mixer.{x}_proj.weight"] for x in "qkv"])
     with pytest.raises(MTPSyncError, match=r"3 missing .*1 unexpected \['mtp\.layers\.0\.mixer\.linear_qkv\.weight'\]"):
         sync.sync(native.items())
-    for n, p in own.items():  # nothing was loaded
+    for n, p in _own(vm.drafter, vm.target).items():  # nothing was loaded
         assert torch.equal(p, keep[n]), n
     assert sync.post_process_count == 0
 
@@ -258,7 +259,7 @@ def test_wrong_or_missing_names_raise(env):
         _new_sync(env).sync(bad.items())
     assert not any(p.is_meta for p in vm.drafter.parameters())
     _new_sync(env).sync(hf.items())  # a correct update still loads afterwards
-    assert torch.equal(own["model.layers.0.enorm.weight"], hf["mtp.layers.0.enorm.weight"])
+    assert torch.equal(_own(vm.drafter, vm.target)["model.layers.0.enorm.weight"], hf["mtp.layers.0.enorm.weight"])
 
 
 def test_worker_extension_splits_full_stream(env, monkeypatch):
@@ -296,7 +297,7 @@ def test_worker_extension_splits_full_stream(env, monkeypatch):
         assert sorted(target_names) == sorted(set(full) - mtp)
         assert len(seen["drafter"]) == 1 and {n for n, _ in seen["drafter"][0]} == mtp
         expected_t = _expected_target(full)
-        target_params = {canonical_drafter_name(n): p for n, p in vm.target.named_parameters()}
+        target_params = drafter_tensors(vm.target)  # loaded layout (CPU kernel repacks read back)
         assert set(target_params) == set(expected_t)
         for n, p in target_params.items():
             assert torch.equal(p, expected_t[n]), n
@@ -360,6 +361,7 @@ def test_frozen_mode_loads_once_then_skips(env, post_processing):
     assert m2["sync/drafter_loaded"] == 0.0 and m2["sync/bytes_drafter"] == 0
     assert m2["sync/bytes_drafter_skipped"] == _nbytes(hf2.values())
     assert len(post_processing) == n_post and sync.post_process_count == 1
+    own = _own(vm.drafter, vm.target)
     for n, p in own.items():
         assert torch.equal(p, loaded[n]), n
     assert not torch.equal(own["model.layers.0.eh_proj.weight"], hf2["mtp.layers.0.eh_proj.weight"])
@@ -367,7 +369,7 @@ def test_frozen_mode_loads_once_then_skips(env, post_processing):
     from_ckpt = _new_sync(env, mode="frozen", drafter_loaded=True)
     assert from_ckpt.sync(hf2.items())["sync/drafter_loaded"] == 0.0
     assert len(post_processing) == n_post
-    for n, p in own.items():
+    for n, p in _own(vm.drafter, vm.target).items():
         assert torch.equal(p, loaded[n]), n
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "MTPSyncError",
     "drafter_digests",
     "drafter_shared_param_names",
+    "drafter_tensors",
     "is_mtp_name",
     "route_weights",
 ]
@@ -130,13 +131,77 @@ def drafter_shared_param_names(drafter: torch.nn.Module, target: torch.nn.Module
     return {n for n, p in drafter.named_parameters() if id(p) in ids}
 
 
-def drafter_digests(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> dict[str, str]:
-    """:func:`~verl_mtp_plugin.export.tensor_digest` of every drafter-owned parameter, by canonical
-    name (compare with the trainer's :func:`~verl_mtp_plugin.export.hf_mtp_digests`)."""
+def _loaded_layout(module: torch.nn.Module, attr: str, param: torch.Tensor, name: str) -> torch.Tensor:
+    """``param`` (attribute ``attr`` of ``module``) as vLLM's loader stored it, before the platform's
+    post-processing replaced it.
+
+    vLLM's CPU build post-processes unquantized linear layers (``dispatch_cpu_unquantized_gemm``):
+    the weight is handed to a oneDNN / AMX (sgl) / zentorch kernel, which keeps its own packed copy,
+    and ``layer.weight`` becomes an empty tensor; ``layer.cpu_linear`` computes with the packed copy.
+    This function *undoes* that repack by reading the weight back through the running kernel:
+    ``W^T = cpu_linear(I_K)`` (an identity input of the weight's dtype; every output element is one
+    weight times one, so the read-back is exact in bf16, fp16 and fp32). What is compared is thus
+    what the layer computes with. A prepacked Mamba conv weight is read from the unpacked copy vLLM
+    stashes (``_cpu_unpacked_conv_weight``). A CPU linear layer is always read back through its kernel
+    (also when the parameter was kept), so a kernel that went stale is caught; other tensors are returned
+    as they are.
+
+    Raises:
+        MTPSyncError: the tensor was emptied and there is no way to read it back (never skipped).
+    """
+    if attr == "weight":
+        stash = getattr(module, "_cpu_unpacked_conv_weight", None)
+        if stash is not None:
+            return stash.unsqueeze(1)
+        cpu_linear = getattr(module, "cpu_linear", None)
+        k = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+        n = getattr(module, "output_size_per_partition", getattr(module, "output_size", None))
+        if cpu_linear is not None and k is not None and n is not None:
+            # what the layer computes with, whether or not vLLM also kept the parameter
+            with torch.no_grad():
+                eye = torch.eye(int(k), dtype=param.dtype, device=param.device)
+                w = cpu_linear(eye, param, None).t().to(param.dtype).contiguous()
+            if tuple(w.shape) != (int(n), int(k)):
+                raise MTPSyncError(
+                    f"{name}: read back {tuple(w.shape)} through the CPU kernel, expected {(int(n), int(k))}"
+                )
+            return w
+    if param.numel() == 0:
+        raise MTPSyncError(
+            f"{name}: empty after vLLM's post-processing of {type(module).__qualname__} and no kernel to read "
+            "it back through; cannot verify it (checksum mode)"
+        )
+    return param
+
+
+def drafter_tensors(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Every drafter-owned parameter in vLLM's *loaded* layout, by canonical name.
+
+    The loaded layout is what ``load_weights`` writes from the checkpoint (``qkv_proj = cat(q, k, v)``,
+    ``w13 = stack(up_proj)``, ``w2 = stack(down_proj)``; compare with
+    :func:`~verl_mtp_plugin.export.drafter_layout` / :func:`~verl_mtp_plugin.export.hf_mtp_digests`).
+    Platform post-processing that moves a weight out of its parameter (vLLM's CPU GEMM dispatch) is
+    undone by reading the weight back through the layer's kernel (see :func:`_loaded_layout`);
+    parameters shared with ``target`` (embedding, ``lm_head``) are left out.
+    """
     shared = drafter_shared_param_names(drafter, target)
-    return {
-        canonical_drafter_name(n): tensor_digest(p) for n, p in drafter.named_parameters() if n not in shared
-    }
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # a parameter registered on two modules counts once (as in named_parameters)
+    for mod_name, module in drafter.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            if name in shared or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out[canonical_drafter_name(name)] = _loaded_layout(module, attr, p, name)
+    return out
+
+
+def drafter_digests(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> dict[str, str]:
+    """:func:`~verl_mtp_plugin.export.tensor_digest` of every drafter-owned parameter in vLLM's loaded
+    layout (CPU repacks undone, see :func:`drafter_tensors`), by canonical name; compare with the
+    trainer's :func:`~verl_mtp_plugin.export.hf_mtp_digests`."""
+    return {n: tensor_digest(t) for n, t in drafter_tensors(drafter, target).items()}
 
 
 def _nbytes(weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -399,9 +464,13 @@ class MTPDrafterSync:
             self._verify_digests(pending)
 
     def _verify_digests(self, pending: WeightList) -> None:
+        """Compare a digest of every drafter-owned tensor, read back in vLLM's loaded layout (the CPU
+        build's linear-weight repack is undone through the layer's kernel, :func:`drafter_tensors`),
+        with the digest of the sent HF tensors recomposed into that layout. A tensor that cannot be
+        read back raises; nothing is skipped."""
         expected = hf_mtp_digests([(n.removeprefix("language_model."), t) for n, t in pending])
-        params = dict(self.drafter.named_parameters())
-        actual = {canonical_drafter_name(n): p for n, p in params.items() if n in self._own}
+        own = {canonical_drafter_name(n) for n in self._own}
+        actual = {n: t for n, t in drafter_tensors(self.drafter, self.target).items() if n in own}
         problems = []
         for name in sorted(set(expected) | set(actual)):
             if name not in actual or name not in expected:

