@@ -43,6 +43,7 @@ This module replaces that for the drafter:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -234,6 +235,13 @@ def _owned_roots(drafter: torch.nn.Module, target: torch.nn.Module | None) -> li
     return roots
 
 
+def _consume(pending: WeightList):
+    """Yield ``pending``'s items in order, removing each from the list as it is handed out."""
+    pending.reverse()
+    while pending:
+        yield pending.pop()
+
+
 def _text_config(model_config: Any) -> Any:
     hf = getattr(model_config, "hf_config", model_config)
     get_text = getattr(hf, "get_text_config", None)
@@ -331,7 +339,18 @@ class MTPDrafterSync:
 
         The copy is needed because transfer buffers are reused between buckets; it is made on the
         tensors' device and lives until :meth:`finish` (Nemotron 3 Super: ~5.5 GiB of MTP weights in
-        bf16 per rollout rank). Nothing is copied when the drafter is skipped (``frozen``).
+        bf16 per rollout rank; ``benchmarks/sync_memory.py`` measures the peak). Nothing is copied when
+        the drafter is skipped (``frozen``).
+
+        Why the MTP part is not streamed into the drafter bucket by bucket: the update must be checked
+        against the drafter's key set before anything is loaded (vLLM's loaders drop unknown names
+        silently), and a missing name is known only after the last bucket (verl's bucketed transfer
+        sends no name list ahead of the data). vLLM's layerwise reload writes a layer into the live
+        drafter parameters as soon as that layer's tensors are complete (``online_process_loader`` ->
+        ``_layerwise_process``), so per-bucket loading would leave earlier layers updated when a later
+        name turns out missing; and it keeps references to the tensors of a layer that spans buckets
+        (``info.loaded_weights``), which a reused transfer buffer would overwrite. So one copy of the
+        MTP part stays; :meth:`finish` releases each staged tensor as soon as vLLM has consumed it.
         """
         if not self._active:
             raise MTPSyncError("route() outside begin()/finish()")
@@ -400,12 +419,19 @@ class MTPDrafterSync:
         part of each bucket to ``load_target``, :meth:`finish`. Returns the metrics."""
         self.begin()
         try:
-            pairs = list(weights)
-            step = bucket_tensors or max(len(pairs), 1)
-            for i in range(0, len(pairs), step):
-                part = self.route(pairs[i : i + step])
+            # stream: only the current bucket (and the staged MTP part) is held, never the whole update
+            it = iter(weights)
+            while True:
+                bucket = list(itertools.islice(it, bucket_tensors)) if bucket_tensors else list(it)
+                if not bucket:
+                    break
+                part = self.route(bucket)
+                del bucket
                 if load_target is not None and part:
                     load_target(part)
+                del part
+                if not bucket_tensors:
+                    break
         except BaseException:
             self.abort()
             raise
@@ -445,8 +471,11 @@ class MTPDrafterSync:
         with self._vllm_context():
             for r in roots:
                 initialize_layerwise_reload(r)
+            # Without checksum mode nothing needs the staged tensors after vLLM has consumed them:
+            # hand them over one by one (vLLM keeps a layer's tensors only until it processes the layer).
+            feed = iter(pending) if self.verify_checksums else _consume(pending)
             try:
-                loaded = set(self.drafter.load_weights(iter(pending)))
+                loaded = set(self.drafter.load_weights(feed))
             finally:
                 # Always finalize: it processes what was loaded and puts the kept tensors back.
                 for r in roots:
