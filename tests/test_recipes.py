@@ -180,7 +180,7 @@ def test_preflight_cli_accepts_every_recipe_and_reports_bad_overrides(capsys):
         assert main(["--config-path", str(CONFIG_DIR), "--config-name", name]) == 0
     assert main(
         ["--config-path", str(CONFIG_DIR), "--config-name", "grpo_online", "actor_rollout_ref.rollout.enable_prefix_caching=true",
-         "actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode=all"]
+         "+actor_rollout_ref.rollout.engine_kwargs.vllm.mamba_cache_mode=all"]
     ) == 1
     assert "mamba_cache_mode=align" in capsys.readouterr().err
 
