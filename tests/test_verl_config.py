@@ -270,6 +270,13 @@ def test_frozen_drafter_sync_while_mtp_trains(verl_base, hf_dirs):
     assert validate_verl_config(frozen).drafter_sync == "frozen"
 
 
+def test_drafter_sync_staging_place_is_checked_at_start_up(verl_base, hf_dirs):
+    env = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_SYNC_STAGE"
+    msg = errors_of(make(verl_base, hf_dirs, **{env: "gpu"}))
+    assert "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_SYNC_STAGE='gpu'" in msg and "device, host" in msg
+    validate_verl_config(make(verl_base, hf_dirs, **{env: "host"}))  # accepted
+
+
 def test_enable_train_without_enable(verl_base, hf_dirs):
     cfg = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable=False, actor_rollout_ref__model__mtp__enable_rollout=False)
     msg = errors_of(cfg)

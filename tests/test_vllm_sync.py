@@ -178,13 +178,14 @@ def test_megatron_and_vllm_share_one_process(env):
     assert logits.shape == (1, 8, 144) and torch.isfinite(logits).all()
 
 
-def test_drafter_refits_are_exact_and_in_place(env, post_processing, monkeypatch):
+@pytest.mark.parametrize("stage", ["device", "host"])
+def test_drafter_refits_are_exact_and_in_place(env, post_processing, monkeypatch, stage):
     """Two refits (megatron weights changed between them), MTP tensors in several buckets whose
     transfer buffer is overwritten after each bucket: every drafter parameter equals the trained value (qkv = cat(q,k,v), w13/w2 = stacked up/down
     projections), storage is kept, one load_weights call and one post-processing per module per
     update, the target and the shared embedding/lm_head untouched."""
     vm = env.vllm
-    sync = _new_sync(env)
+    sync = _new_sync(env, stage=stage)
     own, shared, extra = sync.drafter_structure()
     assert shared == {"model.embed_tokens.weight", "lm_head.weight"} and extra == {} and len(own) == 16
     ptrs = _ptrs(vm.drafter)
@@ -223,6 +224,11 @@ def test_drafter_refits_are_exact_and_in_place(env, post_processing, monkeypatch
         assert metrics["sync/bytes_drafter"] == _nbytes(hf.values()) and metrics["sync/bytes_target"] == 0
         assert metrics["sync/tensors_drafter"] == len(hf) and metrics["sync/drafter_loaded"] == 1.0
         assert metrics["sync/drafter_seconds"] > 0 and metrics["sync/count"] == update
+
+
+def test_unknown_staging_place_is_refused(env):
+    with pytest.raises(ValueError, match=r"VERL_MTP_SYNC_STAGE/stage='gpu'; allowed: \['device', 'host'\]"):
+        _new_sync(env, stage="gpu")
 
 
 def test_wrong_or_missing_names_raise(env):

@@ -78,6 +78,7 @@ _VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: Environment variable read by :mod:`verl_mtp_plugin.vllm_ext` in the vLLM workers.
 DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
+SYNC_STAGE_ENV = "VERL_MTP_SYNC_STAGE"
 #: ``override_transformer_config`` entries that make Megatron-Bridge's ``HybridModelProvider`` build
 #: no MTP block (with ``mtp_num_layers=None``, which verl's ``check_mtp_config`` sets when the
 #: engine's MTP is off): ``finalize`` appends ``mtp_hybrid_override_pattern`` to the layer pattern
@@ -598,6 +599,10 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{_ENV}.{DRAFTER_SYNC_ENV}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
+
+    sync_stage = _get(config, f"{_ENV}.{SYNC_STAGE_ENV}")
+    if sync_stage is not None and str(sync_stage).strip().lower() not in ("device", "host"):
+        errors.append(f"{_ENV}.{SYNC_STAGE_ENV}={sync_stage!r}: allowed values are device, host")
 
     # --- trainer (rollout speculation metrics, desync guard) ---------------------------------------
     use_v1 = _as_bool(_get(config, "trainer.use_v1", True))

@@ -65,6 +65,8 @@ __all__ = [
     "DRAFTER_MODES",
     "ENV_CHECKSUM",
     "ENV_MODE",
+    "ENV_STAGE",
+    "STAGE_PLACES",
     "MTPColocateWorkerExtension",
     "MTPDrafterSync",
     "MTPDrafterSyncWorkerExtension",
@@ -80,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 ENV_MODE = "VERL_MTP_DRAFTER_SYNC"
 ENV_CHECKSUM = "VERL_MTP_SYNC_CHECKSUM"
+ENV_STAGE = "VERL_MTP_SYNC_STAGE"
+STAGE_PLACES = ("device", "host")
 DRAFTER_MODES = ("online", "frozen")
 
 # Drafter parameters outside the MTP layers that a drafter may own, and their HF names.
@@ -271,6 +275,10 @@ class MTPDrafterSync:
         drafter_loaded (bool): the drafter already holds real MTP weights (vLLM loaded them from the
             checkpoint, i.e. ``load_format`` is not ``"dummy"``). ``frozen`` then never loads it.
         verify_checksums (bool): compare tensor digests after every drafter load.
+        stage (str): where the MTP part of an update waits until the drafter is loaded: ``"device"``
+            (a copy on the tensors' device, the default) or ``"host"`` (a copy in host memory, pinned
+            when CUDA is available: the update then costs the rollout GPU no extra memory for the
+            staged payload, at the price of one device-to-host and one host-to-device copy of it).
     """
 
     def __init__(
@@ -283,9 +291,13 @@ class MTPDrafterSync:
         mode: str = "online",
         drafter_loaded: bool = False,
         verify_checksums: bool = False,
+        stage: str = "device",
     ) -> None:
         if mode not in DRAFTER_MODES:
             raise ValueError(f"{ENV_MODE}/mode={mode!r}; allowed: {list(DRAFTER_MODES)}")
+        if stage not in STAGE_PLACES:
+            raise ValueError(f"{ENV_STAGE}/stage={stage!r}; allowed: {list(STAGE_PLACES)}")
+        self.stage = stage
         self.target = target
         self.drafter = drafter
         self.draft_model_config = draft_model_config
@@ -360,12 +372,21 @@ class MTPDrafterSync:
         self._bytes["target"] += _nbytes(target)
         self._ntensors["target"] += len(target)
         if self._load:
-            self._pending.extend((n, t.detach().clone()) for n, t in drafter)
+            self._pending.extend((n, self._stage_copy(t)) for n, t in drafter)
             self._bytes["drafter"] += _nbytes(drafter)
             self._ntensors["drafter"] += len(drafter)
         else:
             self._bytes["skipped"] += _nbytes(drafter)
         return target
+
+    def _stage_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` that outlives the transfer buffer: on its device, or in host memory."""
+        t = t.detach()
+        if self.stage == "host" and t.device.type != "cpu":
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+            out.copy_(t)  # blocking: the transfer buffer is reused as soon as route() returns
+            return out
+        return t.clone()
 
     def abort(self) -> None:
         """Drop an update in progress (the drafter is untouched)."""
@@ -576,6 +597,7 @@ def _build_extension_class() -> type:
                     mode=opts.get("mode") or os.environ.get(ENV_MODE, "online").strip().lower(),
                     drafter_loaded=_drafter_loaded_at_start(vc),
                     verify_checksums=opts.get("verify_checksums", _env_flag(ENV_CHECKSUM)),
+                    stage=opts.get("stage") or os.environ.get(ENV_STAGE, "device").strip().lower(),
                 )
                 self._mtp_sync_state = sync
             return sync
@@ -640,7 +662,9 @@ def _build_extension_class() -> type:
             return None
 
         # ---------------------------------------------------------- RPCs (collective_rpc)
-        def mtp_configure_sync(self, mode: str | None = None, verify_checksums: bool | None = None) -> dict:
+        def mtp_configure_sync(
+            self, mode: str | None = None, verify_checksums: bool | None = None, stage: str | None = None
+        ) -> dict:
             """Set the drafter sync mode (``online``/``frozen``) and checksum mode; returns the settings."""
             opts = dict(getattr(self, "_mtp_sync_options", {}))
             if mode is not None:
@@ -649,13 +673,23 @@ def _build_extension_class() -> type:
                 opts["mode"] = mode
             if verify_checksums is not None:
                 opts["verify_checksums"] = bool(verify_checksums)
+            if stage is not None:
+                if stage not in STAGE_PLACES:
+                    raise ValueError(f"stage={stage!r}; allowed: {list(STAGE_PLACES)}")
+                opts["stage"] = stage
             self._mtp_sync_options = opts
             sync = self._mtp_drafter_sync()
             if sync is None:
                 raise MTPSyncError("this worker has no vLLM MTP drafter (speculative_config.method != 'mtp')")
             sync.mode = opts.get("mode", sync.mode)
             sync.verify_checksums = opts.get("verify_checksums", sync.verify_checksums)
-            return {"mode": sync.mode, "verify_checksums": sync.verify_checksums, "drafter_loaded": sync.drafter_loaded}
+            sync.stage = opts.get("stage", sync.stage)
+            return {
+                "mode": sync.mode,
+                "verify_checksums": sync.verify_checksums,
+                "stage": sync.stage,
+                "drafter_loaded": sync.drafter_loaded,
+            }
 
         def mtp_sync_metrics(self) -> dict[str, float]:
             """Metrics of the last update (``sync/bytes_target``, ``sync/bytes_drafter``, ...)."""
