@@ -128,7 +128,12 @@ def model_spec(args):
         num_query_groups=2, mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=1, max_sequence_length=256,
             params_dtype=dtype, mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR,
         )
-    return dataclasses.replace(spec, pattern=args.pattern) if args.pattern else spec
+    if args.pattern:
+        spec = dataclasses.replace(spec, pattern=args.pattern)
+    if args.mtp_depths > 1:  # Nemotron 3 Super: one physical MTP block trained over 2 depths (vLLM reuses it per draft)
+        main, mtp = spec.pattern.split("/")[0], spec.pattern.split("/")[1]
+        spec = dataclasses.replace(spec, pattern="/".join([main] + [mtp] * args.mtp_depths), mtp_use_repeated_layer=True)
+    return spec
 
 
 # --------------------------------------------------------------------------- trainer
@@ -349,7 +354,7 @@ class EngineSync:
     post-processing, then the drafter.
     """
 
-    def __init__(self, llm, *, mode: str, target_load: str, bucket_tensors: int):
+    def __init__(self, llm, *, mode: str, target_load: str, bucket_tensors: int, stage: str = "device"):
         from verl_mtp_plugin.vllm_ext import MTPDrafterSync
 
         w = vllm_worker(llm)
@@ -359,8 +364,9 @@ class EngineSync:
         spec = self.runner.vllm_config.speculative_config
         self.sync = None
         if drafter is not None:
+            kw = {"stage": stage} if stage != "device" else {}  # where the MTP part waits (device: default)
             self.sync = MTPDrafterSync(self.target, drafter, spec.draft_model_config,
-                                       vllm_config=self.runner.vllm_config, mode=mode, drafter_loaded=False)
+                                       vllm_config=self.runner.vllm_config, mode=mode, drafter_loaded=False, **kw)
         self.target_load = target_load
         self.bucket_tensors = bucket_tensors
         self.target_params = {n for n, _ in self.target.named_parameters()}
@@ -401,7 +407,12 @@ class EngineSync:
                     finalize_layerwise_reload(self.target, vc.model_config)
             if self.target_load == "verl":
                 process_weights_after_loading(self.target, vc.model_config, dev)
-            missing = sorted(self.target_params - loaded)
+            # vLLM 0.26 reports routed experts under the MoE module's name (without ``routed_experts``):
+            # such a parameter counts as loaded when a name under its MoE module was reported
+            moe_mods = {n.rsplit(".", 1)[0] for n in loaded}
+            missing = sorted(n for n in self.target_params - loaded
+                             if n.split(".routed_experts.")[0] not in moe_mods
+                             and not any(m.startswith(n.split(".routed_experts.")[0] + ".") for m in moe_mods))
             if missing:
                 if self.sync is not None:
                     self.sync.abort()
@@ -512,8 +523,12 @@ def parse_args(argv=None):
     ap.add_argument("--target-load", default=None, choices=("verl", "layerwise"),
                     help="default verl on CUDA, layerwise on CPU (see EngineSync)")
     ap.add_argument("--bucket-tensors", type=int, default=64, help="tensors per update bucket")
+    ap.add_argument("--sync-stages", default="device,host",
+                    help="MTPDrafterSync stage places to measure the sync with (first: the one used for the arms)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.12)
     ap.add_argument("--pattern", default=None, help="override the model's hybrid pattern (main/mtp)")
+    ap.add_argument("--mtp-depths", type=int, default=2,
+                    help="MTP depths trained over one repeated block (Nemotron 3 Super: 2); 1 = a single depth")
     ap.add_argument("--vocab", type=int, default=None, help="vocab size (language uses 30 ids; default 32768 GPU, 64 CPU)")
     ap.add_argument("--response-len", type=int, default=None, help="default 128 GPU, 32 CPU")
     ap.add_argument("--pretrain-steps", type=int, default=None)
@@ -544,6 +559,7 @@ def parse_args(argv=None):
     args.pretrain_steps = args.pretrain_steps or (300 if gpu else 200)
     args.pretrain_batch = args.pretrain_batch or (64 if gpu else 32)
     args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    args.sync_stages = [x for x in args.sync_stages.split(",") if x.strip()]
     if any(k < 1 for k in args.ks):
         raise SystemExit("--ks: speculative token counts must be >= 1")
     return args
@@ -568,7 +584,7 @@ def main(argv=None) -> int:
     lang = drift.Language(response_len=args.response_len, vocab_size=args.vocab)
     args.max_model_len = lang.seq_len + max(args.ks) + 8
     spec = model_spec(args)
-    reset_mtp_globals(1)
+    reset_mtp_globals(args.mtp_depths)
     model = drift.build_model(spec, device)
     fwd = drift.Fwd(device)
     os.makedirs(args.out, exist_ok=True)
@@ -656,6 +672,12 @@ def main(argv=None) -> int:
                     f"pos {[round(x, 3) for x in m['accept_rate_pos']]} | sync {s.get('drafter_ms', 0):.2f} ms "
                     f"drafter, {s['update_ms']:.1f} ms update, peak +{s.get('peak_extra_gib', 0):.3f} GiB")
             arms[mode]["no_spec" if k == 0 else f"synced_k{k}"] = per_version[-1]
+            for stage in (args.sync_stages[1:] if k else []):  # the same update with the MTP part staged elsewhere
+                es_stage = EngineSync(llm, mode="online", target_load=args.target_load,
+                                      bucket_tensors=args.bucket_tensors, stage=stage)
+                for v in (last, last):
+                    s = es_stage.update(snapshots[v])
+                    syncs.append({"engine": name, "graphs": mode, "version": v, "mode": "online", "stage": stage, **s})
             if args.greedy_row:
                 arms_greedy[mode]["no_spec" if k == 0 else f"synced_k{k}"] = measure(llm, prompts, temperature=0.0,
                                                                                  args=args)
@@ -689,7 +711,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.time()
         run_engine(k, first, full=True)
-        est_engine = max(est_engine or 0.0, time.time() - t0)
+        est_engine = time.time() - t0  # the latest engine (the first one pays the cold compile caches)
     for mode in args.graph_modes[1:]:
         synced = {a: r["tokens_per_s"] for a, r in arms[first].items() if a.startswith("synced_")}
         best = int(max(synced, key=synced.get).removeprefix("synced_k")) if synced else None
@@ -712,7 +734,16 @@ def summarize(result: dict, last: int) -> None:
             base = mode_rows.get("no_spec", {}).get("tokens_per_s")
             for r in mode_rows.values():
                 r["speedup_vs_no_spec"] = r["tokens_per_s"] / base if base else None
-    online = [s for s in result["syncs"] if s["mode"] == "online" and s["version"] > 0 and "drafter_ms" in s]
+    online = [s for s in result["syncs"] if s["mode"] == "online" and s["version"] > 0 and "drafter_ms" in s
+              and s.get("stage", "device") == "device"]
+    by_stage: dict = {}
+    for s in result["syncs"]:
+        if s["mode"] == "online" and s["version"] > 0 and "drafter_ms" in s:
+            by_stage.setdefault(s.get("stage", "device"), []).append(s)
+    result["sync_by_stage"] = {st: {"drafter_ms": statistics.median(x["drafter_ms"] for x in rows),
+                                    "update_ms": statistics.median(x["update_ms"] for x in rows),
+                                    "peak_extra_gib": max((x.get("peak_extra_gib", 0.0) for x in rows), default=None)}
+                               for st, rows in by_stage.items()}
     if online:
         mtp_gib = result["payload"]["mtp_bytes"] / 2**30
         ms = statistics.median(s["drafter_ms"] for s in online)
