@@ -33,7 +33,7 @@ def _cmd_demo(args) -> int:
     try:
         run_demo(
             mode=args.mode, steps=args.steps, seed=args.seed, device=args.device, out=args.out,
-            progress=not args.no_progress,
+            progress=not args.no_progress, break_sync=args.break_sync,
         )
     except DemoInvariantError as e:
         print(f"\nverl-mtp demo: INVARIANT FAILED: {e}", file=sys.stderr)
@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, the plot and synced weights")
     d.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    d.add_argument("--break-sync", default="none", choices=["none", "skip-drafter", "swap-eh"],
+                   help="break the drafter sync on purpose: the desync guard must stop the run (exit 2)")
     d.set_defaults(fn=_cmd_demo)
 
     t = sub.add_parser("phases", help="print the per-phase run_mtp_forward table")

@@ -11,17 +11,31 @@ was trained with the model, as Nemotron 3's is.
 Each RL step walks the phases with the plugin's code:
 
 1. load     mode applied (:func:`configure_transformer_config`, :func:`freeze_mtp` before the
-            optimizer exists, :func:`validate_model_for_mode`); frozen: no optimizer state for MTP
-2. rollout  autoregressive sampling from the current policy, G responses per prompt
-            (``run_mtp_forward(mode, "rollout")`` is False: speculation is the rollout engine's)
-3. logprob  old log-probs, MTP skipped; the tracker must stay untouched
-4. adv/loss verl's ``compute_grpo_outcome_advantage`` and its registered ``vanilla`` policy loss
-5. train    ``run_mtp_forward(mode, "train")``; online: MTP loss on the sampled response tokens,
+            optimizer exists, :func:`validate_model_for_mode`); frozen: no optimizer state for MTP.
+            The model is dense Nemotron-3-shaped (Mamba, attention, MLP; MTP ``*``), the shape vLLM's
+            CPU build generates with; the MoE model is exercised where only loading is (tests).
+2. sync     the trainer's full HF stream (``export_mtp_weights(..., include_backbone=True)``, bf16)
+            into two running vLLM engines through the worker extension's own update entry point
+            (``update_weights_from_ipc``, fed by verl's ``BucketedWeightSender``): one with MTP
+            speculation (k draft tokens, drafter verified by name and checksum) and a no-speculation
+            baseline. Frozen: the drafter is loaded once, then skipped.
+3. rollout  vLLM generates G samples per prompt at temperature 1 with their log-probs; measured every
+            step: acceptance through the plugin's ``spec_metrics`` (``rollout/spec_accept_rate``,
+            ``rollout/spec_accept_length``, ``..._pos_{k}``), tokens/s with and without speculation
+            (same run, same prompts) and their ratio
+4. logprob  old log-probs by Megatron, MTP skipped (tracker untouched); the training-inference
+            mismatch mean |log p_vLLM - log p_Megatron| over the sampled tokens
+5. adv/loss verl's ``compute_grpo_outcome_advantage`` and its registered ``vanilla`` policy loss
+6. train    ``run_mtp_forward(mode, "train")``; online: MTP loss on the sampled response tokens,
             isolated from trunk/embedding/output (checked bit-for-bit on the first step); the
-            returned logits must equal the logprob pass's (MTP never changes them)
-6. sync     ``export_mtp_weights`` into vLLM's real ``NemotronHMTP`` drafter through the worker
-            extension's load path, verified name-by-name and by checksum (without vLLM: an HF
-            safetensors directory, said so in the output)
+            returned logits must equal the logprob pass's; the in-trainer acceptance estimate for the
+            policy version that generated this rollout
+7. guard    the drafter-desync guard (:mod:`verl_mtp_plugin.desync_guard`, action ``fail``) judges the
+            measured acceptance against that estimate; ``--break-sync`` breaks the sync on purpose and
+            the demo stops with the guard's message
+
+Without vLLM the rollout is Megatron sampling and the MTP tensors go to an HF safetensors directory
+(said so in the output).
 """
 
 from __future__ import annotations
@@ -36,7 +50,10 @@ import torch
 
 from verl_mtp_plugin.policy import MTPMode, Phase, run_mtp_forward
 
-__all__ = ["DemoInvariantError", "DemoTask", "run_demo"]
+__all__ = ["BREAK_SYNC_CHOICES", "DemoInvariantError", "DemoTask", "run_demo"]
+
+#: ``--break-sync`` values: how the demo can break the drafter sync on purpose (the guard must fire).
+BREAK_SYNC_CHOICES = ("none", "skip-drafter", "swap-eh")
 
 
 class DemoInvariantError(RuntimeError):
@@ -57,7 +74,7 @@ class DemoTask:
 
     num_digits: int = 8
     max_step: int = 2  # progressions step by 1..max_step
-    length: int = 4  # response length
+    length: int = 8  # response length
     prompts_per_step: int = 4
     group_size: int = 4  # responses per prompt (GRPO group)
     vocab_size: int = 32
@@ -148,15 +165,13 @@ def _mtp_tracker_total() -> float:
 
 
 def _build(mode: MTPMode, task: DemoTask, device: str, seed: int):
-    from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid
+    """Dense Nemotron-3-shaped model (Mamba, attention, MLP; MTP ``*``); no MTP in mode off."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+    from verl_mtp_plugin.testing.vllm_engine import dense_spec
 
     torch.manual_seed(seed)
-    pattern = "M*-E" if mode is MTPMode.OFF else "M*-E/*E"
-    spec = TinyHybridSpec(
-        pattern=pattern, vocab_size=task.vocab_size, hidden_size=64, ffn_hidden_size=128, num_experts=4,
-        moe_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_latent_size=32,
-        mtp_loss_scaling_factor=0.3,
-    )
+    pattern = "M*-M-" if mode is MTPMode.OFF else "M*-M-/*"
+    spec = dense_spec(pattern=pattern, vocab_size=task.vocab_size, mtp_loss_scaling_factor=0.3)
     return spec, build_tiny_hybrid(spec, device=device)
 
 
@@ -229,20 +244,37 @@ def _isolation_check(model, ids, pos, mask, loss_mask, grads_with_mtp) -> None:
 
 
 def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto", out: str = "demo_out",
-             progress: bool = True, warmup_steps: int = 40, task: DemoTask | None = None) -> list[dict]:
+             progress: bool = True, warmup_steps: int = 40, task: DemoTask | None = None,
+             break_sync: str = "none", num_speculative_tokens: int = 2) -> list[dict]:
     """Run the demo; returns the per-step metrics (also written to ``out/metrics.jsonl``).
 
+    Args:
+        break_sync (str): ``none``; ``skip-drafter`` (the drafter keeps the MTP weights of the checkpoint
+            the rollout engine started from, written before the warm-up, while the target follows the
+            trainer: the extension's frozen mode on a checkpoint-loaded drafter); ``swap-eh`` (the
+            two input halves of the drafter's ``eh_proj`` are swapped, so it reads ``[hidden, embedding]``
+            as ``[embedding, hidden]``: names, shapes and checksums of what is sent are valid, only
+            generation can tell).
+            Either must make the desync guard fire and the demo stop.
+        num_speculative_tokens (int): MTP draft tokens per step in the speculative engine.
+
     Raises:
-        DemoInvariantError: an invariant failed (the CLI exits non-zero with the message).
+        DemoInvariantError: an invariant failed or the desync guard fired (the CLI exits non-zero
+            with the message).
     """
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
     from verl.workers.config import ActorConfig
 
     from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, hybrid_forward, validate_model_for_mode
+    from verl_mtp_plugin.desync_guard import MTPDesyncError
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import causal_mask, init_megatron
 
     mode = MTPMode.parse(mode, "--mode")
+    if break_sync not in BREAK_SYNC_CHOICES:
+        raise ValueError(f"--break-sync={break_sync!r}; allowed: {list(BREAK_SYNC_CHOICES)}")
+    if break_sync != "none" and mode is MTPMode.OFF:
+        raise ValueError(f"--break-sync={break_sync} needs a drafter; --mode off has none")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -257,6 +289,7 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
     with timer.time("load"):
         init_megatron(seed=seed)
         spec, model = _build(mode, task, device, seed)
+        rollout = _make_rollout(model, spec, mode, out, break_sync, num_speculative_tokens, seed)
         warm_loss = _warmup(model, task, warmup_steps, gen, device)
         configure_transformer_config(model.config, mode, mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor)
         if mode is MTPMode.FROZEN:
@@ -267,109 +300,140 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
                                 ppo_micro_batch_size_per_gpu=task.prompts_per_step, rollout_n=task.group_size,
                                 clip_ratio=0.2)
         policy_loss = get_policy_loss_fn("vanilla")
-        sink = _make_sink(model, spec, mode, out, log)
         mtp_names = {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
         mtp_snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if n in mtp_names}
+        guard = _make_guard(mode, rollout)
     n_total = sum(p.numel() for p in model.parameters())
     n_mtp = sum(p.numel() for n, p in model.named_parameters() if n in mtp_names)
-    log.header(mode, device, spec, n_total, n_mtp, warmup_steps, warm_loss, sink.describe())
+    log.header(mode, device, spec, n_total, n_mtp, warmup_steps, warm_loss, rollout.describe())
 
     history: list[dict] = []
-    pos_all = None
-    for step in range(1, steps + 1):
-        timer.phases = {}
-        # ------------------------------------------------------------ rollout
-        with timer.time("rollout"):
-            prompts = task.prompts(task.prompts_per_step, gen).repeat_interleave(task.group_size, dim=0)
-            seq = _sample(model, mode, prompts, task.length, gen, device)
-            responses = seq[:, task.prompt_len :]
-            reward = task.reward(prompts.to(device), responses)
-        b, s = seq.shape
-        pos_all = _positions(b, s, device)
-        mask = causal_mask(s, device)
-        token_resp = torch.zeros(b, s, device=device)
-        token_resp[:, task.prompt_len :] = 1.0  # token coordinates: 1 on sampled response tokens
-        resp_mask = torch.ones(b, task.length, device=device)
+    try:
+        for step in range(1, steps + 1):
+            timer.phases = {}
+            # ------------------------------------------------------------ sync (this step's policy)
+            with timer.time("sync"):
+                sync_metrics = rollout.sync(step)
 
-        # ------------------------------------------------------------ logprob (MTP skipped)
-        with timer.time("logprob"), torch.no_grad():
-            reset_mtp_metrics()
-            logits_old = hybrid_forward(
-                model, seq, pos_all, mask, run_mtp_forward=run_mtp_forward(mode, Phase.LOGPROB), loss_mask=token_resp
-            )
-            old_lp = _response_slice(_token_logprobs(logits_old, seq), task.prompt_len, task.length)
-            _require(_mtp_tracker_total() == 0.0, "logprob phase ran the MTP forward (tracker was written)")
+            # ------------------------------------------------------------ rollout
+            with timer.time("rollout"):
+                prompts = task.prompts(task.prompts_per_step, gen)
+                ro = rollout.generate(prompts, task, gen, step)
+                seq = ro["seq"].to(device)
+                prompts = prompts.repeat_interleave(task.group_size, dim=0)
+                responses = seq[:, task.prompt_len :]
+                reward = task.reward(prompts.to(device), responses)
+            b, s_len = seq.shape
+            pos_all = _positions(b, s_len, device)
+            mask = causal_mask(s_len, device)
+            token_resp = torch.zeros(b, s_len, device=device)
+            token_resp[:, task.prompt_len :] = 1.0  # token coordinates: 1 on sampled response tokens
+            resp_mask = torch.ones(b, task.length, device=device)
 
-        # ------------------------------------------------------------ advantages (verl's GRPO)
-        token_rewards = torch.zeros(b, task.length, device=device)
-        token_rewards[:, -1] = reward
-        index = torch.arange(task.prompts_per_step).repeat_interleave(task.group_size).numpy()
-        advantages, _ = compute_grpo_outcome_advantage(token_rewards.cpu(), resp_mask.cpu(), index)
-        advantages = advantages.to(device)
+            # ------------------------------------------------------------ logprob (MTP skipped)
+            with timer.time("logprob"), torch.no_grad():
+                reset_mtp_metrics()
+                logits_old = hybrid_forward(
+                    model, seq, pos_all, mask, run_mtp_forward=run_mtp_forward(mode, Phase.LOGPROB), loss_mask=token_resp
+                )
+                old_lp = _response_slice(_token_logprobs(logits_old, seq), task.prompt_len, task.length)
+                _require(_mtp_tracker_total() == 0.0, "logprob phase ran the MTP forward (tracker was written)")
+                mismatch = {}
+                if ro.get("logprobs") is not None:
+                    diff = (ro["logprobs"].to(device) - old_lp).abs()
+                    mismatch = {"rollout/logprob_abs_diff": float(diff.mean()), "rollout/logprob_abs_diff_max": float(diff.max())}
 
-        # ------------------------------------------------------------ train
-        with timer.time("train"):
-            run_mtp = run_mtp_forward(mode, Phase.TRAIN)
-            opt.zero_grad(set_to_none=True)
-            probe = _acceptance_probe(model) if run_mtp else None
-            logits = hybrid_forward(model, seq, pos_all, mask, run_mtp_forward=run_mtp, loss_mask=token_resp)
-            _require(torch.equal(logits.detach(), logits_old),
-                     "parity: train-pass logits differ from the logprob pass (MTP must never change them)")
+            # ------------------------------------------------------------ advantages (verl's GRPO)
+            token_rewards = torch.zeros(b, task.length, device=device)
+            token_rewards[:, -1] = reward
+            index = torch.arange(task.prompts_per_step).repeat_interleave(task.group_size).numpy()
+            advantages, _ = compute_grpo_outcome_advantage(token_rewards.cpu(), resp_mask.cpu(), index)
+            advantages = advantages.to(device)
 
-            def loss_fn(lg):
-                lp = _response_slice(_token_logprobs(lg, seq), task.prompt_len, task.length)
-                return policy_loss(old_lp, lp, advantages, resp_mask, "token-mean", config=actor_cfg)[0]
+            # ------------------------------------------------------------ train
+            with timer.time("train"):
+                run_mtp = run_mtp_forward(mode, Phase.TRAIN)
+                opt.zero_grad(set_to_none=True)
+                probe = _acceptance_probe(model) if run_mtp else None
+                logits = hybrid_forward(model, seq, pos_all, mask, run_mtp_forward=run_mtp, loss_mask=token_resp)
+                _require(torch.equal(logits.detach(), logits_old),
+                         "parity: train-pass logits differ from the logprob pass (MTP must never change them)")
 
-            pg_loss = loss_fn(logits)
-            pg_loss.backward()
-            acc = {}
-            if probe is not None:
-                acc = probe.estimate(logits.detach(), token_resp, generator=torch.Generator().manual_seed(step))
-                probe.close()
-            if mode is MTPMode.ONLINE and step == 1:
-                grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-                grads["__loss_fn__"] = loss_fn
-                _isolation_check(model, seq, pos_all, mask, token_resp, grads)
-            mtp_metrics = collect_mtp_metrics(num_microbatches=1)
-            _require(bool(mtp_metrics) is run_mtp, f"MTP loss {'missing' if run_mtp else 'present'} in train phase")
-            opt.step()
-            if mode is MTPMode.FROZEN:
-                state_names = {n for n, p in model.named_parameters() if p in opt.state}
-                _require(not (state_names & mtp_names), "frozen: optimizer holds state for MTP parameters")
-                changed = [n for n, p in model.named_parameters() if n in mtp_names and not torch.equal(p, mtp_snapshot[n])]
-                _require(not changed, f"frozen: MTP parameters changed: {changed[:3]}")
+                def loss_fn(lg):
+                    lp = _response_slice(_token_logprobs(lg, seq), task.prompt_len, task.length)
+                    return policy_loss(old_lp, lp, advantages, resp_mask, "token-mean", config=actor_cfg)[0]
 
-        # ------------------------------------------------------------ sync
-        with timer.time("sync"):
-            sync_metrics = sink.sync(step)
+                pg_loss = loss_fn(logits)
+                pg_loss.backward()
+                acc = {}
+                if probe is not None:  # same weights that generated this rollout (before the optimizer step)
+                    acc = probe.estimate(logits.detach(), token_resp, generator=torch.Generator().manual_seed(step))
+                    probe.close()
+                if mode is MTPMode.ONLINE and step == 1:
+                    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+                    grads["__loss_fn__"] = loss_fn
+                    _isolation_check(model, seq, pos_all, mask, token_resp, grads)
+                mtp_metrics = collect_mtp_metrics(num_microbatches=1)
+                _require(bool(mtp_metrics) is run_mtp, f"MTP loss {'missing' if run_mtp else 'present'} in train phase")
+                opt.step()
+                if mode is MTPMode.FROZEN:
+                    state_names = {n for n, p in model.named_parameters() if p in opt.state}
+                    _require(not (state_names & mtp_names), "frozen: optimizer holds state for MTP parameters")
+                    changed = [n for n, p in model.named_parameters() if n in mtp_names and not torch.equal(p, mtp_snapshot[n])]
+                    _require(not changed, f"frozen: MTP parameters changed: {changed[:3]}")
 
-        row = {
-            "step": step,
-            "mode": str(mode),
-            "reward": float(reward.mean()),
-            "policy_loss": float(pg_loss.detach()),
-            "mtp_loss": mtp_metrics.get("mtp_losses/mtp_1_loss", math.nan),
-            "mtp_top1": mtp_metrics.get("mtp_accuracy/mtp_1_top1", math.nan),
-            "expected_accept_rate": acc.get("mtp_expected_accept_rate", math.nan),
-            "greedy_accept_rate": acc.get("mtp_greedy_accept_rate", math.nan),
-            "expected_accept_length_k1": acc.get("mtp_expected_accept_length_k1", math.nan),
-            "expected_accept_length_k3": acc.get("mtp_expected_accept_length_k3", math.nan),
-            **sync_metrics,
-            **{f"time/{k}": v for k, v in timer.phases.items()},
-        }
-        history.append(row)
-        log.step(row, steps)
-
-    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-        for row in history:
-            f.write(json.dumps(row) + "\n")
-    plot = _plot(history, os.path.join(out, "demo.png"))
-    log.table(history, out, plot)
-    sink.close()
+            row = {
+                "step": step,
+                "mode": str(mode),
+                "break_sync": break_sync,
+                "reward": float(reward.mean()),
+                "policy_loss": float(pg_loss.detach()),
+                "mtp_loss": mtp_metrics.get("mtp_losses/mtp_1_loss", math.nan),
+                "mtp_top1": mtp_metrics.get("mtp_accuracy/mtp_1_top1", math.nan),
+                "expected_accept_rate": acc.get("mtp_expected_accept_rate", math.nan),
+                "greedy_accept_rate": acc.get("mtp_greedy_accept_rate", math.nan),
+                "argmax_draft_accept_rate": acc.get("mtp_argmax_draft_accept_rate", math.nan),
+                "expected_accept_length_k1": acc.get("mtp_expected_accept_length_k1", math.nan),
+                "expected_accept_length_k3": acc.get("mtp_expected_accept_length_k3", math.nan),
+                **ro.get("metrics", {}),
+                **mismatch,
+                **sync_metrics,
+                **{f"time/{k}": v for k, v in timer.phases.items()},
+            }
+            # ------------------------------------------------------------ desync guard (live)
+            judged = {**row}
+            if math.isfinite(row["argmax_draft_accept_rate"]):
+                judged["actor/mtp_argmax_draft_accept_rate"] = row["argmax_draft_accept_rate"]
+            history.append(row)
+            if guard is not None:
+                try:
+                    row.update(guard.observe(judged, step=step))
+                finally:
+                    log.step(row, steps)
+            else:
+                log.step(row, steps)
+    except MTPDesyncError as e:
+        if history and getattr(e, "metrics", None):
+            history[-1].update(e.metrics)  # the guard's own metrics of the step that fired
+        _finish(history, out, log, rollout, ok=False)
+        raise DemoInvariantError(f"drafter-desync guard fired (--break-sync {break_sync}):\n{e}") from e
+    except BaseException:
+        rollout.close()
+        raise
+    _finish(history, out, log, rollout, ok=True)
     return history
 
 
-# --------------------------------------------------------------------------- acceptance and sync sinks
+def _finish(history, out, log, rollout, ok: bool) -> None:
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for row in history:
+            f.write(json.dumps(row) + "\n")
+    plot = _plot(history, os.path.join(out, "demo.png")) if history else None
+    log.table(history, out, plot, ok=ok)
+    rollout.close()
+
+
+# --------------------------------------------------------------------------- rollout, sync, guard
 
 
 def _acceptance_probe(model):
@@ -378,43 +442,154 @@ def _acceptance_probe(model):
     return AcceptanceProbe(model)
 
 
-def _make_sink(model, spec, mode, out, log):
-    """The sync target: vLLM's real drafter when vLLM is importable, else an HF safetensors dir."""
-    if mode is MTPMode.OFF:
-        return _NoSync()
-    # The demo's drafter is a verification copy on the host: vLLM's CPU platform, chosen before import.
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+def _make_guard(mode, rollout):
+    """The plugin's desync guard, failing the run; tuned for the demo's small steps: it judges steps
+    with at least 20 verify steps, fires after two in a row below 0.7 x the trainer's estimate (a synced
+    drafter measures 0.85-1.0 x here; the broken syncs 0.2-0.6 x)."""
+    if mode is MTPMode.OFF or not getattr(rollout, "num_speculative_tokens", 0):
+        return None
+    from verl_mtp_plugin.desync_guard import MTPDesyncGuard
+
+    return MTPDesyncGuard(
+        {"action": "fail", "threshold": 0.7, "patience": 2, "zero_patience": 2, "min_drafts": 20},
+        num_speculative_tokens=rollout.num_speculative_tokens,
+    )
+
+
+def _make_rollout(model, spec, mode, out, break_sync, k, seed):
+    """vLLM (speculative + baseline engines) when importable, else Megatron sampling + safetensors."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu" if not torch.cuda.is_available() else "cuda")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the demo's output readable
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return _SafetensorsSink(model, spec, out)
-    return _VllmDrafterSink(model, spec, mode, out)
+        return _MegatronRollout(model, spec, mode, out)
+    return _VllmRollout(model, spec, mode, out, break_sync, k, seed)
 
 
-class _NoSync:
+def _swap_eh(weights):
+    """``--break-sync swap-eh``: the MTP ``eh_proj``'s two input halves trade places (the drafter then
+    reads the previous hidden state as the next token's embedding and vice versa); names, shapes and
+    checksums of what is sent stay valid: only generation can tell."""
+    out = []
+    for name, t in weights:
+        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
+            h = t.shape[1] // 2
+            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
+        out.append((name, t))
+    return out
+
+
+class _VllmRollout:
+    """Two real vLLM engines (``verl_mtp_plugin.testing.vllm_engine``): MTP speculation with k draft
+    tokens, and a no-speculation baseline for tokens/s, both updated through verl's update path."""
+
+    def __init__(self, model, spec, mode, out, break_sync, k, seed):
+        from verl_mtp_plugin.testing.vllm_engine import build_engine
+
+        self.model, self.spec, self.mode, self.break_sync = model, spec, mode, break_sync
+        self.num_speculative_tokens = 0 if mode is MTPMode.OFF else int(k)
+        self.seed = seed
+        work = os.path.join(out, "vllm")
+        # the baseline first and without statistics: vLLM's metrics registry is process-global
+        self.baseline = None
+        if self.num_speculative_tokens:
+            self.baseline = build_engine(spec, os.path.join(work, "baseline"), num_speculative_tokens=0,
+                                         log_stats=False, seed=seed)
+        frozen = mode is MTPMode.FROZEN or break_sync == "skip-drafter"
+        self.engine = build_engine(
+            spec, os.path.join(work, "speculative"), num_speculative_tokens=self.num_speculative_tokens,
+            # skip-drafter: vLLM starts from this (pre-warm-up) checkpoint and frozen mode never reloads it
+            model=model if break_sync == "skip-drafter" else None,
+            drafter_sync="frozen" if frozen else "online", verify_checksums=True, seed=seed,
+        )
+        from verl_mtp_plugin.testing.vllm_engine import SpecStepReader
+
+        self.reader = SpecStepReader(self.engine) if self.num_speculative_tokens else None
+        self._warm = False
+
     def describe(self):
-        return "mode off: no MTP weights to sync"
+        if not self.num_speculative_tokens:
+            return "vLLM (real, in-process) without speculation (mode off), updated through verl's update_weights_from_ipc"
+        extra = {"none": "", "skip-drafter": "; BROKEN ON PURPOSE: drafter update skipped",
+                 "swap-eh": "; BROKEN ON PURPOSE: drafter eh_proj input halves swapped"}[self.break_sync]
+        return (f"vLLM (real, in-process) with MTP speculation k={self.num_speculative_tokens} (NemotronHMTP drafter, "
+                f"checksum-verified) + a no-speculation baseline, both updated through verl's update_weights_from_ipc{extra}")
+
+    def _weights(self):
+        from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+
+        w = rollout_weights(self.model, self.spec, self.engine.dtype)
+        return _swap_eh(w) if self.break_sync == "swap-eh" else w
 
     def sync(self, step):
-        return {}
+        from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+
+        try:
+            metrics = self.engine.sync(self._weights())
+        except Exception as e:  # verification failures are invariant failures
+            raise DemoInvariantError(f"drafter sync failed verification: {e}") from e
+        if self.baseline is not None:
+            self.baseline.sync(rollout_weights(self.model, self.spec, self.baseline.dtype))
+        metrics.pop("sync/wall_seconds", None)
+        return metrics
+
+    def _generate(self, engine, prompt_list, task, seed):
+        t = time.perf_counter()
+        outs = engine.generate(prompt_list, n=task.group_size, max_tokens=task.length, temperature=1.0, seed=seed)
+        return outs, time.perf_counter() - t
+
+    def generate(self, prompts, task, gen, step):
+        plist = prompts.tolist()
+        if not self._warm:  # first generate of an engine includes its warm-up: not timed
+            for eng in (self.engine, self.baseline):
+                if eng is not None:
+                    eng.generate(plist, n=task.group_size, max_tokens=task.length, temperature=1.0)
+            if self.reader is not None:
+                self.reader.step()
+            self._warm = True
+        # no per-request seed: vLLM gives all n samples of a seeded request the same seed (identical
+        # samples); the engines are seeded at start-up instead
+        outs, dt = self._generate(self.engine, plist, task, None)
+        rows, lps = [], []
+        for p, samples in zip(plist, outs):
+            for o in samples:
+                ids = list(o.token_ids)
+                _require(len(ids) == task.length, f"vLLM returned {len(ids)} tokens, expected {task.length}")
+                rows.append(p + ids)
+                lps.append([d[t].logprob for d, t in zip(o.logprobs, ids)])
+        n_tok = len(rows) * task.length
+        metrics = {"rollout/tokens_per_s": n_tok / dt}
+        if self.reader is not None:
+            metrics.update(self.reader.step())
+        if self.baseline is not None:
+            _, dt0 = self._generate(self.baseline, plist, task, None)
+            metrics["rollout/tokens_per_s_no_spec"] = n_tok / dt0
+            metrics["rollout/speedup"] = dt0 / dt
+        return {"seq": torch.tensor(rows), "logprobs": torch.tensor(lps), "metrics": metrics}
 
     def close(self):
-        pass
+        for eng in (self.engine, self.baseline):
+            if eng is not None:
+                eng.close()
 
 
-class _SafetensorsSink:
-    """Without vLLM: write the exported HF-named MTP tensors to ``out/mtp_sync/step_N.safetensors``."""
+class _MegatronRollout:
+    """Without vLLM: Megatron sampling; the exported MTP tensors go to ``out/mtp_sync/step_N.safetensors``."""
 
-    def __init__(self, model, spec, out):
-        self.model, self.spec = model, spec
+    num_speculative_tokens = 0
+
+    def __init__(self, model, spec, mode, out):
+        self.model, self.spec, self.mode = model, spec, mode
         self.dir = os.path.join(out, "mtp_sync")
         os.makedirs(self.dir, exist_ok=True)
 
     def describe(self):
-        return f"vLLM not installed: MTP weights go to an HF safetensors directory ({self.dir})"
+        return f"vLLM not installed: Megatron sampling; MTP weights go to an HF safetensors directory ({self.dir})"
 
     def sync(self, step):
+        if self.mode is MTPMode.OFF:
+            return {}
         from safetensors.torch import save_file
 
         from verl_mtp_plugin.export import export_mtp_weights
@@ -425,30 +600,10 @@ class _SafetensorsSink:
         return {"sync/bytes_drafter": sum(v.numel() * v.element_size() for v in tensors.values()),
                 "sync/bytes_target": 0, "sync/drafter_seconds": time.perf_counter() - t}
 
-    def close(self):
-        pass
-
-
-class _VllmDrafterSink:
-    """Sync into vLLM's real ``NemotronHMTP`` drafter (CPU) through the worker extension's load path."""
-
-    def __init__(self, model, spec, mode, out):
-        from verl_mtp_plugin.testing import vllm_drafter
-
-        self.model, self.spec, self.mode = model, spec, mode
-        self.handle = vllm_drafter.build_drafter_for_spec(spec, workdir=os.path.join(out, "vllm_config"))
-        self.syncer = vllm_drafter.make_syncer(self.handle, frozen=(mode is MTPMode.FROZEN), checksum=True)
-
-    def describe(self):
-        return "vLLM NemotronHMTP drafter (real vLLM, CPU), verified by name and checksum every sync"
-
-    def sync(self, step):
-        from verl_mtp_plugin.export import export_mtp_weights
-
-        try:
-            return self.syncer.sync(export_mtp_weights(self.model, vocab_size=self.spec.vocab_size))
-        except Exception as e:  # verification failures are invariant failures
-            raise DemoInvariantError(f"drafter sync failed verification: {e}") from e
+    def generate(self, prompts, task, gen, step):
+        device = next(self.model.parameters()).device
+        seq = _sample(self.model, self.mode, prompts.repeat_interleave(task.group_size, dim=0), task.length, gen, device)
+        return {"seq": seq.cpu(), "logprobs": None, "metrics": {}}
 
     def close(self):
         pass
@@ -462,13 +617,14 @@ class _Log:
         self.progress = progress
         self.bar = None
 
-    def header(self, mode, device, spec, n_total, n_mtp, warm, warm_loss, sink):
+    def header(self, mode, device, spec, n_total, n_mtp, warm, warm_loss, rollout):
         print(f"verl-mtp demo | mode={mode} device={device} | HybridModel pattern {spec.pattern!r} "
-              f"(Mamba M, attention *, MLP -, MoE E; MTP after '/') | {n_total:,} params ({n_mtp:,} MTP)")
-        print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint; sync -> {sink}")
-        print("phases per step (Megatron MTP forward): " + " -> ".join(
+              f"(Mamba M, attention *, MLP -; MTP after '/') | {n_total:,} params ({n_mtp:,} MTP)")
+        print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint")
+        print(f"rollout: {rollout}")
+        print("phases per step (Megatron MTP forward): sync[trainer -> vLLM] -> " + " -> ".join(
             f"{p.value}[{'run' if run_mtp_forward(mode, p) else 'skip'}]" for p in
-            (Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN)) + " -> sync[export MTP -> drafter]")
+            (Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN)) + " -> guard")
         if self.progress:
             try:
                 from tqdm import tqdm
@@ -477,9 +633,17 @@ class _Log:
             except ImportError:
                 self.bar = None
 
+    @staticmethod
+    def _f(row, key, fmt):
+        v = row.get(key)
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
     def step(self, row, steps):
+        f = self._f
         msg = (f"step {row['step']}/{steps} reward {row['reward']:.3f} pg_loss {row['policy_loss']:+.2e} "
-               f"mtp_loss {row['mtp_loss']:.3f} E[accept] {row['expected_accept_rate']:.3f}")
+               f"mtp_loss {f(row, 'mtp_loss', '{:.3f}')} vLLM accept {f(row, 'rollout/spec_accept_rate_pos_0', '{:.3f}')} "
+               f"(trainer est. {f(row, 'argmax_draft_accept_rate', '{:.3f}')}) "
+               f"speedup {f(row, 'rollout/speedup', '{:.2f}')}x |dlogp| {f(row, 'rollout/logprob_abs_diff', '{:.4f}')}")
         if self.bar is not None:
             self.bar.total = steps
             self.bar.update(1)
@@ -487,30 +651,36 @@ class _Log:
         else:
             print(msg, flush=True)
 
-    def table(self, history, out, plot):
+    def table(self, history, out, plot, ok: bool = True):
         if self.bar is not None:
             self.bar.close()
-        cols = [("step", "{:d}"), ("reward", "{:.3f}"), ("policy_loss", "{:+.2e}"), ("mtp_loss", "{:.3f}"),
-                ("mtp_top1", "{:.3f}"), ("expected_accept_rate", "{:.3f}"), ("greedy_accept_rate", "{:.3f}"),
-                ("expected_accept_length_k3", "{:.2f}"), ("sync/bytes_target", "{:,.0f}"), ("sync/bytes_drafter", "{:,.0f}"),
-                ("time/rollout", "{:.2f}"), ("time/logprob", "{:.2f}"), ("time/train", "{:.2f}"), ("time/sync", "{:.2f}")]
-        heads = ["step", "reward", "pg_loss", "mtp_loss", "mtp_top1", "E[acc]", "greedy", "E[len]k3", "B->target",
-                 "B->drafter", "t_roll", "t_lp", "t_train", "t_sync"]
-        rows = []
-        for r in history:
-            cells = []
-            for key, fmt in cols:
-                v = r.get(key)
-                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
-            rows.append(cells)
-        widths = [max(len(h), *(len(c[i]) for c in rows)) for i, h in enumerate(heads)]
+        cols = [("step", "{:d}", "step"), ("reward", "{:.3f}", "reward"), ("policy_loss", "{:+.2e}", "pg_loss"),
+                ("mtp_loss", "{:.3f}", "mtp_loss"), ("mtp_top1", "{:.3f}", "mtp_top1"),
+                ("rollout/spec_accept_rate_pos_0", "{:.3f}", "vLLM_acc"),
+                ("argmax_draft_accept_rate", "{:.3f}", "est_acc"),
+                ("rollout/spec_accept_rate", "{:.3f}", "acc_rate"),
+                ("rollout/spec_accept_length", "{:.2f}", "acc_len"),
+                ("rollout/tokens_per_s", "{:.0f}", "tok/s"), ("rollout/tokens_per_s_no_spec", "{:.0f}", "tok/s_base"),
+                ("rollout/speedup", "{:.2f}", "speedup"), ("rollout/logprob_abs_diff", "{:.4f}", "|dlogp|"),
+                ("mtp_guard/desync", "{:.0f}", "desync"),
+                ("sync/bytes_target", "{:,.0f}", "B->target"), ("sync/bytes_drafter", "{:,.0f}", "B->drafter"),
+                ("time/sync", "{:.2f}", "t_sync"), ("time/rollout", "{:.2f}", "t_roll"),
+                ("time/logprob", "{:.2f}", "t_lp"), ("time/train", "{:.2f}", "t_train")]
+        heads = [h for _, _, h in cols]
+        rows = [[self._f(r, key, fmt) for key, fmt, _ in cols] for r in history]
+        widths = [max(len(h), *(len(c[i]) for c in rows)) if rows else len(h) for i, h in enumerate(heads)]
         print()
         print("  ".join(h.rjust(w) for h, w in zip(heads, widths)))
         for c in rows:
             print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
+        print("vLLM_acc: measured first-draft acceptance (rollout/spec_accept_rate_pos_0); est_acc: the trainer's "
+              "estimate for the same policy version (actor/mtp_argmax_draft_accept_rate); speedup: tokens/s with "
+              "speculation / without, same prompts; |dlogp|: mean |log p_vLLM - log p_Megatron| over sampled tokens")
         print(f"\nwrote {os.path.join(out, 'metrics.jsonl')}" + (f" and {plot}" if plot else ""))
-        print("all invariants held: logprob skips MTP, train logits == logprob logits, "
-              "MTP loss only where the mode trains it, isolation (online), frozen MTP untouched, drafter verified")
+        if ok:
+            print("all invariants held: logprob skips MTP, train logits == logprob logits, "
+                  "MTP loss only where the mode trains it, isolation (online), frozen MTP untouched, drafter verified, "
+                  "desync guard quiet")
 
 
 def _plot(history, path) -> str | None:
@@ -522,11 +692,19 @@ def _plot(history, path) -> str | None:
     except ImportError:
         return None
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-    for ax, key, title in zip(axes, ("reward", "mtp_loss", "expected_accept_rate"),
-                              ("reward", "MTP loss", "expected acceptance (spec. sampling)")):
-        ax.plot(steps, [r.get(key, math.nan) for r in history], marker="o")
-        ax.set_title(title)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    panels = [
+        (("reward",), "reward"),
+        (("mtp_loss",), "MTP loss"),
+        (("rollout/spec_accept_rate_pos_0", "argmax_draft_accept_rate"), "acceptance: vLLM vs trainer estimate"),
+        (("rollout/speedup", "rollout/logprob_abs_diff"), "speed-up (x) and |log p_vLLM - log p_Megatron|"),
+    ]
+    for ax, (keys, title) in zip(axes, panels):
+        for key in keys:
+            ax.plot(steps, [r.get(key, math.nan) for r in history], marker="o", label=key)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     fig.suptitle(f"verl-mtp demo, mode={history[0]['mode'] if history else '?'}")

@@ -54,6 +54,11 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   the positions). Decode steps that carry ``num_accepted_tokens`` run
   :func:`causal_conv1d_update_spec_ref` instead, the plain-torch math of vLLM's GPU kernel; all other
   calls keep vLLM's CPU kernel.
+* ``expand_kernel_ref``: vLLM 0.31's CPU override of the rejection sampler's ``expand_kernel`` loses
+  its result for float outputs (the per-token temperature), so at temperature > 0 every draft is
+  rejected (target probabilities NaN; measured 0% acceptance where greedy accepts 100%).
+  :func:`expand_kernel_ref`, the Triton kernel's math in plain torch, is registered through vLLM's own
+  kernel-override registry (``vllm.triton_utils.dispatcher.register_kernels``) after each engine start.
 * the drafter workarounds of :func:`verl_mtp_plugin.testing.vllm_drafter.install_cpu_workarounds`.
 """
 
@@ -103,6 +108,9 @@ ENGINE_PATHS: dict[str, tuple[str, ...]] = {
 
 _INSTALLED: set[str] = set()
 _STATS_OWNER: dict[str, Any] = {"engine": None}
+#: in-process engines built into a torch.distributed world that existed before them (megatron's):
+#: referenced until the process exits, because vLLM's engine-core finalizer destroys the default group
+_LIVE_ENGINES: list = []
 
 
 def _resolve(obj: Any, key: str) -> Any:
@@ -297,47 +305,50 @@ def causal_conv1d_update_spec_ref(
     """
     if isinstance(activation, bool):
         activation = "silu" if activation else None
+    if query_start_loc is None:  # [batch, dim] or [batch, dim, seqlen]: as varlen [tokens, dim]
+        x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+        b, _, sl = x3.shape
+        flat = x3.permute(0, 2, 1).reshape(b * sl, -1)
+        qsl = torch.arange(0, (b + 1) * sl, sl, device=x.device)
+        y = causal_conv1d_update_spec_ref(flat, conv_state, weight, bias, activation, conv_state_indices,
+                                          num_accepted_tokens, qsl, sl, null_block_id)
+        y = y.reshape(b, sl, -1).permute(0, 2, 1)
+        return y.squeeze(-1) if x.dim() == 2 else y
     dtype = x.dtype
     xs = x.to(conv_state.dtype)
     width = weight.shape[1]
-    out = torch.empty_like(xs)
-    varlen = query_start_loc is not None
-    if varlen:
-        batch = conv_state_indices.size(0)
-        seqlen_max = max_query_len
-    else:
-        if xs.dim() == 2:
-            xs = xs.unsqueeze(-1)
-            out = out.unsqueeze(-1)
-        batch, _, seqlen_max = xs.shape
-    idx = conv_state_indices if conv_state_indices.dim() == 1 else conv_state_indices[:, 0]
-    for i in range(batch):
-        coord = int(idx[i])
-        if coord == null_block_id:
-            continue
-        if varlen:
-            qs, qe = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            seq = xs[qs:qe].t()  # (dim, sl)
-        else:
-            seq = xs[i]
-        sl = seq.shape[-1]
-        if sl == 0:
-            continue
-        o = int(num_accepted_tokens[i]) - 1
-        state = conv_state[coord]
-        window = torch.cat([state[:, o : o + width - 1], seq], dim=-1).float()
-        new_state = torch.cat([state[:, o + 1 : o + width - 1], seq], dim=-1)
-        conv_state[coord, :, : new_state.shape[-1]] = new_state
-        y = torch.nn.functional.conv1d(window[None], weight.float()[:, None, :], None if bias is None else bias.float(),
-                                       groups=weight.shape[0])[0]  # (dim, sl)
-        if activation in ("silu", "swish"):
-            y = torch.nn.functional.silu(y)
-        if varlen:
-            out[qs:qe] = y.t().to(out.dtype)
-        else:
-            out[i] = y.to(out.dtype)
-    if not varlen and x.dim() == 2:
-        out = out.squeeze(-1)
+    out = torch.zeros_like(xs) if xs.shape[0] else xs.clone()
+    coords = (conv_state_indices if conv_state_indices.dim() == 1 else conv_state_indices[:, 0]).long()
+    qs = query_start_loc[: coords.shape[0] + 1].long()
+    lens = qs[1:] - qs[:-1]
+    keep = (coords != null_block_id) & (lens > 0)
+    if not bool(keep.any()):
+        return out.to(dtype)
+    coords, starts, lens = coords[keep], qs[:-1][keep], lens[keep]
+    off = num_accepted_tokens[: keep.shape[0]][keep].long() - 1
+    n, dim = coords.shape[0], xs.shape[1]
+    maxl = int(lens.max())
+    ar = torch.arange(maxl, device=xs.device)
+    tok = starts[:, None] + ar[None, :]  # [n, maxl]
+    valid = ar[None, :] < lens[:, None]
+    steps = xs[tok.clamp(max=xs.shape[0] - 1)].permute(0, 2, 1) * valid[:, None, :]  # [n, dim, maxl]
+    state = conv_state[coords]  # [n, dim, L]
+
+    def cols(first, count):
+        i = (first[:, None] + torch.arange(count, device=xs.device)[None, :])[:, None, :].expand(n, dim, count)
+        return state.gather(-1, i)
+
+    window = torch.cat([cols(off, width - 1), steps], dim=-1).float()  # [n, dim, W-1+maxl]
+    y = (window.unfold(-1, width, 1) * weight.float()[None, :, None, :]).sum(-1)  # [n, dim, maxl]
+    if bias is not None:
+        y = y + bias.float()[None, :, None]
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    new_state = torch.cat([cols(off + 1, width - 2), steps], dim=-1)  # [n, dim, W-2+maxl]
+    keep_cols = torch.arange(new_state.shape[-1], device=xs.device)[None, :] < (width - 2 + lens)[:, None]
+    old = state[:, :, : new_state.shape[-1]]
+    conv_state[coords, :, : new_state.shape[-1]] = torch.where(keep_cols[:, None, :], new_state, old)
+    out[tok[valid]] = y.permute(0, 2, 1)[valid].to(out.dtype)
     return out.to(dtype)
 
 
@@ -356,6 +367,35 @@ def _install_mamba_spec_conv_ref() -> None:
     causal_conv1d_update.__wrapped__ = real
     mm2.causal_conv1d_update = causal_conv1d_update
     _INSTALLED.add("mamba_spec_conv_ref")
+
+
+def expand_kernel_ref(output, input, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: A002
+    """Plain-torch ``vllm.v1.sample.rejection_sampler.expand_kernel`` (the Triton kernel's math): per
+    request ``r``, ``output[cu[r-1]:cu[r]] = input[r]`` with ``replace_from`` replaced by ``replace_to``.
+
+    vLLM 0.31's CPU override of this kernel converts ``output`` to int64 before the C++ call and never
+    copies the result back for float outputs: the per-token temperature the rejection sampler expands
+    stays uninitialised memory, the target probabilities of the verified drafts become NaN and every
+    draft is rejected at temperature > 0 (measured: 0 accepted where greedy accepts 100%).
+    """
+    vals = torch.where(input == replace_from, torch.as_tensor(replace_to, dtype=input.dtype), input)
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+    output[: int(counts.sum())] = torch.repeat_interleave(vals, counts).to(output.dtype)
+
+
+_KERNEL_OVERRIDES = {"vllm.v1.sample.rejection_sampler.expand_kernel": expand_kernel_ref}
+
+
+def _register_kernel_overrides() -> None:
+    """Register the CPU kernel fixes through vLLM's own override registry
+    (``vllm.triton_utils.dispatcher.register_kernels``); must run after every engine start, because the
+    CPU worker (re-)registers vLLM's own overrides when it starts."""
+    if torch.cuda.is_available():
+        return
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels(_KERNEL_OVERRIDES)
+    _INSTALLED.add("expand_kernel_ref")
 
 
 def install_engine_workarounds() -> list[str]:
@@ -539,7 +579,10 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_tokens: int = 16,
                  temperature: float = 1.0, seed: int | None = None, logprobs: bool = True) -> list[list[Any]]:
         """Generate ``n`` samples per token-id prompt (no EOS stop); returns, per prompt, vLLM's
-        ``CompletionOutput`` list (``token_ids``; ``logprobs``: the sampled tokens' log-probs)."""
+        ``CompletionOutput`` list (``token_ids``; ``logprobs``: the sampled tokens' log-probs).
+
+        ``seed`` with ``n > 1``: vLLM gives every sample of the request that seed (identical samples);
+        leave it None for distinct samples (the engine is seeded at start-up)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -553,10 +596,17 @@ class RolloutEngine:
         """This engine's cumulative speculative-decoding counters (see :func:`read_spec_counters`)."""
         return read_spec_counters(self)
 
+    shares_world: bool = False
+
     def close(self) -> None:
-        """Shut the engine down (frees its KV cache)."""
+        """Shut the engine down (frees its KV cache) unless it shares this process's
+        ``torch.distributed`` world with megatron: vLLM's engine-core shutdown (also its finalizer at
+        garbage collection) destroys the default process group, which would leave megatron's groups
+        dangling. Such engines are kept alive until the process exits (see :data:`_LIVE_ENGINES`)."""
         if _STATS_OWNER["engine"] is self:
             _STATS_OWNER["engine"] = None
+        if self.shares_world:
+            return
         shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
@@ -634,11 +684,16 @@ def build_engine(
     if num_speculative_tokens:
         args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(num_speculative_tokens)}
     args.update(extra_engine_args or {})
+    shares_world = in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
     llm = LLM(**args)
+    _register_kernel_overrides()
     engine = RolloutEngine(
         llm=llm, spec=spec, model_dir=model_dir, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
         in_process=in_process, log_stats=log_stats, use_shm=use_shm,
     )
+    engine.shares_world = shares_world
+    if shares_world:
+        _LIVE_ENGINES.append(engine)
     if log_stats:
         _STATS_OWNER["engine"] = engine
     # verl's vLLM server does this right after start-up (mask logits past the tokenizer's vocab, MoE loader)
