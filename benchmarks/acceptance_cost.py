@@ -1,4 +1,4 @@
-"""Cost of the in-trainer MTP acceptance estimate (issue 5), side by side in one run.
+"""Cost of the in-trainer MTP acceptance estimate, side by side in one run.
 
 A train step (forward with MTP + policy-style loss on the returned logits + backward) on a real
 megatron-core HybridModel, timed without the probe and with :class:`AcceptanceProbe` attached and

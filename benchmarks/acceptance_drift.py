@@ -1,4 +1,4 @@
-"""Acceptance under policy drift (issue 7): online isolated MTP vs frozen MTP (and joint) under GRPO.
+"""Acceptance under policy drift: online isolated MTP vs frozen MTP (and joint) under GRPO.
 
 What it shows: how the speculative-decoding acceptance of the MTP drafter evolves while RL moves the
 policy, for the plugin's modes, from one pretrained checkpoint, with identical seeds.
@@ -64,7 +64,7 @@ Commands::
     # CPU check (tiny sizes, a few steps; megatron's CPU Mamba reference, no GPU):
     .venv/bin/python benchmarks/acceptance_drift.py --device cpu --tiny --out /tmp/drift --plot
     # H200 (exact commands with the environment set-up: benchmarks/RESULTS.md, "Acceptance under policy
-    # drift (issue 7)"):
+    # drift"):
     python3 benchmarks/acceptance_drift.py --device cuda --mamba-impl torch --out $OUT --tag h200 \
         --budget 95 --pretrain-share 0.4 --pretrain-steps 200 --pretrain-log-every 50 \
         --groups "2e-4:frozen,online,joint,online+refit" --refit-every 5 --refit-steps 30 \
@@ -856,7 +856,7 @@ def environment(device: torch.device) -> dict:
             env[pkg] = None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
-        from verl_mtp_plugin.testing.gpu import mamba_kernels_active
+        from verl_mtp_plugin.testing.mamba_triton import mamba_kernels_active
 
         env["mamba_triton_kernels"] = mamba_kernels_active()
         env["mamba_impl"] = MAMBA_IMPL
@@ -960,7 +960,7 @@ def _setup(args):
     if device.type == "cuda" and args.mamba_impl == "torch":
         use_torch_mamba_reference()
     elif device.type == "cuda":
-        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
 
         if not install_mamba_ssm_triton():
             raise SystemExit("mamba_ssm is not importable: install the pure-Python mamba_ssm wheel (.whl)")

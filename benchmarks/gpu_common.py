@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU benchmarks (issue 6): environment setup, the benchmark shape, timing with
+"""Shared pieces of the GPU benchmarks: environment setup, the benchmark shape, timing with
 CUDA events in alternating rounds, analytic matmul-FLOP counts, and result files.
 
 The benchmarks run through the plugin's public API (``verl_mtp_plugin.hybrid_forward``,
@@ -40,7 +40,7 @@ def setup(seed: int = 1234) -> None:
     """Mamba Triton kernels importable (GPU), NCCL/gloo world of 1, megatron parallel state, seeds."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if CUDA:
-        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import init_megatron
@@ -329,7 +329,7 @@ def env_info() -> dict:
     except Exception:
         pass
     if CUDA:
-        from verl_mtp_plugin.testing.gpu import has_causal_conv1d_cuda, mamba_kernels_active
+        from verl_mtp_plugin.testing.mamba_triton import has_causal_conv1d_cuda, mamba_kernels_active
 
         info["mamba_triton_kernels"] = mamba_kernels_active()
         info["causal_conv1d_cuda"] = has_causal_conv1d_cuda()

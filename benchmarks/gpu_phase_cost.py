@@ -1,4 +1,4 @@
-"""P1 (issue 6): cost of the log-prob phase with MTP layers present.
+"""P1: cost of the log-prob phase with MTP layers present.
 
 Forward only (``torch.no_grad``, eval mode, what verl's log-prob / ref phases run), one CUDA process,
 three variants timed in alternating rounds:

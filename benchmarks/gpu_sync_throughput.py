@@ -1,4 +1,4 @@
-"""P4 (issue 6): MTP weight sync throughput on the GPU vs the device's copy bandwidth.
+"""P4: MTP weight sync throughput on the GPU vs the device's copy bandwidth.
 
 Measured per sync, on the same GPU, CUDA events, several repetitions:
 

@@ -1,4 +1,4 @@
-"""P2 (issue 6): overhead of the online (isolated) MTP mode in a full training step.
+"""P2: overhead of the online (isolated) MTP mode in a full training step.
 
 One step = forward (logits, ``labels=None`` as in verl's RL path) + a policy-gradient style loss on the
 log-probs + backward + megatron DDP grad sync (``overlap_grad_reduce=True``, fp32 grad buffers) +

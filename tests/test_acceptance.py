@@ -1,4 +1,4 @@
-"""In-trainer MTP acceptance estimate (issue 5): pure math, alignment, and the probe on a real HybridModel."""
+"""In-trainer MTP acceptance estimate: pure math, alignment, and the probe on a real HybridModel."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
     import os, sys, torch, torch.distributed as dist
     import torch.multiprocessing as mp
     from verl_mtp_plugin.acceptance import speculative_overlap, greedy_agreement, argmax_draft_acceptance
-    from verl_mtp_plugin.acceptance import _acceptance_stats, _rows_at
+    from verl_mtp_plugin.acceptance.estimate import acceptance_stats as _acceptance_stats, rows_at as _rows_at
 
     def work(rank, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

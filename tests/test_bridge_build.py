@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode
-from verl_mtp_plugin.verl_registry import MODEL_TYPE
+from verl_mtp_plugin.config_keys import MODEL_TYPE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "recipes" / "nemotron3_super_mtp" / "config"
@@ -38,7 +38,7 @@ def _bridge_env(megatron_env):
     old = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
     os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = "cuda", "nvidia"
     from verl_mtp_plugin.testing.bridge import install_te_import_placeholder
-    from verl_mtp_plugin.verl_registry import register
+    from verl_mtp_plugin.engine.registry import register
 
     install_te_import_placeholder()
     register()
@@ -66,7 +66,7 @@ def checkpoint(tmp_path_factory, tiny_spec):
 
 
 def compose(name, checkpoint, extra=()):
-    from verl_mtp_plugin.verl_config import compose_recipe
+    from verl_mtp_plugin.trainer.config import compose_recipe
 
     overrides = [
         f"actor_rollout_ref.model.path={checkpoint}",
@@ -118,7 +118,7 @@ def test_recipe_builds_mtp_exactly_where_it_belongs(name, checkpoint):
     build-time settings; reference: no MTP; critic (PPO): value head, no MTP."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithValueHead
 
-    from verl_mtp_plugin.verl_engine import NemotronHMTPMegatronEngine
+    from verl_mtp_plugin.engine.megatron import NemotronHMTPMegatronEngine
 
     cfg = compose(name, checkpoint)
     mode = MTPMode(RECIPE_MODE[name])
@@ -195,7 +195,7 @@ def test_verls_own_reference_handling_still_builds_mtp_through_the_bridge(checkp
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     from verl_mtp_plugin.testing.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
-    from verl_mtp_plugin.verl_config import BRIDGE_NO_MTP_OVERRIDES
+    from verl_mtp_plugin.engine.settings import BRIDGE_NO_MTP_OVERRIDES
 
     cfg = compose("grpo_online", checkpoint)
     worker_config = verl_worker_configs(cfg, "ref")
@@ -214,7 +214,7 @@ def test_verls_own_reference_handling_still_builds_mtp_through_the_bridge(checkp
 def test_critic_without_the_recipes_override_gets_mtp_and_the_check_refuses_it(checkpoint):
     """verl's value-model engine on the same checkpoint builds an MTP block unless the recipe clears the
     Bridge's MTP pattern; ``verl-mtp check`` refuses that config, naming the key."""
-    from verl_mtp_plugin.verl_config import validate_verl_config
+    from verl_mtp_plugin.trainer.config import validate_verl_config
 
     cfg = compose("ppo_online", checkpoint)
     critic = build(cfg, "critic", drop_overrides=("mtp_hybrid_override_pattern", "mtp_use_repeated_layer"))
@@ -231,7 +231,7 @@ def test_critic_without_the_recipes_override_gets_mtp_and_the_check_refuses_it(c
 
 def test_virtual_pipeline_parallelism_is_refused_before_the_bridge_asserts(checkpoint):
     from verl_mtp_plugin.testing.bridge import role_engine, verl_worker_configs
-    from verl_mtp_plugin.verl_config import validate_verl_config
+    from verl_mtp_plugin.trainer.config import validate_verl_config
 
     cfg = compose("grpo_online", checkpoint, ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
     with pytest.raises(MTPConfigError, match=r"actor\.megatron\.virtual_pipeline_model_parallel_size=2"):
@@ -280,7 +280,7 @@ def test_bridge_export_names_equal_expected_keys_and_the_vllm_drafter(online_act
 
 def test_strict_check_accepts_the_bridge_stream_and_rejects_one_changed_name(online_actor, drafter_models):
     from verl_mtp_plugin.testing.vllm_drafter import make_syncer
-    from verl_mtp_plugin.vllm_ext import MTPSyncError
+    from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
 
     stream = list(online_actor.engine.bridge.export_hf_weights(online_actor.module))
     sync = make_syncer(drafter_models)

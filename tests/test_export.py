@@ -1,4 +1,4 @@
-"""Megatron HybridModel MTP -> Hugging Face Nemotron-H export (issue 4), on real megatron-core models (CPU).
+"""Megatron HybridModel MTP -> Hugging Face Nemotron-H export, on real megatron-core models (CPU).
 
 The expected HF structure is Nemotron 3 Super's checkpoint (1040 MTP keys for 512 experts; vLLM
 reference §9), generated from the structure at the test's expert count.

@@ -1,4 +1,4 @@
-"""TP/EP-sharded MTP export (issue 8) on CPU: two gloo processes, real megatron-core tensor and expert
+"""TP/EP-sharded MTP export on CPU: two gloo processes, real megatron-core tensor and expert
 parallelism.
 
 Each process builds the unsharded reference model (TP=EP=1) from one seed, then re-initialises

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import open_dict
 
 from verl_mtp_plugin.policy import MTPMode, Phase
-from verl_mtp_plugin.verl_config import compose_recipe, main, validate_verl_config
-from verl_mtp_plugin.verl_registry import MODEL_TYPE
+from verl_mtp_plugin.trainer.config import compose_recipe, main, validate_verl_config
+from verl_mtp_plugin.config_keys import MODEL_TYPE
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "nemotron3_super_mtp"
 CONFIG_DIR = RECIPE / "config"
@@ -24,7 +24,7 @@ RECIPES = {
     "ppo_frozen": ("gae", MTPMode.FROZEN, 16),
     "ppo_online": ("gae", MTPMode.ONLINE, 16),
 }
-EXTENSION = "verl_mtp_plugin.vllm_ext.MTPDrafterSyncWorkerExtension"
+EXTENSION = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,8 @@ def test_recipe_selects_the_plugin_engine_for_actor_and_ref(megatron_env, tiny_c
     from verl.workers.config import MtpConfig
     from verl.workers.engine import EngineRegistry
 
-    from verl_mtp_plugin.verl_engine import NemotronHMTPMegatronEngine
-    from verl_mtp_plugin.verl_registry import register
+    from verl_mtp_plugin.engine.megatron import NemotronHMTPMegatronEngine
+    from verl_mtp_plugin.engine.registry import register
 
     monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "nvidia")
@@ -201,7 +201,7 @@ def test_run_scripts_launch_the_plugin_entrypoint_on_these_configs(script, names
     assert os.access(path, os.X_OK)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     assert "python3 -m verl_mtp_plugin.main_ppo --config-path" in text  # registers trainer mode mtp_sync
-    assert "python3 -m verl_mtp_plugin.verl_config --config-path" in text  # pre-flight
+    assert "python3 -m verl_mtp_plugin.trainer.config --config-path" in text  # pre-flight
     prefix = re.search(r"CONFIG_NAME=(\w+)_\$\{MODE\}", text).group(1)
     for name in names:
         assert name.startswith(prefix + "_") and (CONFIG_DIR / f"{name}.yaml").is_file()

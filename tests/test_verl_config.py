@@ -1,4 +1,4 @@
-"""Start-up validation (verl_mtp_plugin.verl_config) on verl 0.9.1's real composed trainer config:
+"""Start-up validation (verl_mtp_plugin.trainer.config) on verl 0.9.1's real composed trainer config:
 each error is raised with its key names; valid configs resolve to the expected settings."""
 
 import copy
@@ -7,14 +7,9 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode
-from verl_mtp_plugin.verl_config import (
-    PLUGIN_EXTENSIONS,
-    apply_mtp_overrides,
-    main,
-    resolve_engine_settings,
-    validate_verl_config,
-)
-from verl_mtp_plugin.verl_registry import MODEL_TYPE
+from verl_mtp_plugin.config_keys import MODEL_TYPE
+from verl_mtp_plugin.engine.settings import apply_mtp_overrides, resolve_engine_settings
+from verl_mtp_plugin.trainer.config import PLUGIN_EXTENSIONS, main, validate_verl_config
 
 
 def write_hf_dir(path, num_nextn_predict_layers=1):
@@ -27,7 +22,7 @@ def write_hf_dir(path, num_nextn_predict_layers=1):
 @pytest.fixture(scope="module")
 def verl_base():
     """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
-    from verl_mtp_plugin.verl_config import compose_ppo_trainer
+    from verl_mtp_plugin.trainer.config import compose_ppo_trainer
 
     return compose_ppo_trainer(["model_engine=megatron", "actor_rollout_ref.rollout.name=vllm"])
 

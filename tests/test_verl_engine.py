@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase
-from verl_mtp_plugin.verl_registry import MODEL_TYPE
+from verl_mtp_plugin.config_keys import MODEL_TYPE
 
 # prompt/response lengths of the 4 samples (P=6 prompt slots, R=8 response slots); sample 0 has two
 # tool-output tokens (response positions 3 and 4) masked out of the response mask. Sample 3's prompt
@@ -58,7 +58,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def registered():
-    from verl_mtp_plugin.verl_registry import register
+    from verl_mtp_plugin.engine.registry import register
 
     register()
     return True
@@ -70,7 +70,7 @@ def ppo_loss_fn():
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_mtp_plugin.verl_config import compose_ppo_trainer
+    from verl_mtp_plugin.trainer.config import compose_ppo_trainer
 
     cfg = compose_ppo_trainer(
         [
@@ -106,7 +106,7 @@ def tiny_ddp(seed=7, *, detach=False, hook_mode=None, pattern="M*-E/*E"):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.verl_engine import make_mtp_pre_wrap_hook
+    from verl_mtp_plugin.engine.megatron import make_mtp_pre_wrap_hook
 
     torch.manual_seed(seed)
     model = build_tiny_hybrid(mtp_detach_heads=detach, pattern=pattern)
@@ -217,11 +217,11 @@ def mtp_calls(ddp):
 
 def test_verl_registry_returns_the_plugin_engine_and_register_is_idempotent(megatron_env, hf_dir, registered):
     import verl_mtp_plugin
-    import verl_mtp_plugin.verl_registry as reg
+    import verl_mtp_plugin.engine.registry as reg
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from verl_mtp_plugin.verl_engine import NemotronHMTPMegatronEngine
+    from verl_mtp_plugin.engine.megatron import NemotronHMTPMegatronEngine
 
     assert reg.register() is False  # already registered: verl's duplicate-key assertion never fires
     importlib.reload(reg)  # importing the module again (e.g. a second import path) must not crash
@@ -239,7 +239,7 @@ def test_register_refuses_to_shadow_a_foreign_engine(registered, monkeypatch):
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from verl_mtp_plugin.verl_registry import register
+    from verl_mtp_plugin.engine.registry import register
 
     table = EngineRegistry._engines[MODEL_TYPE]["megatron"]
     monkeypatch.setitem(table, "cuda", MegatronEngineWithLMHead)
@@ -346,7 +346,7 @@ def test_frozen_pre_wrap_hook_freezes_mtp_before_ddp(megatron_env, registered, h
 
 def test_pre_wrap_hook_validates_each_chunk_for_its_mode(megatron_env):
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.verl_engine import make_mtp_pre_wrap_hook
+    from verl_mtp_plugin.engine.megatron import make_mtp_pre_wrap_hook
 
     online_ok = build_tiny_hybrid(mtp_detach_heads=True)
     assert make_mtp_pre_wrap_hook("online")([online_ok]) == [online_ok]
@@ -398,7 +398,7 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     # the loss mask: depth 1 counts exactly the response tokens (tool outputs and prompts excluded)
     assert int(before["total_values"].sum()) == N_RESPONSE_TARGETS
     metrics = output["metrics"]
-    from verl_mtp_plugin.verl_engine import ACCEPTANCE_METRICS
+    from verl_mtp_plugin.engine.megatron import ACCEPTANCE_METRICS
 
     assert set(k for k in metrics if k.startswith("mtp_")) == {
         "mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1", *ACCEPTANCE_METRICS
@@ -461,7 +461,7 @@ def test_forward_micro_batch_follows_the_policy_table(megatron_env, mode):
     """The engine's per-micro-batch function on one verl micro-batch: MTP runs only for train in
     online/joint; logits are the same in every phase."""
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.verl_engine import forward_micro_batch
+    from verl_mtp_plugin.engine.megatron import forward_micro_batch
 
     torch.manual_seed(3)
     model = build_tiny_hybrid(mtp_detach_heads=(mode == "online"))
@@ -519,7 +519,7 @@ def test_packed_thd_pass_matches_the_padded_pass(megatron_env, registered, hf_di
 
 
 def test_mtp_token_mask_from_a_verl_micro_batch():
-    from verl_mtp_plugin.verl_engine import mtp_token_mask
+    from verl_mtp_plugin.engine.megatron import mtp_token_mask
 
     mask = mtp_token_mask(verl_batch())
     rows = [m.tolist() for m in mask.unbind()]
@@ -534,7 +534,7 @@ def test_packed_params_get_mamba_sequence_index(megatron_env):
     packed sample into the next); the engine's packed forward adds it from the padded cu_seqlens."""
     from verl.models.mcore.util import preprocess_thd_engine
 
-    from verl_mtp_plugin.verl_engine import with_mamba_seq_idx
+    from verl_mtp_plugin.engine.megatron import with_mamba_seq_idx
 
     ids = torch.nested.as_nested_tensor([torch.arange(5), torch.arange(4), torch.arange(3)], layout=torch.jagged)
     _, psp, _ = preprocess_thd_engine(ids, pre_process=True)

@@ -52,7 +52,7 @@ def _overrides(extra=(), **guard):
 def _compose(extra=(), **guard):
     from omegaconf import OmegaConf
 
-    from verl_mtp_plugin.verl_config import compose_ppo_trainer
+    from verl_mtp_plugin.trainer.config import compose_ppo_trainer
 
     cfg = compose_ppo_trainer(_overrides(extra, **guard))
     OmegaConf.resolve(cfg)
@@ -151,7 +151,7 @@ def cluster():
 
 def _trainer(server, extra=(), **guard):
     """A verl v1 trainer as verl's TaskRunnerV1 makes it, with one rollout replica address."""
-    import verl_mtp_plugin.verl_trainer  # noqa: F401 - registers the plugin trainers
+    import verl_mtp_plugin.trainer.v1  # noqa: F401 - registers the plugin trainers
     from verl.trainer.ppo.v1 import get_trainer_cls
     from omegaconf import open_dict
     from verl.workers.rollout.llm_server import LLMServerManager
@@ -237,8 +237,8 @@ def test_plugin_trainer_modes_resolve_in_verl_and_behave_as_verls(cluster):
     from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    import verl_mtp_plugin.verl_trainer as vt
-    from verl_mtp_plugin.verl_registry import TRAINER_MODES
+    import verl_mtp_plugin.trainer.v1 as vt
+    from verl_mtp_plugin.config_keys import TRAINER_MODES
 
     assert get_trainer_cls("mtp_sync") is vt.MTPPPOTrainerSync
     for mode, base in {"mtp_sync": PPOTrainerSync, "mtp_colocate_async": PPOTrainerColocateAsync,
@@ -329,7 +329,7 @@ def test_verls_per_request_metrics_are_kept_and_counters_add_positions(cluster):
 
 
 def test_desync_guard_warns_in_the_loop_when_acceptance_collapses(cluster, caplog):
-    from verl_mtp_plugin.desync_guard import MTPDesyncWarning
+    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncWarning
 
     rng = random.Random(2)
     trainer = _trainer(cluster, min_drafts=1, zero_patience=2, patience=3)
@@ -354,7 +354,7 @@ def test_desync_guard_warns_in_the_loop_when_acceptance_collapses(cluster, caplo
 
 
 def test_fail_action_stops_after_the_step_is_logged(cluster):
-    from verl_mtp_plugin.desync_guard import MTPDesyncError
+    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
 
     rng = random.Random(3)
     trainer = _trainer(cluster, min_drafts=1, zero_patience=1, action="fail")
@@ -417,7 +417,7 @@ def test_plugin_task_runner_resolves_plugin_modes_in_its_ray_actor(cluster):
     import ray
     from verl.trainer.main_ppo import TaskRunnerV1
 
-    from verl_mtp_plugin.main_ppo import MTPTaskRunner, MTPTaskRunnerV1
+    from verl_mtp_plugin.trainer.main_ppo import MTPTaskRunner, MTPTaskRunnerV1
 
     assert issubclass(MTPTaskRunner, TaskRunnerV1.__ray_actor_class__)
     # separate_async checks train_batch_size == parameter_sync_step (4) * ppo_mini_batch_size (2) in its

@@ -38,12 +38,12 @@ _LAZY = {
     "export_mtp_weights": "verl_mtp_plugin.export",
     "expected_hf_mtp_keys": "verl_mtp_plugin.export",
     "MTPExportError": "verl_mtp_plugin.export",
-    "MTPDrafterSync": "verl_mtp_plugin.vllm_ext",
-    "MTPSyncError": "verl_mtp_plugin.vllm_ext",
-    "register": "verl_mtp_plugin.verl_registry",
-    "MODEL_TYPE": "verl_mtp_plugin.verl_registry",
-    "validate_verl_config": "verl_mtp_plugin.verl_config",
-    "NemotronHMTPMegatronEngine": "verl_mtp_plugin.verl_engine",
+    "MTPDrafterSync": "verl_mtp_plugin.rollout.drafter_sync",
+    "MTPSyncError": "verl_mtp_plugin.rollout.drafter_sync",
+    "register": "verl_mtp_plugin.engine.registry",
+    "MODEL_TYPE": "verl_mtp_plugin.config_keys",
+    "validate_verl_config": "verl_mtp_plugin.trainer.config",
+    "NemotronHMTPMegatronEngine": "verl_mtp_plugin.engine.megatron",
 }
 
 __all__ = [
@@ -76,6 +76,6 @@ import sys as _sys  # noqa: E402
 if "verl" in _sys.modules:
     # Imported by verl (actor_rollout_ref.model.external_lib) or after verl: register the engine with
     # verl's EngineRegistry. A bare `import verl_mtp_plugin` elsewhere (vLLM workers, tools) stays light.
-    from verl_mtp_plugin.verl_registry import register as _register_with_verl
+    from verl_mtp_plugin.engine.registry import register as _register_with_verl
 
     _register_with_verl()

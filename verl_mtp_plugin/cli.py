@@ -51,7 +51,7 @@ def check_recipe_file(path: str, overrides: list[str] | None = None) -> str:
     import os
 
     from verl_mtp_plugin.policy import format_table
-    from verl_mtp_plugin.verl_config import compose_recipe, validate_verl_config
+    from verl_mtp_plugin.trainer.config import compose_recipe, validate_verl_config
 
     path = os.path.abspath(path)
     name = os.path.basename(path)

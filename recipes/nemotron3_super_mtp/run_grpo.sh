@@ -21,7 +21,7 @@ ARGS=(
 )
 
 # Pre-flight: the same composition, checked by the plugin (exits non-zero naming the keys).
-python3 -m verl_mtp_plugin.verl_config --config-path "$HERE/config" --config-name "$CONFIG_NAME" "${ARGS[@]}"
+python3 -m verl_mtp_plugin.trainer.config --config-path "$HERE/config" --config-name "$CONFIG_NAME" "${ARGS[@]}"
 
 # verl's main_ppo with the plugin's task runner (registers trainer.v1.trainer_mode=mtp_sync in it)
 python3 -m verl_mtp_plugin.main_ppo --config-path "$HERE/config" --config-name "$CONFIG_NAME" "${ARGS[@]}"

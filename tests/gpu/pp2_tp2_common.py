@@ -1,4 +1,4 @@
-"""Helpers shared by the two-rank parallelism checks (issue 8): ``tests/test_export_tp.py`` (CPU, gloo)
+"""Helpers shared by the two-rank parallelism checks: ``tests/test_export_tp.py`` (CPU, gloo)
 and ``tests/gpu/pp2_tp2_parallel.py`` (two GPUs, NCCL, ``torchrun``). Not a test module.
 
 The idea: every rank builds the unsharded (TP=PP=EP=1) reference model from one seed, keeps its full

@@ -1,4 +1,4 @@
-"""Two-GPU parallelism checks (issue 8): pipeline parallel 2 with MTP on the last stage, and the TP/EP-
+"""Two-GPU parallelism checks: pipeline parallel 2 with MTP on the last stage, and the TP/EP-
 sharded MTP export. Run from the repository root on a machine with two GPUs:
 
     torchrun --nproc_per_node 2 tests/gpu/pp2_tp2_parallel.py [--json OUT.json] [--parts pp,tp]
@@ -332,7 +332,7 @@ def main() -> int:
     ap.add_argument("--parts", default="pp,tp")
     args = ap.parse_args()
     if CUDA:
-        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import destroy_megatron, init_megatron

@@ -20,7 +20,7 @@ def main() -> int:
     print(f"[run_all] pytest rc={rc} probe rc={probe}", flush=True)
     import torch
 
-    if torch.cuda.device_count() >= 2:  # issue 8: PP=2 / TP=2 / EP=2 checks on two GPUs
+    if torch.cuda.device_count() >= 2:  # PP=2 / TP=2 / EP=2 checks on two GPUs
         par = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                os.path.join(HERE, "pp2_tp2_parallel.py")], cwd=ROOT, env=env)
         print(f"[run_all] pp2_tp2_parallel rc={par}", flush=True)

@@ -374,7 +374,7 @@ def build_tiny_hybrid(
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     if "M" in spec.pattern and torch.cuda.is_available():
         # before megatron's MambaMixer is imported: mamba_ssm's Triton kernels without its CUDA extension
-        from verl_mtp_plugin.testing.gpu import install_mamba_ssm_triton
+        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from megatron.core.models.hybrid.hybrid_model import HybridModel

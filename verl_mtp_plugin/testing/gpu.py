@@ -6,7 +6,8 @@ expects megatron to find ``mamba_ssm``. A typical GPU image here has ``mamba_ssm
 pure-Python wheel (built with ``MAMBA_SKIP_CUDA_BUILD=TRUE``) and no ``causal_conv1d``:
 
 * ``mamba_ssm/__init__.py`` imports the CUDA extension ``selective_scan_cuda`` and fails, so
-  megatron would see ``HAVE_MAMBA_SSM=False``. :func:`install_mamba_ssm_triton` registers
+  megatron would see ``HAVE_MAMBA_SSM=False``.
+  :func:`~verl_mtp_plugin.testing.mamba_triton.install_mamba_ssm_triton` registers
   ``sys.modules["mamba_ssm"]`` as a bare package whose ``__path__`` is the installed directory, so the
   Triton submodules megatron imports (``mamba_ssm.ops.triton.ssd_combined``,
   ``mamba_ssm.ops.triton.layernorm_gated``) load without running ``__init__``. The Mamba-2 SSD and
@@ -21,83 +22,16 @@ Everything here is test/benchmark support; package code never imports it.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-
 import torch
+
+from verl_mtp_plugin.testing.mamba_triton import has_causal_conv1d_cuda, install_mamba_ssm_triton, mamba_kernels_active
 
 __all__ = [
     "build_gpu_hybrid",
     "gpu_config_overrides",
-    "has_causal_conv1d_cuda",
-    "install_mamba_ssm_triton",
-    "mamba_kernels_active",
     "megatron_ddp_and_optimizer",
     "optimizer_model_params",
 ]
-
-_MIXER = "megatron.core.ssm.mamba_mixer"
-
-
-def has_causal_conv1d_cuda() -> bool:
-    """True when ``causal_conv1d``'s CUDA extension is importable (megatron's fused Mamba path needs it)."""
-    return importlib.util.find_spec("causal_conv1d_cuda") is not None
-
-
-def install_mamba_ssm_triton() -> bool:
-    """Make ``mamba_ssm``'s Triton ops importable without its CUDA extensions.
-
-    Call before anything imports ``megatron.core.ssm.mamba_mixer`` (building a model with ``M``
-    layers does). Idempotent.
-
-    Returns:
-        bool: True when megatron's ``MambaMixer`` can use mamba_ssm (``HAVE_MAMBA_SSM``); False when
-        ``mamba_ssm`` is not installed.
-
-    Raises:
-        RuntimeError: ``megatron.core.ssm.mamba_mixer`` was imported earlier without mamba_ssm; its
-            ``HAVE_MAMBA_SSM`` is fixed at import, so the process must call this first.
-    """
-    mixer = sys.modules.get(_MIXER)
-    if mixer is not None:
-        if mixer.HAVE_MAMBA_SSM:
-            return True
-        if importlib.util.find_spec("mamba_ssm") is None:
-            return False
-        raise RuntimeError(
-            f"{_MIXER} was imported before install_mamba_ssm_triton() and saw no mamba_ssm "
-            "(HAVE_MAMBA_SSM=False); call install_mamba_ssm_triton() first in this process"
-        )
-    if "mamba_ssm" not in sys.modules:
-        spec = importlib.util.find_spec("mamba_ssm")
-        if spec is None or not spec.submodule_search_locations:
-            return False
-        if importlib.util.find_spec("selective_scan_cuda") is None:
-            # __init__ would import the missing CUDA extension: expose the package directory only.
-            pkg = types.ModuleType("mamba_ssm")
-            pkg.__path__ = list(spec.submodule_search_locations)
-            pkg.__file__ = None
-            try:
-                from importlib.metadata import version
-
-                pkg.__version__ = version("mamba_ssm")
-            except Exception:  # metadata absent: megatron only reads the version for logs
-                pkg.__version__ = "unknown"
-            sys.modules["mamba_ssm"] = pkg
-    import megatron.core.ssm.mamba_mixer as mm
-
-    return bool(mm.HAVE_MAMBA_SSM)
-
-
-def mamba_kernels_active() -> bool:
-    """True when megatron's ``MambaMixer`` will run mamba_ssm's Triton SSD kernel (not the CPU reference)."""
-    mm = sys.modules.get(_MIXER)
-    if mm is None or not mm.HAVE_MAMBA_SSM:
-        return False
-    fn = getattr(mm, "mamba_chunk_scan_combined", None)
-    return fn is not None and getattr(fn, "__module__", "").startswith("mamba_ssm.")
-
 
 def gpu_config_overrides() -> dict:
     """``TransformerConfig`` overrides for a CUDA build without Transformer Engine.

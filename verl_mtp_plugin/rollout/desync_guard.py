@@ -1,9 +1,9 @@
-"""Drafter-desync guard: tell the user at once when vLLM's MTP drafter has fallen out of sync (issue 9).
+"""Drafter-desync guard: tell the user at once when vLLM's MTP drafter has fallen out of sync.
 
 The most reported MTP-in-RL failure is a drafter that silently stops matching the policy: trained MTP
 weights never reach vLLM's drafter, a sleep at level 2 discards them, a refit drops names, and
 acceptance collapses to ~0 with no error. :class:`MTPDesyncGuard` watches, once per training step,
-the rollout acceptance vLLM measured (:mod:`verl_mtp_plugin.spec_metrics`: ``rollout/spec_accept_rate``,
+the rollout acceptance vLLM measured (:mod:`verl_mtp_plugin.rollout.spec_metrics`: ``rollout/spec_accept_rate``,
 ``rollout/spec_accept_rate_pos_0``, ``rollout/spec_accept_length``) next to the trainer's estimate for
 the same policy version (:mod:`verl_mtp_plugin.acceptance`, logged by the engine as
 ``actor/mtp_expected_accept_rate`` / ``actor/mtp_argmax_draft_accept_rate``), and
@@ -66,7 +66,8 @@ cannot live under ``actor_rollout_ref.rollout``)::
         expected_key: null    # null = auto (see above)
 
 On the command line the block needs Hydra's ``+``: ``+verl_mtp_plugin.mtp_guard.action=fail``.
-Importing this module imports nothing heavy.
+The guard's rules are here; the text of its messages (what a user reads when it fires) is in
+:mod:`verl_mtp_plugin.rollout.desync_messages`. Importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from verl_mtp_plugin.config_keys import ARGMAX_DRAFT_METRIC, EXPECTED_METRIC, GUARD_CONFIG_PATH
 from verl_mtp_plugin.policy import MTPConfigError
-from verl_mtp_plugin.spec_metrics import (
+from verl_mtp_plugin.rollout.desync_messages import desync_message, missing_message, slow_message
+from verl_mtp_plugin.rollout.spec_metrics import (
     ACCEPT_LENGTH_KEY,
     ACCEPT_RATE_KEY,
     COUNTER_RESET_KEY,
@@ -109,21 +112,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Where the guard's config block lives in a verl trainer config.
-GUARD_CONFIG_PATH = "verl_mtp_plugin.mtp_guard"
 #: Allowed ``action`` values.
 ACTIONS = ("warn", "fail", "off")
 #: Draft cost relative to one target decode step for Nemotron 3 Super's MTP block (module docstring).
 DEFAULT_DRAFT_COST = 0.064
-#: The engine's in-trainer estimates as verl logs them (``actor/`` + acceptance.EXPECTED_KEY / ARGMAX_DRAFT_KEY).
-EXPECTED_METRIC = "actor/mtp_expected_accept_rate"
-ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
 
 _GUARD_PREFIX = "mtp_guard/"
 _MTP = "actor_rollout_ref.model.mtp"
 _RO = "actor_rollout_ref.rollout"
 _VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
-_EXT = "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension"
 
 
 class MTPDesyncError(RuntimeError):
@@ -380,7 +377,7 @@ class MTPDesyncGuard:
         """Judge one training step.
 
         Args:
-            metrics: the step's metric dict (verl's, with :mod:`verl_mtp_plugin.spec_metrics` merged in):
+            metrics: the step's metric dict (verl's, with :mod:`verl_mtp_plugin.rollout.spec_metrics` merged in):
                 ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``,
                 ``rollout/spec_accept_rate_pos_{k}``, ``rollout/spec_num_drafts``,
                 ``rollout/spec_counter_reset`` and the trainer estimate (``actor/mtp_*_accept_rate``).
@@ -474,122 +471,26 @@ class MTPDesyncGuard:
             self._act(slow_msg, MTPSlowSpeculationWarning, may_fail=False)
         return out
 
-    # ---- messages --------------------------------------------------------------------------------------
+    # ---- messages (text in :mod:`verl_mtp_plugin.rollout.desync_messages`) ----------------------------
     def _desync_message(self, step, *, rate, length, pos, drafts, measured, expected, alpha, key, basis, zero) -> str:
-        cfg = self.config
-        lines = []
-        if zero:
-            lines.append(
-                f"MTP drafter desync suspected at step {step}: rollout acceptance {rate:.4f} <= "
-                f"zero_rate {cfg.zero_rate} for {self.zero_streak} consecutive steps "
-                f"({GUARD_CONFIG_PATH}.zero_patience={cfg.zero_patience}) while MTP rollout is on."
-            )
-        else:
-            lines.append(
-                f"MTP drafter desync suspected at step {step}: measured acceptance {measured:.4f} < "
-                f"{cfg.threshold} x expected {expected:.4f} (ratio {measured / expected:.3f}) for "
-                f"{self.low_streak} consecutive steps ({GUARD_CONFIG_PATH}.threshold={cfg.threshold}, "
-                f"patience={cfg.patience})."
-            )
-        pos_txt = ", ".join(f"{p:.3f}" for p in pos) if pos else "n/a"
-        lines.append(
-            f"  measured by vLLM this step: rollout/spec_accept_rate={rate:.4f}, "
-            f"rollout/spec_accept_length={'n/a' if length is None else f'{length:.3f}'}, "
-            f"per draft position [{pos_txt}], verify steps={'n/a' if drafts is None else int(drafts)}; "
-            f"compared on the {basis}."
+        return desync_message(
+            self.config, step, rate=rate, length=length, pos=pos, drafts=drafts, measured=measured,
+            expected=expected, alpha=alpha, key=key, basis=basis, zero=zero, low_streak=self.low_streak,
+            zero_streak=self.zero_streak, reset_steps=self._reset_steps,
         )
-        if alpha is not None:
-            lines.append(
-                f"  expected by the trainer for the same policy version: {key}={alpha:.4f}"
-                + (f" (comparable value {expected:.4f})" if expected is not None and expected != alpha else "")
-                + "."
-            )
-        else:
-            lines.append(
-                f"  no trainer estimate in the metrics ({ARGMAX_DRAFT_METRIC} / {EXPECTED_METRIC}): frozen "
-                "mode never runs the MTP forward, or the engine does not log it."
-            )
-        if self._reset_steps:
-            lines.append(
-                f"  vLLM's speculative-decoding counters went backwards at step(s) {self._reset_steps[-5:]} "
-                "(engine restart): if acceptance fell right after, suspect causes 1 and 2."
-            )
-        lines.append("Likely causes and the config keys involved:")
-        lines.append(
-            "  1. Drafter not synced / names dropped: the trained MTP weights never reached vLLM's drafter, or its "
-            "loader skipped them silently (vLLM's NemotronHMTP.load_weights drops unknown names). Use the plugin's "
-            f"verified drafter sync, {_VLLM}.worker_extension_cls={_EXT} (VERL_MTP_SYNC_CHECKSUM=1 also compares "
-            f"digests); check {_MTP}.enable_train (frozen mode keeps the checkpoint drafter) and {_RO}.load_format "
-            "(dummy leaves a random drafter until the first sync)."
-        )
-        lines.append(
-            "  2. Sleep level 2 discarded the drafter weights: verl 0.9.1 has no sleep-level key; it sleeps vLLM at "
-            f"level 1 only when {_MTP}.enable=true and {_MTP}.enable_rollout=true, else at level 2 whenever "
-            f"{_RO}.free_cache_engine=true and {_RO}.enable_sleep_mode=true (speculation switched on only through "
-            f"{_VLLM}.speculative_config lands here)."
-        )
-        lines.append(
-            f"  3. Prefix caching without Mamba state rollback: {_RO}.enable_prefix_caching=true (or "
-            f"{_VLLM}.enable_prefix_caching) on a hybrid model needs {_VLLM}.mamba_cache_mode=align (vLLM #39809); "
-            f"or set {_RO}.enable_prefix_caching=false."
-        )
-        lines.append(
-            f"  4. The drafter ignores hf_overrides/YaRN: dict overrides in {_VLLM}.hf_overrides (rope_scaling, "
-            "max_position_embeddings, ...) reach the target model only (vLLM #58080): acceptance collapses on "
-            "long rollouts."
-        )
-        lines.append(
-            "  5. Temperature / draft-method mismatch: the estimate uses the temperature verl gives the actor "
-            f"({_RO}.temperature) while vLLM drafts with {_VLLM}.speculative_config.draft_sample_method (default "
-            f"greedy: compare with {ARGMAX_DRAFT_METRIC}); set {GUARD_CONFIG_PATH}.expected_key to the matching "
-            "estimate."
-        )
-        lines.append(
-            f"{GUARD_CONFIG_PATH}.action=fail stops the run on this, =off silences it "
-            f"(threshold/patience/zero_patience/zero_rate tune it)."
-        )
-        return "\n".join(lines)
 
     def _slow_message(self, step, length: float, k: int, pos: list[float], speedup: float) -> str:
-        cfg = self.config
-        c = cfg.draft_cost
-        be = breakeven_accept_length(k, c)
-        lines = [
-            f"MTP speculation is estimated to slow the rollout down at step {step} ({self.slow_streak} consecutive "
-            f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k} draft tokens at draft "
-            f"cost c = {c} ({GUARD_CONFIG_PATH}.draft_cost): speedup ~= L / (1 + k*c) = {length:.3f} / "
-            f"(1 + {k}*{c}) = {speedup:.3f} < {cfg.min_speedup}; break-even L = 1 + k*c = {be:.3f}."
+        c = self.config.draft_cost
+        options = [(0, 1.0)] + [
+            (kk, speedup_from_accept_length(1.0 + sum(pos[:kk]), kk, c)) for kk in range(1, len(pos) + 1)
         ]
-        if pos:
-            options = [(0, 1.0)]
-            for kk in range(1, len(pos) + 1):
-                options.append((kk, speedup_from_accept_length(1.0 + sum(pos[:kk]), kk, c)))
-            table = ", ".join(f"k={kk}: {s:.3f}" for kk, s in options)
-            best = max(options, key=lambda t: t[1])
-            lines.append(
-                f"  from the measured per-position acceptance, speedup by k (k=0: no speculation): {table}; "
-                f"best k = {best[0]}."
-            )
-        lines.append(
-            f"  Lower {_MTP}.num_speculative_tokens or switch speculation off ({_MTP}.enable_rollout=false); if "
-            "acceptance used to be higher, see the desync causes (drafter sync, sleep level). Verification "
-            "overhead is not counted: the real speedup is lower."
+        return slow_message(
+            self.config, step, length=length, k=k, speedup=speedup, breakeven=breakeven_accept_length(k, c),
+            options=options if pos else [], slow_streak=self.slow_streak,
         )
-        return "\n".join(lines)
 
     def _missing_message(self, step, drafts) -> str:
-        what = (
-            f"only {int(drafts)} verify steps (< {GUARD_CONFIG_PATH}.min_drafts={self.config.min_drafts})"
-            if drafts is not None and drafts > 0
-            else "no speculative-decoding statistics"
-        )
-        return (
-            f"MTP rollout is on but step {step} has {what} for {self.missing_streak} consecutive steps, so the "
-            "desync guard cannot judge the drafter. vLLM's counters exist only with "
-            f"{_RO}.disable_log_stats=false (verl's default is true); per-request statistics need "
-            f"{_VLLM}.per_request_spec_decode_metrics=summary and a server that reads "
-            "CompletionOutput.spec_decode_metrics (verl 0.9.1 reads a field vLLM 0.31 does not have)."
-        )
+        return missing_message(self.config, step, drafts=drafts, missing_streak=self.missing_streak)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,11 +7,11 @@ engine with ``actor_rollout_ref.model.model_type: nemotron_h_mtp`` (verl passes
 
 Registered keys (``EngineRegistry._engines[model_type][backend][device]``):
 
-* ``(nemotron_h_mtp, megatron, cuda)`` -> :class:`verl_mtp_plugin.verl_engine.NemotronHMTPMegatronEngine`
+* ``(nemotron_h_mtp, megatron, cuda)`` -> :class:`verl_mtp_plugin.engine.megatron.NemotronHMTPMegatronEngine`
   (a ``MegatronEngineWithLMHead``; ``backend="megatron"`` keeps every ``strategy == "megatron"`` check in
   verl working);
 * ``(nemotron_h_mtp, <fsdp|fsdp2|fsdp_turbo|veomni|torchtitan|automodel>, cuda|npu)`` ->
-  :class:`verl_mtp_plugin.verl_engine.UnsupportedStrategyEngine`, whose constructor raises
+  :class:`verl_mtp_plugin.engine.megatron.UnsupportedStrategyEngine`, whose constructor raises
   :class:`~verl_mtp_plugin.policy.MTPConfigError` naming the keys to change (instead of verl's bare
   ``AssertionError: Unknown backend``).
 
@@ -20,40 +20,32 @@ registry lives in ``verl.workers.engine``, whose package ``__init__`` imports ev
 Megatron with megatron-core, ...). Reaching the registry therefore already imports verl's Megatron
 engine module, and a lazily-imported engine class would save nothing. :func:`register` costs one
 import of ``verl.workers.engine`` (about 16 s cold on a 2-core CPU machine; free in a trainer worker,
-where ``TrainingWorker`` imports it anyway) plus about 10 ms for :mod:`verl_mtp_plugin.verl_engine`.
-``import verl_mtp_plugin.verl_registry`` itself imports nothing heavy.
+where ``TrainingWorker`` imports it anyway) plus about 10 ms for :mod:`verl_mtp_plugin.engine.megatron`.
+``import verl_mtp_plugin.engine.registry`` itself imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+from verl_mtp_plugin.config_keys import BACKEND, MODEL_TYPE
+
 __all__ = [
-    "BACKEND",
     "DEVICES",
-    "MODEL_TYPE",
-    "TRAINER_MODES",
     "UNSUPPORTED_BACKENDS",
     "register",
     "registered_engines",
 ]
 
-#: ``actor_rollout_ref.model.model_type`` that selects the plugin engine.
-MODEL_TYPE = "nemotron_h_mtp"
-#: verl strategy/backend of the plugin engine.
-BACKEND = "megatron"
 #: Devices the Megatron engine is registered for (verl registers its own Megatron LM engine for CUDA).
 DEVICES = ("cuda",)
 #: verl backends that cannot run the plugin (registered to fail with a clear message).
 UNSUPPORTED_BACKENDS = ("fsdp", "fsdp2", "fsdp_turbo", "veomni", "torchtitan", "automodel")
 _UNSUPPORTED_DEVICES = ("cuda", "npu")
-#: ``trainer.v1.trainer_mode`` values the plugin registers (:mod:`verl_mtp_plugin.verl_trainer`, verl's
-#: ``register_trainer``) -> the verl trainer mode each behaves as.
-TRAINER_MODES = {"mtp_sync": "sync", "mtp_colocate_async": "colocate_async", "mtp_separate_async": "separate_async"}
 
 
 def _wanted():
-    from verl_mtp_plugin.verl_engine import NemotronHMTPMegatronEngine, UnsupportedStrategyEngine
+    from verl_mtp_plugin.engine.megatron import NemotronHMTPMegatronEngine, UnsupportedStrategyEngine
 
     keys = {(BACKEND, d): NemotronHMTPMegatronEngine for d in DEVICES}
     for b in UNSUPPORTED_BACKENDS:

@@ -1,7 +1,7 @@
 """verl Megatron engine that drives a Megatron-Core ``HybridModel`` (Nemotron 3) per phase.
 
 :class:`NemotronHMTPMegatronEngine` is a verl ``MegatronEngineWithLMHead`` registered as
-``model_type="nemotron_h_mtp"``, ``backend="megatron"`` (:mod:`verl_mtp_plugin.verl_registry`).
+``model_type="nemotron_h_mtp"``, ``backend="megatron"`` (:mod:`verl_mtp_plugin.engine.registry`).
 It changes four things and inherits everything else (optimizer, checkpointing, offload, weight
 export, micro-batching, loss post-processing) from verl:
 
@@ -69,7 +69,7 @@ def _first_float(value) -> float:
         return float(value.reshape(-1)[0]) if value.numel() else 1.0
     return float(value)
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, run_mtp_forward
-from verl_mtp_plugin.verl_config import EngineMTPSettings, _strategy_error, apply_mtp_overrides, resolve_engine_settings
+from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, resolve_engine_settings, strategy_error
 
 __all__ = [
     "NemotronHMTPMegatronEngine",
@@ -554,4 +554,4 @@ class UnsupportedStrategyEngine(BaseEngine):
     raises :class:`MTPConfigError` naming the keys (verl's own error would be ``Unknown backend``)."""
 
     def __init__(self, model_config=None, engine_config=None, *args, **kwargs):
-        raise MTPConfigError(_strategy_error(getattr(engine_config, "strategy", "?")))
+        raise MTPConfigError(strategy_error(getattr(engine_config, "strategy", "?")))

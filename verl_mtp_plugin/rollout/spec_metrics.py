@@ -1,4 +1,4 @@
-"""Rollout-side MTP speculative-decoding metrics from vLLM's own statistics (issue 9).
+"""Rollout-side MTP speculative-decoding metrics from vLLM's own statistics.
 
 Every step the user sees how well speculation paid off in the rollout: the acceptance rate, the mean
 accepted length and the acceptance per draft position, under verl's metric names where verl has them.

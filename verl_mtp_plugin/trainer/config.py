@@ -3,11 +3,11 @@
 :func:`validate_verl_config` reads a composed verl trainer config (the ``DictConfig`` Hydra builds for
 ``python -m verl.trainer.main_ppo``, or a plain dict with the same tree), collects every problem into
 one :class:`~verl_mtp_plugin.policy.MTPConfigError` whose lines name the keys, and otherwise returns a
-:class:`ResolvedMTPSettings`. :func:`resolve_engine_settings` is the subset the Megatron engine can
-check itself from its ``HFModelConfig`` and ``McoreEngineConfig`` (it runs in every engine
-constructor). Run the full check before launching::
+:class:`ResolvedMTPSettings`. The engine-level part
+(:func:`verl_mtp_plugin.engine.settings.resolve_engine_settings`, which every plugin engine also runs in its
+constructor) comes from :mod:`verl_mtp_plugin.engine.settings`. Run the full check before launching::
 
-    python -m verl_mtp_plugin.verl_config --config-path <dir> --config-name <name> [overrides ...]
+    python -m verl_mtp_plugin.trainer.config --config-path <dir> --config-name <name> [overrides ...]
 
 verl keys read (verl 0.9.1 names):
 
@@ -26,7 +26,7 @@ verl keys read (verl 0.9.1 names):
   checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`)
 * ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
-  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.desync_guard.MTPGuardConfig`)
+  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.desync_guard.MTPGuardConfig`)
 * ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
   ``online`` reloads the drafter on every sync, ``frozen`` once)
 
@@ -45,29 +45,36 @@ import logging
 import os
 from typing import Any, Mapping
 
+from verl_mtp_plugin.config_keys import (
+    BACKEND,
+    MODEL_TYPE,
+    PLUGIN_LIB,
+    TRAINER_MODES,
+    WORKER_EXTENSION_CLS,
+    as_bool,
+    as_list,
+    get_key,
+    to_plain,
+)
+from verl_mtp_plugin.engine.settings import (
+    engine_errors,
+    hf_mtp_num_layers,
+    is_hybrid_hf_config,
+    model_lora_rank,
+    strategy_error,
+)
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_verl_mtp, run_mtp_forward
-from verl_mtp_plugin.desync_guard import MTPGuardConfig
-from verl_mtp_plugin.verl_registry import BACKEND, MODEL_TYPE, TRAINER_MODES
+from verl_mtp_plugin.rollout.desync_guard import MTPGuardConfig
 
 __all__ = [
-    "BRIDGE_NO_MTP_OVERRIDES",
     "DRAFTER_SYNC_ENV",
     "PLUGIN_EXTENSIONS",
-    "PLUGIN_LIB",
-    "EngineMTPSettings",
     "ResolvedMTPSettings",
-    "apply_mtp_overrides",
     "compose_ppo_trainer",
     "compose_recipe",
-    "hf_mtp_num_layers",
-    "is_hybrid_hf_config",
     "main",
-    "resolve_engine_settings",
     "validate_verl_config",
 ]
-
-#: Value of ``actor_rollout_ref.model.external_lib`` that loads the plugin.
-PLUGIN_LIB = "verl_mtp_plugin"
 
 _M = "actor_rollout_ref.model"
 _MTP = "actor_rollout_ref.model.mtp"
@@ -76,94 +83,13 @@ _MEG = "actor_rollout_ref.actor.megatron"
 _RO = "actor_rollout_ref.rollout"
 _VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
-#: Environment variable read by :mod:`verl_mtp_plugin.vllm_ext` in the vLLM workers.
+#: Environment variable read by :mod:`verl_mtp_plugin.rollout.worker_extension` in the vLLM workers.
 DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
 SYNC_STAGE_ENV = "VERL_MTP_SYNC_STAGE"
-#: ``override_transformer_config`` entries that make Megatron-Bridge's ``HybridModelProvider`` build
-#: no MTP block (with ``mtp_num_layers=None``, which verl's ``check_mtp_config`` sets when the
-#: engine's MTP is off): ``finalize`` appends ``mtp_hybrid_override_pattern`` to the layer pattern
-#: whenever it is set and ``mtp_use_repeated_layer`` is on.
-BRIDGE_NO_MTP_OVERRIDES = {"mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False}
 _CRITIC = "critic"
 _CRITIC_MEG = "critic.megatron"
 #: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
-PLUGIN_EXTENSIONS = (
-    "verl_mtp_plugin.vllm_ext.MTPColocateWorkerExtension",
-    "verl_mtp_plugin.vllm_ext.MTPDrafterSyncWorkerExtension",
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# small readers
-
-
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg.a.b.c`` for DictConfig / dict / dataclass trees; ``default`` when any part is missing."""
-    node = cfg
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "keys") and hasattr(node, "get"):
-            try:
-                if part not in node:
-                    return default
-                node = node[part]
-            except Exception:  # omegaconf raises on missing keys in struct mode
-                return default
-        else:
-            if not hasattr(node, part):
-                return default
-            node = getattr(node, part)
-    return node
-
-
-def _plain(value: Any) -> Any:
-    """DictConfig/ListConfig -> dict/list (resolved); anything else unchanged."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return value
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
-def _libs(value: Any) -> list[str]:
-    value = _plain(value)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
-
-
-def hf_mtp_num_layers(hf_config: Any) -> int:
-    """MTP layer count of an HF config, read like verl's ``check_mtp_config`` (``num_nextn_predict_layers``,
-    ``mtp_num_hidden_layers``, ``text_config.mtp_num_hidden_layers``); 0 when none."""
-    for owner, key in ((hf_config, "num_nextn_predict_layers"), (hf_config, "mtp_num_hidden_layers")):
-        value = getattr(owner, key, None) or 0
-        if value > 0:
-            return int(value)
-    text = getattr(hf_config, "text_config", None)
-    value = getattr(text, "mtp_num_hidden_layers", None) or 0 if text is not None else 0
-    return int(value) if value > 0 else 0
-
-
-def is_hybrid_hf_config(hf_config: Any) -> bool:
-    """True for hybrid Mamba models (Nemotron-H / Nemotron 3)."""
-    if getattr(hf_config, "model_type", None) in ("nemotron_h", "nemotron_h_puzzle"):
-        return True
-    blocks = getattr(hf_config, "layers_block_type", None) or []
-    if any(str(b).lower() == "mamba" for b in blocks):
-        return True
-    return "M" in str(getattr(hf_config, "hybrid_override_pattern", "") or "")
-
+PLUGIN_EXTENSIONS = (WORKER_EXTENSION_CLS,)
 
 def _load_hf_config(path: Any, trust_remote_code: bool):
     if not path:
@@ -174,201 +100,6 @@ def _load_hf_config(path: Any, trust_remote_code: bool):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-# --------------------------------------------------------------------------------------------------
-# engine-level settings (what one Megatron engine sees)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineMTPSettings:
-    """What the plugin engine needs at build time.
-
-    Attributes:
-        mode: the MTP mode for this engine (``off`` for verl's reference model, whose MTP config verl
-            forces to ``enable=false``).
-        mtp_loss_scaling_factor: the value Megatron will use (``override_transformer_config`` wins, as
-            in verl's ``check_mtp_config``), None for mode ``off``.
-        set_scaling_factor: whether the plugin must write ``mtp_loss_scaling_factor`` into the
-            overrides (False when the user already set it there).
-    """
-
-    mode: MTPMode
-    mtp_loss_scaling_factor: float | None
-    set_scaling_factor: bool
-
-
-def _engine_errors(
-    *,
-    mtp: Any,
-    hf_config: Any,
-    overrides: Mapping[str, Any],
-    use_fused_kernels: bool,
-    vanilla_mbridge: bool,
-    context_parallel_size: int,
-    dynamic_context_parallel: bool,
-    router_replay_mode: str,
-    lora_rank: int,
-    errors: list[str],
-    virtual_pipeline_model_parallel_size: Any = None,
-) -> EngineMTPSettings | None:
-    try:
-        mode = mode_from_verl_mtp(
-            _as_bool(_get(mtp, "enable", False)),
-            _as_bool(_get(mtp, "enable_train", False)),
-            _as_bool(_get(mtp, "detach_encoder", False)),
-        )
-    except MTPConfigError as e:
-        errors.append(str(e))
-        mode = None
-
-    if use_fused_kernels:
-        errors.append(
-            f"{_M}.use_fused_kernels=true is not supported by model_type={MODEL_TYPE}: verl's fused "
-            "forward patches GPTModel's output layer and HybridModel has no such hook; set it to false"
-        )
-    if vanilla_mbridge:
-        errors.append(
-            f"{_MEG}.vanilla_mbridge=true: the plugin engine needs Megatron-Bridge (vanilla_mbridge=false) to "
-            "install its pre-wrap hook (MTP freezing before DDP); the legacy mbridge has no Nemotron-H mapping"
-        )
-    if int(context_parallel_size or 1) > 1 or dynamic_context_parallel:
-        errors.append(
-            f"{_MEG}.context_parallel_size={context_parallel_size} / dynamic_context_parallel="
-            f"{dynamic_context_parallel}: the plugin engine supports context parallel size 1 only (its MTP loss "
-            "mask is packed for CP=1)"
-        )
-    if virtual_pipeline_model_parallel_size is not None:
-        errors.append(
-            f"{_MEG}.virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}: Megatron-Bridge "
-            "refuses virtual pipeline parallelism for hybrid (Nemotron-H) models (HybridModelProvider.provide "
-            "asserts it is None) and verl passes any value through; set it to null"
-        )
-    if str(router_replay_mode or "disabled") != "disabled":
-        errors.append(
-            f"{_MEG}.router_replay.mode={router_replay_mode!r}: router replay is not supported by "
-            f"model_type={MODEL_TYPE} yet; set it to 'disabled'"
-        )
-
-    if mode is None:
-        return None
-
-    hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
-    if mode is not MTPMode.OFF and hf_layers == 0:
-        errors.append(
-            f"{_MTP}.enable=true but the model's HF config has no MTP layers (num_nextn_predict_layers / "
-            f"mtp_num_hidden_layers = 0 in {_M}.path); use a checkpoint with MTP or set {_MTP}.enable=false"
-        )
-
-    scale = _get(mtp, "mtp_loss_scaling_factor", 0.1)
-    over_scale = overrides.get("mtp_loss_scaling_factor")
-    if mode is MTPMode.OFF:
-        return EngineMTPSettings(mode, None, False)
-    if int(lora_rank or 0) > 0 and mode in (MTPMode.ONLINE, MTPMode.JOINT):
-        errors.append(
-            f"{_M}.lora.rank={lora_rank} with MTP training ({_MTP}.enable_train=true): LoRA freezes every base "
-            "parameter, the MTP block included, so it would never train; use mode frozen (enable_train=false) "
-            "or full fine-tuning"
-        )
-
-    depth = overrides.get("mtp_num_layers", hf_layers)
-    if depth is not None and hf_layers and int(depth) != hf_layers and not _as_bool(
-        overrides.get("mtp_use_repeated_layer", False)
-    ):
-        errors.append(
-            f"{_MEG}.override_transformer_config.mtp_num_layers={depth} differs from the checkpoint's "
-            f"num_nextn_predict_layers={hf_layers} without mtp_use_repeated_layer=true: Megatron would build "
-            f"{depth} separate MTP layers the checkpoint does not have (and vLLM's drafter ignores layers past "
-            "the first); set override_transformer_config.mtp_use_repeated_layer=true (Nemotron 3 Super: "
-            "mtp_num_layers=2 applies the one MTP block twice)"
-        )
-    if "mtp_detach_heads" in overrides and _as_bool(overrides["mtp_detach_heads"]) != (mode is MTPMode.ONLINE):
-        errors.append(
-            f"{_MEG}.override_transformer_config.mtp_detach_heads={overrides['mtp_detach_heads']} contradicts "
-            f"mode '{mode}' ({_MTP}.detach_encoder={_get(mtp, 'detach_encoder', False)}); remove the override: "
-            f"the plugin sets it from {_MTP}.detach_encoder"
-        )
-    if over_scale is not None and scale is not None and float(over_scale) != float(scale):
-        errors.append(
-            f"{_MEG}.override_transformer_config.mtp_loss_scaling_factor={over_scale} and "
-            f"{_MTP}.mtp_loss_scaling_factor={scale} disagree (verl silently keeps the override); set one"
-        )
-    effective = float(over_scale if over_scale is not None else scale)
-    if effective < 0:
-        errors.append(f"{_MTP}.mtp_loss_scaling_factor={effective} must be >= 0")
-    return EngineMTPSettings(mode, effective, over_scale is None)
-
-
-def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPSettings:
-    """Engine-side validation (runs in the plugin engine's constructor).
-
-    Args:
-        model_config: verl ``HFModelConfig`` (``mtp``, ``hf_config``, ``use_fused_kernels``).
-        engine_config: verl ``McoreEngineConfig``.
-
-    Returns:
-        EngineMTPSettings.
-
-    Raises:
-        MTPConfigError: every problem found, one per line, naming the verl keys.
-    """
-    errors: list[str] = []
-    strategy = _get(engine_config, "strategy", BACKEND)
-    if strategy != BACKEND:
-        errors.append(_strategy_error(strategy))
-    settings = _engine_errors(
-        mtp=_get(model_config, "mtp"),
-        hf_config=_get(model_config, "hf_config"),
-        overrides=dict(_plain(_get(engine_config, "override_transformer_config", {})) or {}),
-        use_fused_kernels=_as_bool(_get(engine_config, "use_fused_kernels", False))
-        or _as_bool(_get(model_config, "use_fused_kernels", False)),
-        vanilla_mbridge=_as_bool(_get(engine_config, "vanilla_mbridge", False)),
-        context_parallel_size=_get(engine_config, "context_parallel_size", 1),
-        dynamic_context_parallel=_as_bool(_get(engine_config, "dynamic_context_parallel", False)),
-        router_replay_mode=_get(engine_config, "router_replay.mode", "disabled"),
-        lora_rank=_lora_rank(model_config),
-        errors=errors,
-        virtual_pipeline_model_parallel_size=_get(engine_config, "virtual_pipeline_model_parallel_size"),
-    )
-    if errors:
-        raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
-    assert settings is not None
-    return settings
-
-
-def _lora_rank(model_cfg: Any) -> int:
-    """Megatron LoRA rank (``model.lora.rank``) or the FSDP-style ``model.lora_rank``."""
-    return int(_get(model_cfg, "lora.rank", 0) or 0) or int(_get(model_cfg, "lora_rank", 0) or 0)
-
-
-def _strategy_error(strategy: str) -> str:
-    return (
-        f"{_M}.model_type={MODEL_TYPE} needs the Megatron backend but {_ACTOR}.strategy={strategy!r}; set "
-        f"model_engine=megatron (actor/ref strategy megatron) or drop {_M}.model_type"
-    )
-
-
-def apply_mtp_overrides(overrides: dict, settings: EngineMTPSettings) -> dict:
-    """Write the build-time Megatron fields for ``settings.mode`` into verl's
-    ``override_transformer_config`` dict (before verl builds the Megatron-Bridge provider).
-
-    off: ``mtp_num_layers=None`` and :data:`BRIDGE_NO_MTP_OVERRIDES` (Megatron-Bridge's
-    ``HybridModelProvider.finalize`` re-appends ``mtp_hybrid_override_pattern`` and sets
-    ``mtp_num_layers=1`` whenever ``mtp_use_repeated_layer`` is on, which the Bridge defaults to for
-    any checkpoint with MTP layers: ``mtp_num_layers=None`` alone still builds ``model.mtp``);
-    online: ``mtp_detach_heads=True``; frozen/joint: ``mtp_detach_heads=False``;
-    ``mtp_loss_scaling_factor`` unless the user set it there.
-    """
-    from verl_mtp_plugin.control import configure_transformer_config
-
-    configure_transformer_config(
-        overrides,
-        settings.mode,
-        mtp_loss_scaling_factor=settings.mtp_loss_scaling_factor if settings.set_scaling_factor else None,
-    )
-    if settings.mode is MTPMode.OFF:
-        overrides.update(BRIDGE_NO_MTP_OVERRIDES)
-    return overrides
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,7 +130,7 @@ class ResolvedMTPSettings:
             ``frozen``; None: unset, the extension's default ``online``).
         trainer_mode: ``trainer.v1.trainer_mode`` (None: the legacy trainer, ``trainer.use_v1=false``).
         rollout_metrics: the trainer logs the plugin's rollout speculation metrics and runs the desync
-            guard (a plugin trainer mode, :data:`~verl_mtp_plugin.verl_registry.TRAINER_MODES`, with
+            guard (a plugin trainer mode, :data:`~verl_mtp_plugin.config_keys.TRAINER_MODES`, with
             speculation on).
     """
 
@@ -444,19 +175,19 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         config = OmegaConf.create(dict(config))
     errors: list[str] = []
 
-    model_type = str(_get(config, f"{_M}.model_type", "language_model") or "language_model")
+    model_type = str(get_key(config, f"{_M}.model_type", "language_model") or "language_model")
     selected = model_type == MODEL_TYPE
-    libs = _libs(_get(config, f"{_M}.external_lib"))
-    mtp = _get(config, _MTP, {}) or {}
+    libs = as_list(get_key(config, f"{_M}.external_lib"))
+    mtp = get_key(config, _MTP, {}) or {}
     if hf_config is None:
         hf_config = _load_hf_config(
-            _get(config, f"{_M}.path"), _as_bool(_get(config, f"{_M}.trust_remote_code", False))
+            get_key(config, f"{_M}.path"), as_bool(get_key(config, f"{_M}.trust_remote_code", False))
         )
     hybrid = is_hybrid_hf_config(hf_config) if hf_config is not None else (True if selected else None)
-    mtp_enable = _as_bool(_get(mtp, "enable", False))
+    mtp_enable = as_bool(get_key(mtp, "enable", False))
 
     # --- engine selection -------------------------------------------------------------------------
-    strategy = str(_get(config, f"{_ACTOR}.strategy", "") or "")
+    strategy = str(get_key(config, f"{_ACTOR}.strategy", "") or "")
     if selected:
         if PLUGIN_LIB not in libs:
             errors.append(
@@ -464,8 +195,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
                 "imports it in every worker so the engine is registered before EngineRegistry.new"
             )
         if strategy != BACKEND:
-            errors.append(_strategy_error(strategy))
-        ref_strategy = _get(config, "actor_rollout_ref.ref.strategy")
+            errors.append(strategy_error(strategy))
+        ref_strategy = get_key(config, "actor_rollout_ref.ref.strategy")
         if ref_strategy is not None and str(ref_strategy) != BACKEND:
             errors.append(
                 f"actor_rollout_ref.ref.strategy={ref_strategy!r}: the reference model shares "
@@ -479,36 +210,36 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     # --- model / engine checks (shared with the engine constructor) ------------------------------
-    overrides = dict(_plain(_get(config, f"{_MEG}.override_transformer_config", {})) or {})
+    overrides = dict(to_plain(get_key(config, f"{_MEG}.override_transformer_config", {})) or {})
     settings = None
     if selected:
-        settings = _engine_errors(
+        settings = engine_errors(
             mtp=mtp,
             hf_config=hf_config,
             overrides=overrides,
-            use_fused_kernels=_as_bool(_get(config, f"{_M}.use_fused_kernels", False)),
-            vanilla_mbridge=_as_bool(_get(config, f"{_MEG}.vanilla_mbridge", False)),
-            context_parallel_size=_get(config, f"{_MEG}.context_parallel_size", 1),
-            dynamic_context_parallel=_as_bool(_get(config, f"{_MEG}.dynamic_context_parallel", False)),
-            router_replay_mode=_get(config, f"{_MEG}.router_replay.mode", "disabled"),
-            lora_rank=_lora_rank(_get(config, _M)),
+            use_fused_kernels=as_bool(get_key(config, f"{_M}.use_fused_kernels", False)),
+            vanilla_mbridge=as_bool(get_key(config, f"{_MEG}.vanilla_mbridge", False)),
+            context_parallel_size=get_key(config, f"{_MEG}.context_parallel_size", 1),
+            dynamic_context_parallel=as_bool(get_key(config, f"{_MEG}.dynamic_context_parallel", False)),
+            router_replay_mode=get_key(config, f"{_MEG}.router_replay.mode", "disabled"),
+            lora_rank=model_lora_rank(get_key(config, _M)),
             errors=errors,
-            virtual_pipeline_model_parallel_size=_get(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
+            virtual_pipeline_model_parallel_size=get_key(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
         )
         mode = settings.mode if settings is not None else None
     else:
         try:
             mode = mode_from_verl_mtp(
-                mtp_enable, _as_bool(_get(mtp, "enable_train", False)), _as_bool(_get(mtp, "detach_encoder", False))
+                mtp_enable, as_bool(get_key(mtp, "enable_train", False)), as_bool(get_key(mtp, "detach_encoder", False))
             )
         except MTPConfigError as e:
             errors.append(str(e))
             mode = None
 
     # --- rollout speculation ---------------------------------------------------------------------
-    rollout_name = str(_get(config, f"{_RO}.name", "vllm") or "vllm")
-    enable_rollout = _as_bool(_get(mtp, "enable_rollout", False))
-    vllm_kwargs = dict(_plain(_get(config, _VLLM, {})) or {})
+    rollout_name = str(get_key(config, f"{_RO}.name", "vllm") or "vllm")
+    enable_rollout = as_bool(get_key(mtp, "enable_rollout", False))
+    vllm_kwargs = dict(to_plain(get_key(config, _VLLM, {})) or {})
     user_spec = vllm_kwargs.get("speculative_config")
     if isinstance(user_spec, str):
         import json
@@ -524,8 +255,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"(frozen: enable_train=false) or {_MTP}.enable_rollout=false"
         )
     if user_spec and not verl_speculates:
-        free_cache = _as_bool(_get(config, f"{_RO}.free_cache_engine", True))
-        sleep_mode = _as_bool(_get(config, f"{_RO}.enable_sleep_mode", True))
+        free_cache = as_bool(get_key(config, f"{_RO}.free_cache_engine", True))
+        sleep_mode = as_bool(get_key(config, f"{_RO}.enable_sleep_mode", True))
         detail = (
             f"verl then sleeps vLLM at level 2 ({_RO}.free_cache_engine={free_cache}, "
             f"{_RO}.enable_sleep_mode={sleep_mode}), which discards the drafter weights: acceptance drops to 0 "
@@ -544,7 +275,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"or {_MTP}.enable_rollout=false"
         )
 
-    prefix_caching = _as_bool(vllm_kwargs.get("enable_prefix_caching", _get(config, f"{_RO}.enable_prefix_caching", True)))
+    prefix_caching = as_bool(vllm_kwargs.get("enable_prefix_caching", get_key(config, f"{_RO}.enable_prefix_caching", True)))
     mamba_cache_mode = vllm_kwargs.get("mamba_cache_mode")
     if speculation and hybrid and prefix_caching and mamba_cache_mode != "align":
         where = (
@@ -573,8 +304,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     extension = vllm_kwargs.get("worker_extension_cls")
-    quantization = _get(config, f"{_RO}.quantization") or vllm_kwargs.get("quantization")
-    qat = _as_bool(_get(config, f"{_MEG}.qat.enable", False))
+    quantization = get_key(config, f"{_RO}.quantization") or vllm_kwargs.get("quantization")
+    qat = as_bool(get_key(config, f"{_MEG}.qat.enable", False))
     if speculation and extension in PLUGIN_EXTENSIONS and (quantization or qat):
         keys = ", ".join(
             ([f"{_RO}.quantization={quantization!r}"] if quantization else [])
@@ -590,7 +321,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
 
-    drafter_sync = _get(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
+    drafter_sync = get_key(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
     if drafter_sync not in (None, "online", "frozen"):
         errors.append(f"{_ENV}.{DRAFTER_SYNC_ENV}={drafter_sync!r}: allowed values are online, frozen")
@@ -600,13 +331,13 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
 
-    sync_stage = _get(config, f"{_ENV}.{SYNC_STAGE_ENV}")
+    sync_stage = get_key(config, f"{_ENV}.{SYNC_STAGE_ENV}")
     if sync_stage is not None and str(sync_stage).strip().lower() not in ("device", "host"):
         errors.append(f"{_ENV}.{SYNC_STAGE_ENV}={sync_stage!r}: allowed values are device, host")
 
     # --- trainer (rollout speculation metrics, desync guard) ---------------------------------------
-    use_v1 = _as_bool(_get(config, "trainer.use_v1", True))
-    configured_mode = str(_get(config, "trainer.v1.trainer_mode", "sync") or "sync")
+    use_v1 = as_bool(get_key(config, "trainer.use_v1", True))
+    configured_mode = str(get_key(config, "trainer.v1.trainer_mode", "sync") or "sync")
     trainer_mode = configured_mode if use_v1 else None
     if configured_mode.startswith("mtp_") and configured_mode not in TRAINER_MODES:
         errors.append(
@@ -631,13 +362,13 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     spec = None
     if speculation:
         spec = {
-            "method": _get(mtp, "method", "mtp") if verl_speculates else (user_spec or {}).get("method"),
-            "num_speculative_tokens": int(_get(mtp, "num_speculative_tokens", 1))
+            "method": get_key(mtp, "method", "mtp") if verl_speculates else (user_spec or {}).get("method"),
+            "num_speculative_tokens": int(get_key(mtp, "num_speculative_tokens", 1))
             if verl_speculates
             else (user_spec or {}).get("num_speculative_tokens"),
             **{k: v for k, v in (user_spec or {}).items() if v is not None},
         }
-    free_cache = _as_bool(_get(config, f"{_RO}.free_cache_engine", True))
+    free_cache = as_bool(get_key(config, f"{_RO}.free_cache_engine", True))
     sleep_level = (1 if verl_speculates else 2) if free_cache else None
     hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
     depth = None
@@ -669,10 +400,10 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
 def _critic_in_use(config: Any) -> bool:
     """verl's ``need_critic``: ``critic.enable`` when set, else ``algorithm.adv_estimator == gae``."""
-    enable = _get(config, f"{_CRITIC}.enable")
+    enable = get_key(config, f"{_CRITIC}.enable")
     if enable is not None:
-        return _as_bool(enable)
-    return str(_get(config, "algorithm.adv_estimator", "") or "") == "gae"
+        return as_bool(enable)
+    return str(get_key(config, "algorithm.adv_estimator", "") or "") == "gae"
 
 
 def _critic_errors(config: Any, *, actor_hf_config: Any, actor_selected: bool) -> list[str]:
@@ -686,17 +417,17 @@ def _critic_errors(config: Any, *, actor_hf_config: Any, actor_selected: bool) -
     (computed from labels HybridModel derives itself) flows through the 1-wide value head on every
     training forward. Only clearing ``mtp_hybrid_override_pattern`` prevents it.
     """
-    if not _critic_in_use(config) or str(_get(config, f"{_CRITIC}.strategy", "") or "") != BACKEND:
+    if not _critic_in_use(config) or str(get_key(config, f"{_CRITIC}.strategy", "") or "") != BACKEND:
         return []
-    if _as_bool(_get(config, f"{_CRITIC_MEG}.vanilla_mbridge", False)):
+    if as_bool(get_key(config, f"{_CRITIC_MEG}.vanilla_mbridge", False)):
         return []  # the legacy mbridge has no Nemotron-H mapping: verl fails there on its own
     errors: list[str] = []
-    vpp = _get(config, f"{_CRITIC_MEG}.virtual_pipeline_model_parallel_size")
-    critic_path = _get(config, f"{_CRITIC}.model.path")
-    actor_path = _get(config, f"{_M}.path")
+    vpp = get_key(config, f"{_CRITIC_MEG}.virtual_pipeline_model_parallel_size")
+    critic_path = get_key(config, f"{_CRITIC}.model.path")
+    actor_path = get_key(config, f"{_M}.path")
     same = critic_path is None or str(critic_path) == str(actor_path)
     hf = actor_hf_config if same else _load_hf_config(
-        critic_path, _as_bool(_get(config, f"{_CRITIC}.model.trust_remote_code", False))
+        critic_path, as_bool(get_key(config, f"{_CRITIC}.model.trust_remote_code", False))
     )
     if hf is not None:
         hybrid = is_hybrid_hf_config(hf)
@@ -710,12 +441,12 @@ def _critic_errors(config: Any, *, actor_hf_config: Any, actor_selected: bool) -
             f"{_CRITIC_MEG}.virtual_pipeline_model_parallel_size={vpp}: Megatron-Bridge refuses virtual pipeline "
             "parallelism for hybrid (Nemotron-H) models; set it to null"
         )
-    if _as_bool(_get(config, f"{_CRITIC}.model.mtp.enable", False)) and hybrid:
+    if as_bool(get_key(config, f"{_CRITIC}.model.mtp.enable", False)) and hybrid:
         errors.append(
             f"{_CRITIC}.model.mtp.enable=true: the critic (verl's value-model engine) must be built without MTP; "
             f"set it to false and {_CRITIC_MEG}.override_transformer_config.mtp_hybrid_override_pattern: null"
         )
-    overrides = dict(_plain(_get(config, f"{_CRITIC_MEG}.override_transformer_config", {})) or {})
+    overrides = dict(to_plain(get_key(config, f"{_CRITIC_MEG}.override_transformer_config", {})) or {})
     cleared = "mtp_hybrid_override_pattern" in overrides and not overrides["mtp_hybrid_override_pattern"]
     if mtp_ckpt and not cleared:
         errors.append(
@@ -768,7 +499,7 @@ def compose_ppo_trainer(overrides: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m verl_mtp_plugin.verl_config --config-path DIR --config-name NAME [overrides]``:
+    """``python -m verl_mtp_plugin.trainer.config --config-path DIR --config-name NAME [overrides]``:
     compose the recipe, validate it, print the resolved settings; exit 1 with the errors otherwise."""
     import argparse
     import sys

@@ -1,9 +1,9 @@
-"""verl v1 trainers that log rollout speculation metrics and run the MTP desync guard (issue 9).
+"""verl v1 trainers that log rollout speculation metrics and run the MTP drafter-desync guard.
 
 verl 0.9.x computes a step's metrics inside its trainer (``PPOTrainer._compute_metrics``) and offers
 two extension points there: trainer hooks (``on_train_begin``, ``on_validate_begin/end``, ...) and a
 registry of trainer classes keyed by ``trainer.v1.trainer_mode`` (``@register_trainer``). This module
-registers one subclass per verl trainer, each adding :class:`~verl_mtp_plugin.rollout_monitor.RolloutSpecMonitor`
+registers one subclass per verl trainer, each adding :class:`~verl_mtp_plugin.rollout.monitor.RolloutSpecMonitor`
 to the hooks:
 
 =========================================  ======================  ==================================
@@ -31,7 +31,7 @@ desync stops training after verl has logged that step's metrics (:class:`MTPDesy
 The registry lives in the process that runs verl's ``TaskRunnerV1`` (a Ray actor). Start training
 with ``python -m verl_mtp_plugin.main_ppo`` (its task runner imports this module), or keep
 ``python -m verl.trainer.main_ppo`` and import this module in every Ray process with
-``VERL_USE_EXTERNAL_MODULES=verl_mtp_plugin.verl_trainer`` in
+``VERL_USE_EXTERNAL_MODULES=verl_mtp_plugin.trainer.v1`` in
 ``ray_kwargs.ray_init.runtime_env.env_vars``. Importing this module imports verl's v1 trainer stack
 (and so TransferQueue).
 """
@@ -48,9 +48,9 @@ from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_mtp_plugin.desync_guard import guard_from_verl_config
-from verl_mtp_plugin.rollout_monitor import RolloutSpecMonitor
-from verl_mtp_plugin.verl_registry import TRAINER_MODES
+from verl_mtp_plugin.rollout.desync_guard import guard_from_verl_config
+from verl_mtp_plugin.rollout.monitor import RolloutSpecMonitor
+from verl_mtp_plugin.config_keys import TRAINER_MODES
 
 __all__ = [
     "MTPPPOTrainerColocateAsync",
@@ -68,7 +68,7 @@ def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True)
 
     Speculation is on when ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (or a
     speculative config is given under ``engine_kwargs.vllm``); the guard reads
-    ``verl_mtp_plugin.mtp_guard`` (:func:`~verl_mtp_plugin.desync_guard.guard_from_verl_config`, which
+    ``verl_mtp_plugin.mtp_guard`` (:func:`~verl_mtp_plugin.rollout.desync_guard.guard_from_verl_config`, which
     also warns when ``actor_rollout_ref.rollout.disable_log_stats`` leaves vLLM without counters).
 
     Raises:
@@ -184,4 +184,4 @@ class MTPPPOTrainerSeparateAsync(MTPRolloutMetricsMixin, PPOTrainerSeparateAsync
 
 _CLASSES = (MTPPPOTrainerSync, MTPPPOTrainerColocateAsync, MTPPPOTrainerSeparateAsync)
 if {c.mtp_mode: c.mtp_base_mode for c in _CLASSES} != TRAINER_MODES:  # pragma: no cover - a coding error
-    raise RuntimeError("verl_mtp_plugin.verl_registry.TRAINER_MODES is out of date")
+    raise RuntimeError("verl_mtp_plugin.config_keys.TRAINER_MODES is out of date")

@@ -1,0 +1,392 @@
+"""The acceptance arithmetic of the in-trainer estimate: per-position acceptance from two sets of logits.
+
+Pure torch on tensors (vocab-parallel aware through an optional process group): speculative-sampling
+overlap, greedy agreement and argmax-draft acceptance (:func:`speculative_overlap`,
+:func:`greedy_agreement`, :func:`argmax_draft_acceptance`), accepted length and speedup
+(:func:`expected_accept_length`, :func:`expected_speedup`), which positions count
+(:func:`acceptance_positions`, :func:`select_positions`) and the metric keys. The model-facing part,
+the forward hook that captures the MTP hidden states, is :mod:`verl_mtp_plugin.acceptance.probe`;
+the alignment and temperature rules both follow are in :mod:`verl_mtp_plugin.acceptance`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "ACCEPT_LENGTH_KEY",
+    "ACCEPT_LENGTH_KS",
+    "ARGMAX_DRAFT_KEY",
+    "DEPTH_EXPECTED_KEY",
+    "DEPTH_GREEDY_KEY",
+    "EXPECTED_KEY",
+    "GREEDY_KEY",
+    "POSITIONS_KEY",
+    "acceptance_positions",
+    "acceptance_stats",
+    "argmax_draft_acceptance",
+    "check_temperature",
+    "expected_accept_length",
+    "expected_speedup",
+    "greedy_agreement",
+    "group_size",
+    "per_position_acceptance",
+    "rows_at",
+    "select_positions",
+    "speculative_overlap",
+]
+
+#: Mean speculative-sampling acceptance probability (depth 1). verl logs it as ``actor/<key>``.
+EXPECTED_KEY = "mtp_expected_accept_rate"
+#: Fraction of positions where ``argmax p_main == argmax q_mtp`` (greedy target sampling).
+GREEDY_KEY = "mtp_greedy_accept_rate"
+#: Mean ``p_main[argmax q_mtp]``: vLLM's default greedy drafting with a sampled target.
+ARGMAX_DRAFT_KEY = "mtp_argmax_draft_accept_rate"
+#: ``E`` for ``k`` draft tokens from :data:`EXPECTED_KEY`.
+ACCEPT_LENGTH_KEY = "mtp_expected_accept_length_k{k}"
+#: Number of positions the estimate used (after subsampling).
+POSITIONS_KEY = "mtp_accept_num_positions"
+#: Per-depth rates for models with more than one MTP depth (``d >= 2``).
+DEPTH_EXPECTED_KEY = "mtp_expected_accept_rate_depth{d}"
+DEPTH_GREEDY_KEY = "mtp_greedy_accept_rate_depth{d}"
+
+#: The ``k`` values :data:`ACCEPT_LENGTH_KEY` is logged for.
+ACCEPT_LENGTH_KS = (1, 2, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure functions
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_pair(p: torch.Tensor, q: torch.Tensor) -> None:
+    if p.shape != q.shape:
+        raise ValueError(
+            f"p_main_logits and q_mtp_logits must have the same shape [..., V]; got {tuple(p.shape)} "
+            f"and {tuple(q.shape)} (align the positions first: p_main[t+d] with q_mtp_d[t])"
+        )
+    if p.dim() < 1 or p.shape[-1] == 0:
+        raise ValueError(f"logits need a non-empty vocabulary dimension, got shape {tuple(p.shape)}")
+
+
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float; ValueError unless finite and >= 0 (0 = greedy)."""
+    t = float(temperature)
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    return t
+
+
+def group_size(group) -> int:
+    """World size of ``group`` (1 without one or without torch.distributed)."""
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=group)
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    torch.distributed.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _probs(logits: torch.Tensor, temperature: float, group) -> torch.Tensor:
+    """``softmax(logits / T)`` in float32; with ``group`` the last dim is a vocabulary shard."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if group_size(group) == 1:
+        return torch.softmax(x, dim=-1)
+    m = _all_reduce(x.amax(dim=-1, keepdim=True), torch.distributed.ReduceOp.MAX, group)
+    e = torch.exp(x - m)
+    z = _all_reduce(e.sum(dim=-1, keepdim=True), torch.distributed.ReduceOp.SUM, group)
+    return e / z
+
+
+def _argmax(logits: torch.Tensor, group) -> torch.Tensor:
+    """Global argmax (first maximal index, as ``torch.argmax``) over a possibly vocab-sharded last dim."""
+    if group_size(group) == 1:
+        return logits.max(dim=-1).indices  # same first-index tie rule as argmax; faster on CPU
+    x = logits.float()
+    local_max, local_idx = x.max(dim=-1)
+    offset = torch.distributed.get_rank(group=group) * x.shape[-1]
+    global_max = _all_reduce(local_max.clone(), torch.distributed.ReduceOp.MAX, group)
+    big = torch.iinfo(torch.int64).max
+    cand = torch.where(local_max == global_max, local_idx + offset, torch.full_like(local_idx, big))
+    return _all_reduce(cand, torch.distributed.ReduceOp.MIN, group)
+
+
+@torch.no_grad()
+def acceptance_stats(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(overlap, greedy agreement, argmax-draft acceptance), each ``[...]`` float32, sharing the softmaxes."""
+    p_arg, q_arg = _argmax(p_logits, group), _argmax(q_logits, group)
+    greedy = (p_arg == q_arg).float()
+    if temperature == 0.0:
+        return greedy, greedy, greedy
+    p = _probs(p_logits, temperature, group)
+    draft = _pick(p, q_arg, group)
+    q = _probs(q_logits, temperature, group)
+    overlap = torch.minimum(p, q, out=q).sum(dim=-1)
+    if group_size(group) > 1:
+        overlap = _all_reduce(overlap, torch.distributed.ReduceOp.SUM, group)
+    return overlap.clamp_(0.0, 1.0), greedy, draft
+
+
+def _pick(p: torch.Tensor, index: torch.Tensor, group) -> torch.Tensor:
+    """``p[..., index]`` for a global vocabulary ``index`` over a possibly vocab-sharded last dim."""
+    if group_size(group) == 1:
+        return p.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    v_local = p.shape[-1]
+    local = index - torch.distributed.get_rank(group=group) * v_local
+    owned = (local >= 0) & (local < v_local)
+    picked = p.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * owned
+    return _all_reduce(picked, torch.distributed.ReduceOp.SUM, group)
+
+
+def greedy_agreement(p_main_logits: torch.Tensor, q_mtp_logits: torch.Tensor, *, group=None) -> torch.Tensor:
+    """1.0 where ``argmax p_main == argmax q_mtp``, else 0.0 (acceptance under greedy sampling).
+
+    Args:
+        p_main_logits (Tensor): ``[..., V]`` target logits at the verifying positions (``t+d``).
+        q_mtp_logits (Tensor): ``[..., V]`` MTP depth-``d`` logits at the drafting positions (``t``),
+            row-aligned with ``p_main_logits``.
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard
+            (megatron's contiguous split, rank ``r`` holds ``[r*V/tp, (r+1)*V/tp)``).
+
+    Returns:
+        Tensor: ``[...]`` float32 of 0.0 / 1.0.
+    """
+    _check_pair(p_main_logits, q_mtp_logits)
+    return (_argmax(p_main_logits, group) == _argmax(q_mtp_logits, group)).float()
+
+
+def speculative_overlap(
+    p_main_logits: torch.Tensor, q_mtp_logits: torch.Tensor, temperature: float = 1.0, *, group=None
+) -> torch.Tensor:
+    """Speculative-sampling acceptance probability ``sum_v min(p_main[v], q_mtp[v])`` per row.
+
+    Both distributions are ``softmax(logits / temperature)`` (computed in float32).
+    ``temperature == 0`` is the greedy limit and returns :func:`greedy_agreement`.
+
+    Args:
+        p_main_logits (Tensor): ``[..., V]`` target logits at the verifying positions (``t+d``).
+        q_mtp_logits (Tensor): ``[..., V]`` MTP depth-``d`` logits at the drafting positions (``t``),
+            row-aligned with ``p_main_logits``.
+        temperature (float): sampling temperature ``>= 0``, the same for both.
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
+
+    Returns:
+        Tensor: ``[...]`` float32 in ``[0, 1]``.
+    """
+    _check_pair(p_main_logits, q_mtp_logits)
+    t = check_temperature(temperature)
+    if t == 0.0:
+        return greedy_agreement(p_main_logits, q_mtp_logits, group=group)
+    p = _probs(p_main_logits, t, group)
+    q = _probs(q_mtp_logits, t, group)
+    overlap = torch.minimum(p, q).sum(dim=-1)
+    if group_size(group) > 1:
+        overlap = _all_reduce(overlap, torch.distributed.ReduceOp.SUM, group)
+    return overlap.clamp_(0.0, 1.0)
+
+
+def argmax_draft_acceptance(
+    p_main_logits: torch.Tensor, q_mtp_logits: torch.Tensor, temperature: float = 1.0, *, group=None
+) -> torch.Tensor:
+    """Acceptance probability of a greedy draft: ``p_main[argmax q_mtp]`` per row.
+
+    This is vLLM's default (``draft_sample_method="greedy"``): the draft token is ``argmax q`` and
+    ``q`` counts as one-hot in the rejection test, so the draft is accepted with probability
+    ``min(1, p/1) = p_main[draft]``. ``temperature == 0`` returns :func:`greedy_agreement`.
+
+    Args:
+        p_main_logits (Tensor): ``[..., V]`` target logits at the verifying positions.
+        q_mtp_logits (Tensor): ``[..., V]`` MTP logits at the drafting positions, row-aligned.
+        temperature (float): target sampling temperature ``>= 0``.
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
+
+    Returns:
+        Tensor: ``[...]`` float32 in ``[0, 1]``.
+    """
+    _check_pair(p_main_logits, q_mtp_logits)
+    t = check_temperature(temperature)
+    if t == 0.0:
+        return greedy_agreement(p_main_logits, q_mtp_logits, group=group)
+    return _pick(_probs(p_main_logits, t, group), _argmax(q_mtp_logits, group), group)
+
+
+def expected_accept_length(alpha, k: int):
+    """Mean tokens per verification step with ``k`` draft tokens: ``(1 - alpha^(k+1)) / (1 - alpha)``.
+
+    Computed as ``1 + alpha + ... + alpha^k`` so ``alpha = 1`` gives ``k + 1`` exactly.
+
+    Args:
+        alpha (float | Tensor): per-draft acceptance probability (or probabilities) in ``[0, 1]``.
+        k (int): number of draft tokens, ``>= 0``.
+
+    Returns:
+        float | Tensor: same type as ``alpha``.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k (number of draft tokens) must be an int >= 0, got {k!r}")
+    if isinstance(alpha, torch.Tensor):
+        a = alpha.float()
+        if bool(((a < 0) | (a > 1) | torch.isnan(a)).any()):
+            raise ValueError("alpha must lie in [0, 1]")
+        out = torch.ones_like(a)
+        term = torch.ones_like(a)
+        for _ in range(k):
+            term = term * a
+            out = out + term
+        return out
+    a = float(alpha)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
+    return float(sum(a**i for i in range(k + 1)))
+
+
+def expected_speedup(alpha, k: int, draft_cost: float):
+    """Expected wall-clock speedup of speculative decoding: ``E / (1 + k * c)``.
+
+    Args:
+        alpha (float | Tensor): per-draft acceptance probability in ``[0, 1]``.
+        k (int): number of draft tokens, ``>= 0``.
+        draft_cost (float): cost ``c`` of one draft step relative to one target step, ``>= 0``.
+
+    Returns:
+        float | Tensor: ``expected_accept_length(alpha, k) / (1 + k * draft_cost)``.
+    """
+    c = float(draft_cost)
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"draft_cost must be a finite number >= 0, got {draft_cost!r}")
+    return expected_accept_length(alpha, k) / (1.0 + k * c)
+
+
+def acceptance_positions(response_mask: torch.Tensor, depth: int = 1) -> torch.Tensor:
+    """Drafting positions ``t`` that count for MTP depth ``depth``.
+
+    Position ``t`` counts when tokens ``t+1 .. t+1+depth`` are all response tokens: token ``t+1`` was
+    produced by the target (so the drafter at ``t`` runs in the rollout) and the drafted tokens
+    ``t+2 .. t+1+depth`` were sampled by the policy.
+
+    Args:
+        response_mask (Tensor): ``[b, s]`` in token coordinates, nonzero on response tokens (zero on
+            prompt and padding).
+        depth (int): MTP depth ``d >= 1``.
+
+    Returns:
+        Tensor: ``[b, s]`` bool, True at counted positions (always False for ``t >= s - 1 - d``).
+    """
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must be [b, s] (token coordinates), got shape {tuple(response_mask.shape)}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+    m = response_mask != 0
+    b, s = m.shape
+    valid = torch.zeros_like(m)
+    n = s - 1 - depth  # number of t with t+1+depth <= s-1
+    if n <= 0:
+        return valid
+    ok = m[:, 1 : 1 + n].clone()
+    for j in range(2, depth + 2):
+        ok &= m[:, j : j + n]
+    valid[:, :n] = ok
+    return valid
+
+
+def per_position_acceptance(
+    main_logits: torch.Tensor,
+    mtp_logits: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    depth: int = 1,
+    temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """Aligned acceptance quantities for every position (the dense reference the probe subsamples).
+
+    Args:
+        main_logits (Tensor): ``[b, s, V]`` policy logits (position ``t`` predicts token ``t+1``).
+        mtp_logits (Tensor): ``[b, s, V]`` MTP depth-``depth`` logits (position ``t`` predicts token
+            ``t+1+depth``).
+        response_mask (Tensor): ``[b, s]`` token coordinates, nonzero on response tokens.
+        depth (int): MTP depth ``d >= 1``.
+        temperature (float): sampling temperature for both distributions.
+
+    Returns:
+        dict: ``alpha``, ``greedy``, ``argmax_draft`` (``[b, s]`` float32, value at ``t`` compares
+        ``main_logits[:, t+d]`` with ``mtp_logits[:, t]``; 0 where not counted) and ``valid``
+        (``[b, s]`` bool, :func:`acceptance_positions`).
+    """
+    if main_logits.dim() != 3 or main_logits.shape != mtp_logits.shape:
+        raise ValueError(
+            f"main_logits and mtp_logits must both be [b, s, V]; got {tuple(main_logits.shape)} and "
+            f"{tuple(mtp_logits.shape)}"
+        )
+    if tuple(response_mask.shape) != tuple(main_logits.shape[:2]):
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != logits [b, s] {tuple(main_logits.shape[:2])}"
+        )
+    valid = acceptance_positions(response_mask, depth)
+    b, s, _ = main_logits.shape
+    keys = ("alpha", "greedy", "argmax_draft")
+    out = {k: torch.zeros(b, s, dtype=torch.float32, device=main_logits.device) for k in keys}
+    n = s - depth
+    if n > 0:
+        p, q = main_logits[:, depth:], mtp_logits[:, :n]
+        out["alpha"][:, :n] = speculative_overlap(p, q, temperature)
+        out["greedy"][:, :n] = greedy_agreement(p, q)
+        out["argmax_draft"][:, :n] = argmax_draft_acceptance(p, q, temperature)
+    for k in keys:
+        out[k] = out[k] * valid
+    out["valid"] = valid
+    return out
+
+
+def select_positions(
+    valid: torch.Tensor, max_positions: int = 256, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick at most ``max_positions`` counted positions.
+
+    Without ``generator`` the choice is deterministic (evenly spaced over the counted positions in
+    row-major order), so every tensor-parallel rank picks the same positions. With ``generator`` it
+    is uniform without replacement; under tensor parallelism seed it identically on all TP ranks.
+
+    Args:
+        valid (Tensor): ``[b, s]`` bool, counted positions.
+        max_positions (int): upper bound ``>= 1``.
+        generator (torch.Generator | None): source of randomness.
+
+    Returns:
+        tuple[Tensor, Tensor]: ``(batch_idx [n], pos_idx [n])`` int64 on ``valid``'s device, sorted.
+    """
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions must be an int >= 1, got {max_positions!r}")
+    idx = valid.nonzero()  # [N, 2]
+    total = idx.shape[0]
+    if total > max_positions:
+        if generator is None:
+            sel = torch.arange(max_positions, dtype=torch.int64) * total // max_positions
+        else:
+            sel = torch.randperm(total, generator=generator, device=generator.device)[:max_positions].sort().values
+        idx = idx[sel.to(idx.device)]
+    return idx[:, 0], idx[:, 1]
+
+
+def rows_at(chunk: torch.Tensor, bi: torch.Tensor, ti: torch.Tensor, seq_group=None) -> torch.Tensor:
+    """Rows ``chunk[ti, bi]`` -> ``[n, h]`` of a ``[s, b, h]`` hidden state.
+
+    With ``seq_group`` (sequence parallelism) ``chunk`` is this rank's contiguous sequence shard
+    ``[s/tp, b, h]`` (megatron's ``scatter_to_sequence_parallel_region``: rank ``r`` holds positions
+    ``[r*s/tp, (r+1)*s/tp)``); each rank fills the rows it owns and a sum over the group completes
+    them, so every rank returns all ``n`` rows.
+    """
+    if seq_group is None or group_size(seq_group) == 1:
+        return chunk[ti, bi]
+    s_local = chunk.shape[0]
+    local = ti - torch.distributed.get_rank(group=seq_group) * s_local
+    owned = (local >= 0) & (local < s_local)
+    rows = chunk[local.clamp(0, s_local - 1), bi] * owned.unsqueeze(-1).to(chunk.dtype)
+    return _all_reduce(rows.contiguous(), torch.distributed.ReduceOp.SUM, seq_group)

@@ -1,0 +1,88 @@
+"""Names the plugin shares with verl configs, and readers for verl's config trees.
+
+A leaf module (imports nothing of the plugin, verl or vLLM): the engine side, the trainer side and the
+start-up check all read these, so none of them has to import another for a constant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = [
+    "ARGMAX_DRAFT_METRIC",
+    "BACKEND",
+    "EXPECTED_METRIC",
+    "GUARD_CONFIG_PATH",
+    "MODEL_TYPE",
+    "PLUGIN_LIB",
+    "TRAINER_MODES",
+    "WORKER_EXTENSION_CLS",
+    "as_bool",
+    "as_list",
+    "get_key",
+    "to_plain",
+]
+
+#: Value of ``actor_rollout_ref.model.external_lib`` that loads the plugin.
+PLUGIN_LIB = "verl_mtp_plugin"
+#: ``actor_rollout_ref.model.model_type`` that selects the plugin engine.
+MODEL_TYPE = "nemotron_h_mtp"
+#: verl strategy/backend of the plugin engine.
+BACKEND = "megatron"
+#: ``trainer.v1.trainer_mode`` values the plugin registers (:mod:`verl_mtp_plugin.trainer.v1`, verl's
+#: ``register_trainer``) -> the verl trainer mode each behaves as.
+TRAINER_MODES = {"mtp_sync": "sync", "mtp_colocate_async": "colocate_async", "mtp_separate_async": "separate_async"}
+#: Where the drafter-desync guard's config block lives in a verl trainer config.
+GUARD_CONFIG_PATH = "verl_mtp_plugin.mtp_guard"
+#: The engine's in-trainer acceptance estimates as verl logs them (``actor/`` + the probe's keys).
+EXPECTED_METRIC = "actor/mtp_expected_accept_rate"
+ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
+#: ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls`` of the plugin's vLLM worker extension.
+WORKER_EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
+
+def get_key(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for DictConfig / dict / dataclass trees; ``default`` when any part is missing."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or hasattr(node, "keys") and hasattr(node, "get"):
+            try:
+                if part not in node:
+                    return default
+                node = node[part]
+            except Exception:  # omegaconf raises on missing keys in struct mode
+                return default
+        else:
+            if not hasattr(node, part):
+                return default
+            node = getattr(node, part)
+    return node
+
+
+def to_plain(value: Any) -> Any:
+    """DictConfig/ListConfig -> dict/list (resolved); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def as_bool(value: Any) -> bool:
+    """A boolean setting that may arrive as a string (``"1"``, ``"true"``, ``"yes"``, ``"on"``)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def as_list(value: Any) -> list[str]:
+    """A string or list setting (e.g. ``external_lib``) as a list of strings; [] for None."""
+    value = to_plain(value)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]

@@ -1,0 +1,116 @@
+"""verl's PPO/GRPO entry point with the plugin's trainers (run as ``python -m verl_mtp_plugin.main_ppo``).
+
+Takes exactly the arguments of ``python -m verl.trainer.main_ppo`` (same Hydra config, same
+``--config-path/--config-name``; a relative ``--config-path`` is relative to ``verl/trainer`` as it is
+for verl's entry point) and differs in three ways:
+
+1. the plugin's start-up check (:func:`verl_mtp_plugin.trainer.config.validate_verl_config`) runs first
+   and stops with every problem listed by key;
+2. the task runner (verl's ``TaskRunnerV1`` Ray actor, through ``run_ppo``'s ``task_runner_class``
+   argument, which verl keeps for recipes) registers the plugin's trainers in its own process
+   before verl looks ``trainer.v1.trainer_mode`` up, so ``mtp_sync`` / ``mtp_colocate_async`` /
+   ``mtp_separate_async`` resolve (:mod:`verl_mtp_plugin.trainer.v1`);
+3. the legacy trainer (``trainer.use_v1=false``) is refused: the rollout metrics and the desync guard
+   hook into the v1 trainers only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import hydra
+import ray
+from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import validate_config
+from verl.utils.device import auto_set_device
+
+from verl_mtp_plugin.config_keys import TRAINER_MODES
+from verl_mtp_plugin.policy import MTPConfigError
+from verl_mtp_plugin.trainer.config import validate_verl_config
+
+__all__ = ["MTPTaskRunner", "MTPTaskRunnerV1", "check", "main", "register_plugin_trainers", "verl_relative_config_path"]
+
+logger = logging.getLogger(__name__)
+
+
+def register_plugin_trainers() -> dict[str, str]:
+    """Import :mod:`verl_mtp_plugin.trainer.v1` (registers its trainers with verl's
+    ``register_trainer``) and return ``{plugin mode: verl mode}``."""
+    importlib.import_module("verl_mtp_plugin.trainer.v1")
+    return dict(TRAINER_MODES)
+
+
+class MTPTaskRunner(TaskRunnerV1.__ray_actor_class__):
+    """verl's ``TaskRunnerV1`` that registers the plugin's trainers in the actor process first."""
+
+    def run(self, config):
+        register_plugin_trainers()
+        return super().run(config)
+
+
+MTPTaskRunnerV1 = ray.remote(MTPTaskRunner)
+
+
+def check(config) -> None:
+    """The plugin's start-up checks for this entry point (raises :class:`MTPConfigError`)."""
+    if not config.trainer.use_v1:
+        raise MTPConfigError(
+            "invalid verl config for verl_mtp_plugin:\n  - trainer.use_v1=false: python -m verl_mtp_plugin.main_ppo "
+            "runs verl's v1 trainers (rollout speculation metrics and the MTP desync guard hook into them); set "
+            "trainer.use_v1=true or run python -m verl.trainer.main_ppo without them"
+        )
+    settings = validate_verl_config(config)
+    mode = str(config.trainer.v1.trainer_mode)
+    if settings.rollout_speculation and mode not in TRAINER_MODES:
+        logger.warning(
+            "trainer.v1.trainer_mode=%s: MTP rollout speculation is on but verl's own trainer logs no per-position "
+            "acceptance and runs no desync guard; use trainer.v1.trainer_mode=%s",
+            mode,
+            next((m for m, base in TRAINER_MODES.items() if base == mode), "mtp_sync"),
+        )
+
+
+@hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
+def main(config):
+    """verl's ``main_ppo.main`` with the plugin's check and task runner."""
+    auto_set_device(config)
+    try:
+        check(config)
+    except MTPConfigError as e:
+        print(f"verl_mtp_plugin: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    run_ppo(config, task_runner_class=MTPTaskRunnerV1)
+
+
+def verl_relative_config_path(argv: list[str]) -> list[str]:
+    """Hydra resolves a relative ``--config-path`` against the directory of the main module; make it
+    mean what it means for ``python -m verl.trainer.main_ppo`` (relative to ``verl/trainer``)."""
+    import os
+
+    import verl.trainer.main_ppo as verl_main
+
+    base = os.path.dirname(os.path.abspath(verl_main.__file__))
+
+    def fix(path: str) -> str:
+        if os.path.isabs(path) or "://" in path:
+            return path
+        return os.path.normpath(os.path.join(base, path))
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config-path", "-cp") and i + 1 < len(argv):
+            out += [arg, fix(argv[i + 1])]
+            i += 2
+            continue
+        for flag in ("--config-path=", "-cp="):
+            if arg.startswith(flag):
+                arg = flag + fix(arg[len(flag) :])
+        out.append(arg)
+        i += 1
+    return out
+
