@@ -196,8 +196,17 @@ def _install_mamba_reference_on_cpu() -> None:
     _MAMBA_REF_INSTALLED = True
 
 
-def _local_hybrid_stack_spec(num_experts: int | None):
-    """megatron's hybrid stack spec with megatron's own local modules in place of TE ones."""
+def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | None = None):
+    """megatron's hybrid stack spec with megatron's own local modules in place of TE ones.
+
+    Args:
+        num_experts: routed experts of the MoE layers (``None``: no MoE).
+        fused_norm_linear: ``None`` builds the pre-norms as separate modules (megatron's local
+            parameter names: ``input_layernorm.weight``, ``pre_mlp_layernorm.weight``, ``norm.weight``);
+            a fused norm + column-parallel linear class (``testing.bridge.LayerNormColumnParallelLinearRef``)
+            folds them into Mamba's ``in_proj``, attention's ``linear_qkv`` and the MLP's ``linear_fc1``
+            as TE's spec does (``...layer_norm_weight``), so parameter names equal the production ones.
+    """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -235,15 +244,18 @@ def _local_hybrid_stack_spec(num_experts: int | None):
                     config=self.config, hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon
                 )
 
+    fused = fused_norm_linear is not None
+    pre_norm = IdentityOp if fused else WrappedTorchNorm  # fused: the norm lives in the next linear
+    col_in = fused_norm_linear if fused else ColumnParallelLinear
     attention = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
+            input_layernorm=pre_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
+                    linear_qkv=col_in,
                     core_attention=DotProductAttention,
                     linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
@@ -256,10 +268,10 @@ def _local_hybrid_stack_spec(num_experts: int | None):
     mlp = ModuleSpec(
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=WrappedTorchNorm,
+            pre_mlp_layernorm=pre_norm,
             mlp=partial(
                 MLP.as_mlp_submodule,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                submodules=MLPSubmodules(linear_fc1=col_in, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -275,10 +287,10 @@ def _local_hybrid_stack_spec(num_experts: int | None):
     mamba = ModuleSpec(
         module=MambaLayer,
         submodules=MambaLayerSubmodules(
-            norm=WrappedTorchNorm,
+            norm=pre_norm,
             mixer=ModuleSpec(
                 module=MambaMixer,
-                submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                submodules=MambaMixerSubmodules(in_proj=col_in, out_proj=RowParallelLinear),
             ),
             mamba_bda=get_bias_dropout_add,
         ),

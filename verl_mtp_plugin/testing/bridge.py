@@ -253,107 +253,10 @@ def te_layout_hybrid_stack_spec(provider: Any = None):
         provider: the ``HybridModelProvider`` (``HybridModelProvider._resolve_hybrid_stack_spec``
             passes it); its ``num_moe_experts`` sizes the MoE spec.
     """
-    import torch  # noqa: F401
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
-    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
-    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlock,
-        MultiTokenPredictionBlockSubmodules,
-        MultiTokenPredictionLayer,
-        MultiTokenPredictionLayerSubmodules,
-    )
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
-
-    from functools import partial
-
     from verl_mtp_plugin.testing import _local_hybrid_stack_spec
 
-    lncol = __getattr__("LayerNormColumnParallelLinearRef")
-    num_experts = getattr(provider, "num_moe_experts", None)
-    stack = _local_hybrid_stack_spec(num_experts).module  # HybridStack with a WrappedTorchNorm final norm
-    return ModuleSpec(
-        module=stack,
-        submodules=HybridStackSubmodules(
-            mamba_layer=ModuleSpec(
-                module=MambaLayer,
-                submodules=MambaLayerSubmodules(
-                    mixer=ModuleSpec(
-                        module=MambaMixer,
-                        submodules=MambaMixerSubmodules(in_proj=lncol, out_proj=RowParallelLinear),
-                    ),
-                    mamba_bda=get_bias_dropout_add,
-                ),
-            ),
-            attention_layer=ModuleSpec(
-                module=TransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    self_attention=ModuleSpec(
-                        module=SelfAttention,
-                        params={"attn_mask_type": AttnMaskType.causal},
-                        submodules=SelfAttentionSubmodules(
-                            linear_qkv=lncol,
-                            core_attention=DotProductAttention,
-                            linear_proj=RowParallelLinear,
-                            q_layernorm=IdentityOp,
-                            k_layernorm=IdentityOp,
-                        ),
-                    ),
-                    self_attn_bda=get_bias_dropout_add,
-                ),
-            ),
-            mlp_layer=ModuleSpec(
-                module=MLPLayer,
-                submodules=TransformerLayerSubmodules(
-                    mlp=partial(
-                        MLP.as_mlp_submodule,
-                        submodules=MLPSubmodules(linear_fc1=lncol, linear_fc2=RowParallelLinear),
-                    ),
-                    mlp_bda=get_bias_dropout_add,
-                ),
-            ),
-            moe_layer=ModuleSpec(
-                module=MoETransformerLayer,
-                submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=WrappedTorchNorm,
-                    mlp=get_moe_module_spec(use_te=False, num_experts=num_experts or 1, moe_grouped_gemm=False),
-                    mlp_bda=get_bias_dropout_add,
-                ),
-            ),
-            mtp_block_spec=ModuleSpec(
-                module=MultiTokenPredictionBlock,
-                submodules=MultiTokenPredictionBlockSubmodules(
-                    layer_specs=[
-                        ModuleSpec(
-                            module=MultiTokenPredictionLayer,
-                            submodules=MultiTokenPredictionLayerSubmodules(
-                                enorm=WrappedTorchNorm,
-                                hnorm=WrappedTorchNorm,
-                                eh_proj=ColumnParallelLinear,
-                                mtp_model_layer=None,  # built by megatron from the MTP pattern
-                                layer_norm=WrappedTorchNorm,
-                            ),
-                        )
-                    ]
-                ),
-            ),
-        ),
-    )
+    fused = __getattr__("LayerNormColumnParallelLinearRef")
+    return _local_hybrid_stack_spec(getattr(provider, "num_moe_experts", None), fused_norm_linear=fused)
 
 
 # ------------------------------------------------------------------------------------------------
