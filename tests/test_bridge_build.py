@@ -14,7 +14,6 @@ imports, a TE-free spec with the production parameter names, fusions off, no DDP
 """
 
 import dataclasses
-import os
 import pathlib
 
 import pytest
@@ -35,19 +34,15 @@ def test_every_shipped_recipe_is_covered():
 
 @pytest.fixture(scope="module", autouse=True)
 def _bridge_env(megatron_env):
-    old = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
-    os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = "cuda", "nvidia"
-    from verl_mtp_plugin.testing.bridge import install_te_import_placeholder
     from verl_mtp_plugin.engine.registry import register
+    from verl_mtp_plugin.testing.bridge import install_te_import_placeholder
 
-    install_te_import_placeholder()
-    register()
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERL_ENGINE_DEVICE", "cuda")
+        mp.setenv("VERL_ENGINE_VENDOR", "nvidia")
+        install_te_import_placeholder()
+        register()
+        yield
 
 
 @pytest.fixture(scope="module")

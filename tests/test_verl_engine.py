@@ -18,7 +18,6 @@ HybridModel ("-E/-E": MLP + MoE, MTP "-E") and must match the padded path exactl
 import contextlib
 import importlib
 import importlib.util
-import os
 from functools import partial
 
 import pytest
@@ -39,14 +38,10 @@ N_RESPONSE_TARGETS = sum(RESP_LENS) - 2  # 20 response tokens count for MTP
 
 @pytest.fixture(scope="module", autouse=True)
 def _verl_device():
-    old = {k: os.environ.get(k) for k in ("VERL_ENGINE_DEVICE", "VERL_ENGINE_VENDOR")}
-    os.environ["VERL_ENGINE_DEVICE"], os.environ["VERL_ENGINE_VENDOR"] = "cuda", "nvidia"
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERL_ENGINE_DEVICE", "cuda")
+        mp.setenv("VERL_ENGINE_VENDOR", "nvidia")
+        yield
 
 
 @pytest.fixture(scope="module")
