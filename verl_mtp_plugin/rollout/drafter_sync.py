@@ -58,6 +58,7 @@ __all__ = [
     "STAGE_PLACES",
     "MTPDrafterSync",
     "MTPSyncError",
+    "cause_text",
     "drafter_digests",
     "drafter_shared_param_names",
     "drafter_tensors",
@@ -81,7 +82,32 @@ WeightList = list[tuple[str, torch.Tensor]]
 
 
 class MTPSyncError(RuntimeError):
-    """The drafter would not hold exactly the trained MTP weights (the message names the keys)."""
+    """The drafter would not hold exactly the trained MTP weights (the message names the keys).
+
+    ``phase`` says where the update failed: ``"verify"`` (names, loaded set or checksums did not match:
+    the data arrived, it is wrong), ``"load"`` (vLLM raised while loading a tensor), ``"transport"``
+    (the stream stopped), ``"setup"`` (no drafter, unknown drafter structure), ``"config"``.
+    """
+
+    def __init__(self, message: str, *, phase: str = "verify"):
+        super().__init__(message)
+        self.phase = phase
+
+
+def cause_text(error: BaseException) -> str:
+    """``Type: message`` of ``error``; for a bare ``assert`` (no message) the failing line instead."""
+    text = str(error)
+    if not text:
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            import linecache
+
+            frame = tb.tb_frame
+            code = linecache.getline(frame.f_code.co_filename, tb.tb_lineno).strip()
+            text = f"{code} at {frame.f_code.co_filename}:{tb.tb_lineno}"
+    return f"{type(error).__name__}: {text}"
 
 
 def is_mtp_name(name: str) -> bool:
@@ -394,7 +420,18 @@ class MTPDrafterSync:
         t1 = time.perf_counter()
         try:
             if self._load:
-                self._load_drafter(self._pending)
+                try:
+                    self._load_drafter(self._pending)
+                except MTPSyncError:
+                    raise
+                except Exception as e:
+                    self.drafter_loaded = False  # frozen mode too: the next update loads it in full
+                    raise MTPSyncError(
+                        f"loading the MTP drafter failed: {cause_text(e)}. State: the target holds this update; "
+                        "the drafter may hold part of it (vLLM's layerwise reload writes each layer as it "
+                        "completes); the next update reloads the drafter in full.",
+                        phase="load",
+                    ) from e
                 self.drafter_loaded = True
         finally:
             self._active = False

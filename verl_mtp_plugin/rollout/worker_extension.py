@@ -10,8 +10,25 @@ neither verl nor vLLM.
 
 Configuration: ``VERL_MTP_DRAFTER_SYNC=online|frozen`` (default ``online``),
 ``VERL_MTP_SYNC_CHECKSUM=1`` (default off), ``VERL_MTP_SYNC_STAGE=device|host`` (default ``device``),
-or the RPC ``mtp_configure_sync``. Extra RPCs: ``mtp_sync_metrics``, ``mtp_drafter_digests``,
-``mtp_mark_drafter_stale``.
+``VERL_MTP_SYNC_RECV_TIMEOUT_S`` (default 300: how long the receiver waits for the trainer's next bucket
+before it gives the update up), or the RPC ``mtp_configure_sync``. Extra RPCs: ``mtp_sync_metrics``,
+``mtp_drafter_digests``, ``mtp_mark_drafter_stale``, ``mtp_drafter_place``.
+
+The drafter is looked up on every vLLM model runner (V1 ``model_runner.drafter.model``, V2
+``model_runner.get_draft_model()``; :mod:`verl_mtp_plugin.rollout.drafter_lookup`); verl's own methods
+that use the drafter (``_get_drafter_model``) see the same lookup. An engine that speculates with MTP but
+whose drafter cannot be found fails its first update with the runner's class and the places looked at.
+
+**A failed update fails fast, with its first cause.** verl's receiver hands each bucket to
+``_update_weights``; if that raises, verl's receiver stops answering and the trainer's
+``BucketedWeightSender`` waits for an acknowledgement forever (and verl's shared-memory clean-up then
+raises ``BufferError`` over the real error). The extension instead records the first error, receives and
+acknowledges the rest of the stream without loading it (the trainer's sender finishes at transfer speed),
+and then raises :class:`~verl_mtp_plugin.rollout.drafter_sync.MTPSyncError` from that error, naming the
+bucket and what the engine now holds: the target has the buckets before the failing one, the drafter its
+previous weights (it is loaded only after the whole stream has arrived and been checked). The next update
+is a full update and reloads every tensor. If the trainer's sender dies mid-stream instead, the receiver
+gives the update up after ``VERL_MTP_SYNC_RECV_TIMEOUT_S`` seconds without a bucket, and says so.
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ import os
 from typing import Any
 
 from verl_mtp_plugin.export.names import hf_mtp_pattern
+from verl_mtp_plugin.rollout.drafter_lookup import DrafterNotFoundError, find_drafter_model, not_found_message
 from verl_mtp_plugin.rollout.drafter_sync import (
     DRAFTER_MODES,
     ENV_CHECKSUM,
@@ -29,6 +47,7 @@ from verl_mtp_plugin.rollout.drafter_sync import (
     STAGE_PLACES,
     MTPDrafterSync,
     MTPSyncError,
+    cause_text,
     drafter_digests,
     text_config,
 )
@@ -38,8 +57,51 @@ __all__ = ["MTPColocateWorkerExtension"]
 logger = logging.getLogger(__name__)
 
 
+ENV_RECV_TIMEOUT = "VERL_MTP_SYNC_RECV_TIMEOUT_S"
+DEFAULT_RECV_TIMEOUT_S = 300.0
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def recv_timeout_s() -> float:
+    """``VERL_MTP_SYNC_RECV_TIMEOUT_S`` (seconds the receiver waits for the next bucket; > 0)."""
+    raw = os.environ.get(ENV_RECV_TIMEOUT, "").strip()
+    if not raw:
+        return DEFAULT_RECV_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise MTPSyncError(f"{ENV_RECV_TIMEOUT}={raw!r}: must be a number of seconds > 0", phase="config")
+    return value
+
+
+class _ReceiveTimeout:
+    """Within the block, new sockets of pyzmq's process-wide context (verl's receiver uses
+    ``zmq.Context.instance()``) time out a receive after ``seconds`` instead of waiting forever."""
+
+    def __init__(self, seconds: float):
+        self.ms = max(1, int(seconds * 1000))
+
+    def __enter__(self):
+        import zmq
+
+        self.ctx = zmq.Context.instance()
+        self.previous = self.ctx.sockopts.get(zmq.RCVTIMEO)
+        self.ctx.setsockopt(zmq.RCVTIMEO, self.ms)
+        return self
+
+    def __exit__(self, *exc):
+        import zmq
+
+        if self.previous is None:
+            self.ctx.sockopts.pop(zmq.RCVTIMEO, None)
+        else:
+            self.ctx.setsockopt(zmq.RCVTIMEO, self.previous)
+        return False
 
 
 def _drafter_loaded_at_start(vllm_config: Any) -> bool:
@@ -50,6 +112,11 @@ def _drafter_loaded_at_start(vllm_config: Any) -> bool:
 
 
 _DRAIN = object()  # active-sync marker: receive the stream, load nothing
+
+
+def _describe(weights) -> str:
+    names = [n for n, _ in weights]
+    return f"{len(names)} tensors {names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
 def _build_extension_class() -> type:
@@ -64,10 +131,38 @@ def _build_extension_class() -> type:
         engines without an MTP drafter and non-Nemotron-H drafters take verl's path untouched.
         """
 
+        # ---------------------------------------------------------- drafter lookup (V1 and V2 runners)
+        def _get_drafter_model(self):
+            """The drafter model on V1 (``.drafter.model``) and V2 (``get_draft_model()``) runners;
+            verl's own ``_get_drafter_model`` knows V1 only."""
+            return find_drafter_model(self.model_runner)[0]
+
+        def mtp_drafter_place(self) -> dict:
+            """Where this worker's drafter was found: ``{"place", "runner", "drafter"}`` (None without one)."""
+            from verl_mtp_plugin.rollout.drafter_lookup import runner_kind
+
+            model, place = find_drafter_model(self.model_runner)
+            return {
+                "place": place,
+                "runner": f"{type(self.model_runner).__module__}.{type(self.model_runner).__qualname__}",
+                "runner_kind": runner_kind(self.model_runner),
+                "drafter": type(model).__qualname__ if model is not None else None,
+            }
+
+        def _mtp_speculation_method(self) -> str | None:
+            spec = getattr(self.model_runner.vllm_config, "speculative_config", None)
+            return getattr(spec, "method", None) if spec is not None else None
+
         # ---------------------------------------------------------- helpers
         def _mtp_drafter_sync(self) -> MTPDrafterSync | None:
-            """The sync object for this worker's drafter; None without an MTP drafter or for a
-            drafter that is not a Nemotron-H MTP (those keep verl's path, with a warning)."""
+            """The sync object for this worker's drafter; None without MTP speculation or for a
+            drafter that is not a Nemotron-H MTP (those keep verl's path, with a warning).
+
+            Raises:
+                DrafterNotFoundError: the engine speculates with MTP but no drafter model can be found.
+            """
+            if self._mtp_speculation_method() == "mtp" and self._get_drafter_model() is None:
+                raise DrafterNotFoundError(not_found_message(self.model_runner, "mtp"))
             if not vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync(self):
                 return None
             target, drafter = self.model_runner.model, self._get_drafter_model()
@@ -125,36 +220,97 @@ def _build_extension_class() -> type:
 
         # ---------------------------------------------------------- verl overrides
         def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-            """verl's bucketed IPC update; MTP tensors go to the drafter only, once, verified."""
+            """verl's bucketed IPC update; MTP tensors go to the drafter only, once, verified. A failure
+            on the way drains the stream and raises its first cause (module docstring)."""
             if peft_config and base_sync_done:  # LoRA adapter-only update: no MTP weights
                 return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            timeout = recv_timeout_s()
+            self._mtp_failure = None
+            self._mtp_buckets = 0
+            self._mtp_in_update = True
+            try:
+                return self._mtp_update_weights_from_ipc(peft_config, base_sync_done, use_shm, timeout)
+            finally:
+                self._mtp_in_update = False
+
+        def _mtp_update_weights_from_ipc(self, peft_config, base_sync_done, use_shm, timeout):
             try:
                 self._mtp_begin_update()
-                setup_error = None
-            except Exception as e:  # e.g. an unknown drafter structure
+            except Exception as e:  # e.g. no drafter to be found, an unknown drafter structure
                 # Still receive (and drop) the stream, so the trainer's sender does not block, then fail.
-                setup_error, self._mtp_active_sync = e, _DRAIN
+                self._mtp_failure = ("setup", e, "before the first bucket")
+                self._mtp_active_sync = _DRAIN
             try:
-                result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
-            except BaseException:
+                with _ReceiveTimeout(timeout):
+                    result = super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            except BaseException as e:
+                failure = self._mtp_failure
                 self._mtp_abort_update()
+                if failure is not None:  # post-processing after a failed bucket: report the first cause
+                    raise self._mtp_failure_error(failure) from failure[1]
+                import zmq
+
+                if isinstance(e, zmq.Again):
+                    raise MTPSyncError(
+                        f"weight update given up: no bucket from the trainer for {timeout:.0f} s after "
+                        f"{self._mtp_buckets} bucket(s) ({ENV_RECV_TIMEOUT}); the trainer's sender stopped "
+                        "mid-stream (its error is on the trainer side). " + self._mtp_state_after_failure(),
+                        phase="transport",
+                    ) from e
                 raise
-            if setup_error is not None:
-                self._mtp_active_sync = None
-                raise MTPSyncError(f"MTP drafter sync setup failed; no weights were loaded: {setup_error}") from setup_error
+            failure = self._mtp_failure
+            if failure is not None:
+                self._mtp_abort_update()
+                raise self._mtp_failure_error(failure) from failure[1]
             self._mtp_finish_update()
             return result
+
+        def _mtp_state_after_failure(self) -> str:
+            return (
+                f"State: the target holds the {self._mtp_buckets} bucket(s) loaded before the failure (the "
+                "rest of this update was not loaded); the drafter still holds its previous weights (it is "
+                "loaded only after a complete, checked stream). The next update reloads every tensor."
+            )
+
+        def _mtp_failure_error(self, failure) -> MTPSyncError:
+            phase, error, where = failure
+            if phase == "setup":
+                return MTPSyncError(
+                    f"MTP drafter sync setup failed; no weights were loaded ({cause_text(error)}). "
+                    "The stream was received and dropped, so the trainer's sender finished; target and drafter "
+                    "still hold their previous weights.",
+                    phase="setup",
+                )
+            return MTPSyncError(
+                f"weight update failed (loading into vLLM, {where}): {cause_text(error)}. "
+                "The rest of the stream was received and dropped, so the trainer's sender finished. "
+                + self._mtp_state_after_failure(),
+                phase="load",
+            )
 
         def _update_weights(self, weights, peft_config, base_sync_done):
             sync = getattr(self, "_mtp_active_sync", None)
             if sync is _DRAIN:
                 return None
-            if sync is None or (peft_config and base_sync_done):
-                return super()._update_weights(weights, peft_config, base_sync_done)
-            target_part = sync.route(weights)
-            if target_part:
-                return super()._update_weights(target_part, peft_config, base_sync_done)
-            return None
+            try:
+                if sync is None or (peft_config and base_sync_done):
+                    out = super()._update_weights(weights, peft_config, base_sync_done)
+                else:
+                    target_part = sync.route(weights)
+                    out = super()._update_weights(target_part, peft_config, base_sync_done) if target_part else None
+            except Exception as e:
+                if not getattr(self, "_mtp_in_update", False):  # called outside update_weights_from_ipc
+                    raise
+                where = f"bucket {self._mtp_buckets + 1}: {_describe(weights)}"
+                logger.error("weight update failed at %s: %s: %s; draining the rest of the stream",
+                             where, type(e).__name__, e)
+                self._mtp_failure = ("load", e, where)
+                if sync is not None:
+                    sync.abort()
+                self._mtp_active_sync = _DRAIN
+                return None
+            self._mtp_buckets += 1
+            return out
 
         # ---------------------------------------------------------- RPCs (collective_rpc)
         def mtp_configure_sync(
@@ -175,7 +331,8 @@ def _build_extension_class() -> type:
             self._mtp_sync_options = opts
             sync = self._mtp_drafter_sync()
             if sync is None:
-                raise MTPSyncError("this worker has no vLLM MTP drafter (speculative_config.method != 'mtp')")
+                raise MTPSyncError("this worker has no vLLM MTP drafter (speculative_config.method != 'mtp')",
+                                   phase="setup")
             sync.mode = opts.get("mode", sync.mode)
             sync.verify_checksums = opts.get("verify_checksums", sync.verify_checksums)
             sync.stage = opts.get("stage", sync.stage)
@@ -195,7 +352,7 @@ def _build_extension_class() -> type:
             """Digests of the drafter's own parameters (compare with ``export.hf_mtp_digests``)."""
             drafter = self._get_drafter_model()
             if drafter is None:
-                raise MTPSyncError("this worker has no vLLM MTP drafter")
+                raise MTPSyncError("this worker has no vLLM MTP drafter", phase="setup")
             return drafter_digests(drafter, self.model_runner.model)
 
         def mtp_mark_drafter_stale(self) -> None:

