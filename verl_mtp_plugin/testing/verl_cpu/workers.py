@@ -1,0 +1,260 @@
+"""Stand-ins inside verl's Ray trainer workers on CPU (actor, reference, critic), test-only.
+
+Installed once per worker process by :func:`install_trainer_worker_standins`, which the CPU platform
+(:mod:`verl_mtp_plugin.testing.verl_cpu.platform`) calls from verl's ``initialize_global_process_group_ray``
+(first thing in ``TrainingWorker.__init__``, ``verl/workers/engine_workers.py:89``), before any model
+is built. Each stand-in is named in :data:`STANDINS` with the library line that forces it; each is
+as narrow as the forcing line allows:
+
+* ``cpu_current_device``, ``te_import_placeholder``, ``mamba_reference``: the testing package's own
+  (:func:`verl_mtp_plugin.testing._install_cpu_current_device`,
+  :func:`verl_mtp_plugin.testing.bridge.install_te_import_placeholder`,
+  :func:`verl_mtp_plugin.testing._install_mamba_reference_on_cpu`), as in every CPU build test.
+* ``te_free_default_hybrid_spec``: Megatron-Bridge's default hybrid spec is TE's; verl passes
+  ``override_transformer_config`` through OmegaConf, which cannot carry the callable
+  ``hybrid_stack_spec``, so the TE branch of the default resolves to the testing package's TE-layout
+  local spec (:func:`verl_mtp_plugin.testing.bridge.te_layout_hybrid_stack_spec`).
+* ``inference_rng_tracker``: megatron's CPU-safe RNG tracker, created before verl seeds the CUDA one.
+* ``cuda_by_name``: megatron-core 0.19.2 allocates a few scalars on ``"cuda"`` by name and checks
+  ``param.type()`` against ``torch.cuda.*Tensor``. Only the modules holding those lines see a
+  ``torch`` whose factories place ``device="cuda"`` on the host; the type checks read the CUDA names
+  only when called from those modules. No other torch call in the process changes.
+* ``host_streams``: the two CUDA stream / synchronise calls on the build and checkpoint paths, again
+  only in the modules that make them.
+* ``modelopt_is_quantized``: Megatron-Bridge's HF save asks ModelOpt whether the model is quantized;
+  ModelOpt is not in the test environment, and without it no model can be ModelOpt-quantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.machinery
+import os
+import sys
+import types
+
+import torch
+
+__all__ = ["STANDINS", "install_trainer_worker_standins", "installed"]
+
+#: name -> the library line(s) that force it (megatron-core 0.19.2, Megatron-Bridge 0.6.2, verl 0.9.1).
+STANDINS: dict[str, str] = {
+    "cpu_current_device": "megatron-core allocates on torch.cuda.current_device() (e.g. optimizer/distrib_optimizer.py:998)",
+    "te_import_placeholder": "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine unconditionally",
+    "mamba_reference": "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels",
+    "te_free_default_hybrid_spec": "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec",
+    "inference_rng_tracker": "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker",
+    "cuda_by_name": (
+        "megatron/core/optimizer/optimizer.py:315,690,698,702,1249 + clip_grads.py:96,108,112,180,231 + "
+        "core/utils.py:1332 + pipeline_parallel/schedules.py:749 allocate device='cuda'; optimizer.py:1009,1028, "
+        "distrib_optimizer.py:401,466,758, clip_grads.py:174 compare param.type() with 'torch.cuda.*Tensor'"
+    ),
+    "host_streams": (
+        "megatron/training/models/dist_utils.py:303-306 (Bridge _ddp_wrap: torch.cuda.Stream) and "
+        "megatron/core/dist_checkpointing/strategies/filesystem_async.py:248 (torch.cuda.synchronize)"
+    ),
+    "modelopt_is_quantized": (
+        "megatron/bridge/models/conversion/auto_bridge.py:1127 (save_hf_weights) imports "
+        "modelopt.torch.quantization.utils.is_quantized"
+    ),
+}
+
+_INSTALLED: list[str] = []
+
+
+def installed() -> list[str]:
+    """Names of the stand-ins installed in this process."""
+    return list(_INSTALLED)
+
+
+def _log(msg: str) -> None:
+    print(f"[verl_cpu pid={os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- module-local torch views
+
+
+class _ModuleView(types.ModuleType):
+    """A module as one library module sees it: the given attributes replaced, the rest delegated."""
+
+    def __init__(self, real: types.ModuleType, overrides: dict):
+        super().__init__(real.__name__)
+        self.__dict__["_real"] = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_real"], name)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _on_host(factory):
+    def host_factory(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    host_factory.__wrapped__ = factory
+    return host_factory
+
+
+def _set_module_torch(module_name: str, view: types.ModuleType) -> None:
+    mod = importlib.import_module(module_name)
+    if not isinstance(mod.torch, _ModuleView):
+        mod.torch = view
+
+
+#: modules that allocate on "cuda" by name (see STANDINS["cuda_by_name"])
+_CUDA_ALLOCATING_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+)
+#: modules whose param.type() checks expect CUDA tensor type names
+_CUDA_TYPE_CHECK_MODULES = frozenset(
+    {
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.optimizer.clip_grads",
+    }
+)
+
+
+def _install_cuda_by_name() -> None:
+    host_torch = _ModuleView(torch, {n: _on_host(getattr(torch, n)) for n in ("tensor", "zeros", "ones", "empty", "full")})
+    for name in _CUDA_ALLOCATING_MODULES:
+        _set_module_torch(name, host_torch)
+
+    real_type = torch.Tensor.type
+
+    def type(self, *args, **kwargs):  # noqa: A001 - torch.Tensor.type
+        out = real_type(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda or not out.startswith("torch."):
+            return out
+        if sys._getframe(1).f_globals.get("__name__") in _CUDA_TYPE_CHECK_MODULES:
+            return "torch.cuda." + out[len("torch.") :]
+        return out
+
+    type.__wrapped__ = real_type
+    torch.Tensor.type = type
+
+
+def _install_host_streams() -> None:
+    host_cuda = _ModuleView(
+        torch.cuda,
+        {
+            "Stream": _host_stream_cls(),
+            "current_stream": lambda *_a, **_k: _host_stream_cls()(),
+            "stream": lambda _s=None: contextlib.nullcontext(),
+            "synchronize": lambda *_a, **_k: None,
+        },
+    )
+    view = _ModuleView(torch, {"cuda": host_cuda})
+    _set_module_torch("megatron.training.models.dist_utils", view)
+    _set_module_torch("megatron.core.dist_checkpointing.strategies.filesystem_async", view)
+
+
+def _host_stream_cls():
+    from verl_mtp_plugin.testing.verl_cpu.platform import _HostStream
+
+    return _HostStream
+
+
+# ---------------------------------------------------------------------------- the rest
+
+
+def _install_te_free_default_hybrid_spec() -> None:
+    import megatron.bridge.models.hybrid.hybrid_provider as hp
+
+    from verl_mtp_plugin.testing.bridge import te_layout_hybrid_stack_spec
+
+    real = hp.get_default_hybrid_stack_spec
+    if getattr(real, "_verl_cpu", False):
+        return
+
+    def get_default_hybrid_stack_spec(config):
+        if getattr(config, "transformer_impl", None) == "inference_optimized" or getattr(
+            config, "restore_modelopt_state", False
+        ):
+            return real(config)
+        return te_layout_hybrid_stack_spec(config)  # in place of transformer_engine_hybrid_stack_spec()
+
+    get_default_hybrid_stack_spec._verl_cpu = True
+    get_default_hybrid_stack_spec.__wrapped__ = real
+    hp.get_default_hybrid_stack_spec = get_default_hybrid_stack_spec
+
+
+_MODELOPT_NAMES = ("modelopt", "modelopt.torch", "modelopt.torch.quantization", "modelopt.torch.quantization.utils")
+
+
+class _ModelOptIsQuantizedFinder:
+    """Resolves exactly ``modelopt.torch.quantization.utils`` (and its parents as empty packages)."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname in _MODELOPT_NAMES:
+            return importlib.machinery.ModuleSpec(fullname, _ModelOptIsQuantizedFinder, is_package=True)
+        return None
+
+    @staticmethod
+    def create_module(spec):
+        mod = types.ModuleType(spec.name)
+        mod.__path__ = []
+        if spec.name == "modelopt.torch.quantization.utils":
+            mod.is_quantized = lambda model: False  # no ModelOpt here: nothing is ModelOpt-quantized
+        return mod
+
+    @staticmethod
+    def exec_module(module):
+        return None
+
+
+def _install_modelopt_is_quantized() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("modelopt") is None:
+        sys.meta_path.append(_ModelOptIsQuantizedFinder)
+
+
+def install_trainer_worker_standins() -> list[str]:
+    """Install every stand-in of :data:`STANDINS` in this (trainer worker) process (idempotent).
+
+    Returns:
+        list[str]: the names installed.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("verl_cpu stand-ins are for machines without CUDA")
+    if _INSTALLED:
+        return installed()
+    from verl_mtp_plugin.testing import _install_cpu_current_device, _install_mamba_reference_on_cpu
+    from verl_mtp_plugin.testing.bridge import install_te_import_placeholder, register_bridge_module_types
+
+    _install_cpu_current_device()
+    _INSTALLED.append("cpu_current_device")
+    install_te_import_placeholder()
+    register_bridge_module_types()
+    _INSTALLED.append("te_import_placeholder")
+    _install_mamba_reference_on_cpu()
+    _INSTALLED.append("mamba_reference")
+    _install_te_free_default_hybrid_spec()
+    _INSTALLED.append("te_free_default_hybrid_spec")
+    # megatron's own CPU-safe choice: the "inference" tracker (add/fork are no-ops); verl's later
+    # model_parallel_cuda_manual_seed finds the tracker initialised and keeps it.
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True)
+    _INSTALLED.append("inference_rng_tracker")
+    _install_cuda_by_name()
+    _INSTALLED.append("cuda_by_name")
+    _install_host_streams()
+    _INSTALLED.append("host_streams")
+    _install_modelopt_is_quantized()
+    _INSTALLED.append("modelopt_is_quantized")
+    _log(f"trainer worker stand-ins: {', '.join(_INSTALLED)}")
+    return installed()
