@@ -20,7 +20,13 @@ export, micro-batching, loss post-processing) from verl:
   samples.
 * **Metrics**: after a pass that ran MTP, ``mtp_losses/mtp_{k}_loss`` and ``mtp_accuracy/mtp_{k}_top1``
   (averaged over data-parallel ranks) are added to the engine's metrics; verl logs them as
-  ``actor/mtp_losses/...`` and ``actor/mtp_accuracy/...``.
+  ``actor/mtp_losses/...`` and ``actor/mtp_accuracy/...``. After each optimizer step the MTP block's
+  own gradient norm is added as ``mtp_grad_norm`` (verl logs ``actor/mtp_grad_norm``) beside verl's
+  ``grad_norm``: with ``mtp_detach_heads`` (online) megatron tags the MTP parameters
+  ``grad_norm_group='mtp'``, clips them by their own norm and leaves them out of ``grad_norm``
+  (:func:`mtp_group_grad_norm`). Absent where there is no such group (frozen: no MTP parameter is
+  trained; joint: the MTP gradients are part of ``grad_norm``) or when clipping is off
+  (``optim.clip_grad=0``: megatron computes no group norm).
 * **verl's GPTModel MTP code stays off**: the engine keeps a private shallow copy of ``HFModelConfig``
   whose ``mtp`` block reads ``enable=false`` everywhere except inside verl's ``_build_tf_config`` (where
   ``check_mtp_config`` must see the user's block to keep the MTP layers). So verl never applies
@@ -72,11 +78,13 @@ from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, run_mtp_forwa
 from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, resolve_engine_settings, strategy_error
 
 __all__ = [
+    "MTP_GRAD_NORM_GROUP",
     "NemotronHMTPMegatronEngine",
     "UnsupportedStrategyEngine",
     "forward_micro_batch",
     "hybrid_forward_micro_batch",
     "make_mtp_pre_wrap_hook",
+    "mtp_group_grad_norm",
     "mtp_token_mask",
     "phase_for_pass",
     "with_mamba_seq_idx",
@@ -382,6 +390,28 @@ def _set_items(target, updates: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the MTP block's gradient norm
+
+#: megatron-core's gradient-norm group of the MTP parameters under ``mtp_detach_heads``
+#: (``transformer/multi_token_prediction.py``: ``param.grad_norm_group = 'mtp'``)
+MTP_GRAD_NORM_GROUP = "mtp"
+
+
+def mtp_group_grad_norm(optimizer) -> float | None:
+    """The MTP group's gradient norm of the optimizer's last ``step()``, or None.
+
+    megatron-core 0.19.2 computes the norm of every separate gradient-norm group while clipping
+    (``MegatronOptimizer.clip_grad_norm`` / ``ChainedOptimizer.step``: ``grad_norms_by_group``,
+    reduced over the optimizer's grad-stats group like ``grad_norm``) and returns only the main norm.
+    """
+    norms = getattr(optimizer, "grad_norms_by_group", None) or {}
+    value = norms.get(MTP_GRAD_NORM_GROUP)
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+# --------------------------------------------------------------------------------------------------
 # the engines
 
 
@@ -475,6 +505,20 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
             output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
         return metrics
+
+    def optimizer_step(self):
+        grad_norm = super().optimizer_step()
+        self._mtp_grad_norm = mtp_group_grad_norm(self.optimizer)
+        return grad_norm
+
+    def train_batch(self, data: TensorDict, loss_function) -> Any:
+        """verl's ``train_batch`` + ``mtp_grad_norm`` (the MTP group's norm of this step) in the metrics."""
+        self._mtp_grad_norm = None
+        outputs = super().train_batch(data, loss_function)
+        norm = self._mtp_grad_norm
+        if norm is not None and self.is_mp_src_rank_with_outputs() and isinstance(outputs, dict):
+            outputs.setdefault("metrics", {})["mtp_grad_norm"] = norm
+        return outputs
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False) -> Any:
         with self.mtp_pass(forward_only) as phase:

@@ -37,7 +37,9 @@ __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env",
 REPO = pathlib.Path(__file__).resolve().parents[3]
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
 RECIPES = ("grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online")
-PLATFORM_MODULE = "verl_mtp_plugin.testing.verl_cpu.platform"
+#: the CPU platform's entry for VERL_USE_EXTERNAL_MODULES (a top-level module in PYTHONPATH_DIR, see there)
+PLATFORM_MODULE = "verl_cpu_platform"
+PYTHONPATH_DIR = pathlib.Path(__file__).resolve().parent / "pythonpath"
 EXTENSION = "verl_mtp_plugin.testing.verl_cpu.vllm_extension.CPUMTPColocateWorkerExtension"
 ENTRIES = {"plugin": "verl_mtp_plugin.main_ppo", "verl": "verl.trainer.main_ppo"}
 
@@ -123,7 +125,7 @@ def _base_env() -> dict[str, str]:
 
 def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none") -> dict[str, str]:
     """Environment of a harness run (the Ray cluster it starts inherits it)."""
-    from verl_mtp_plugin.testing.verl_cpu.vllm_extension import ENV_BREAK_SYNC, ENV_EVENTS
+    from verl_mtp_plugin.testing.verl_cpu.events import ENV_BREAK_SYNC, ENV_EVENTS
 
     modules = [PLATFORM_MODULE]
     if entry == "verl":  # verl's own entry point: the plugin's trainers registered in every process
@@ -142,6 +144,7 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
         ENV_BREAK_SYNC: break_sync,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "RAY_DEDUP_LOGS": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), os.environ.get("PYTHONPATH")])),
     }
 
 
@@ -353,7 +356,7 @@ def run_recipe(
                     line = proc.stdout.readline()
                     if line == "":
                         break  # EOF: the process closed its output
-                    log.write(line)
+                    log.write(f"[{time.perf_counter() - t0:6.1f}s] {line}")
                     if echo:
                         sys.stdout.write(line)
                     if first_error is None and any(p.search(line) for p in FATAL_PATTERNS):

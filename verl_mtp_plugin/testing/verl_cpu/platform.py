@@ -2,8 +2,10 @@
 
 verl has no CPU platform: its detection falls back to ``nvidia`` (``verl/plugin/platform/
 platform_manager.py:_detect_platform_name``). verl loads this module in every process that imports
-verl when ``VERL_USE_EXTERNAL_MODULES`` names it (``verl/__init__.py:49-52``); ``VERL_PLATFORM=cpu``
-selects the platform registered here (``platform_manager.py:92-95``). What the platform answers and why:
+verl through ``VERL_USE_EXTERNAL_MODULES=verl_cpu_platform`` (``verl/__init__.py:49-52``; the
+top-level loader in ``pythonpath/verl_cpu_platform.py`` says why it is not named directly);
+``VERL_PLATFORM=cpu`` selects the platform registered here (``platform_manager.py:92-95``). This
+module imports nothing of ``verl_mtp_plugin`` at import time. What the platform answers and why:
 
 * ``ray_resource_name() == "GPU"``: verl's resource pools ask Ray for this resource and count only
   ``GPU``/``NPU`` (``verl/single_controller/ray/base.py:146, 230``); the harness starts Ray with

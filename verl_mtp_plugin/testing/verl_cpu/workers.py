@@ -19,8 +19,8 @@ as narrow as the forcing line allows:
   ``param.type()`` against ``torch.cuda.*Tensor``. Only the modules holding those lines see a
   ``torch`` whose factories place ``device="cuda"`` on the host; the type checks read the CUDA names
   only when called from those modules. No other torch call in the process changes.
-* ``host_streams``: the two CUDA stream / synchronise calls on the build and checkpoint paths, again
-  only in the modules that make them.
+* ``host_streams``: the CUDA stream / synchronise calls on the build, gradient-sync and checkpoint
+  paths, again only in the modules that make them.
 * ``modelopt_is_quantized``: Megatron-Bridge's HF save asks ModelOpt whether the model is quantized;
   ModelOpt is not in the test environment, and without it no model can be ModelOpt-quantized.
 """
@@ -51,8 +51,9 @@ STANDINS: dict[str, str] = {
         "distrib_optimizer.py:401,466,758, clip_grads.py:174 compare param.type() with 'torch.cuda.*Tensor'"
     ),
     "host_streams": (
-        "megatron/training/models/dist_utils.py:303-306 (Bridge _ddp_wrap: torch.cuda.Stream) and "
-        "megatron/core/dist_checkpointing/strategies/filesystem_async.py:248 (torch.cuda.synchronize)"
+        "megatron/training/models/dist_utils.py:303-306 (Bridge _ddp_wrap: torch.cuda.Stream), "
+        "megatron/core/distributed/param_and_grad_buffer.py:632,686,691,814 (grad sync: torch.cuda.current_stream) "
+        "and megatron/core/dist_checkpointing/strategies/filesystem_async.py:248 (torch.cuda.synchronize)"
     ),
     "modelopt_is_quantized": (
         "megatron/bridge/models/conversion/auto_bridge.py:1127 (save_hf_weights) imports "
@@ -157,6 +158,7 @@ def _install_host_streams() -> None:
     )
     view = _ModuleView(torch, {"cuda": host_cuda})
     _set_module_torch("megatron.training.models.dist_utils", view)
+    _set_module_torch("megatron.core.distributed.param_and_grad_buffer", view)
     _set_module_torch("megatron.core.dist_checkpointing.strategies.filesystem_async", view)
 
 
