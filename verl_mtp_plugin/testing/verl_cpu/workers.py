@@ -21,6 +21,11 @@ as narrow as the forcing line allows:
   only when called from those modules. No other torch call in the process changes.
 * ``host_streams``: the CUDA stream / synchronise calls on the build, gradient-sync and checkpoint
   paths, again only in the modules that make them.
+* ``bshd_valid_token_mask_as_causal``: verl's stock Megatron forward in BSHD (the PPO recipes'
+  critic) passes a ``[b, s]`` valid-token mask that TE's causal attention does not apply; megatron's
+  local attention (the only one here) receives, in its place, the causal mask TE applies (right-padded
+  rows: padding never reaches a real token under causal attention, as in the plugin engine's own
+  ``_bshd_attention_mask``). Masks of any other shape are passed on unchanged.
 * ``modelopt_is_quantized``: Megatron-Bridge's HF save asks ModelOpt whether the model is quantized;
   ModelOpt is not in the test environment, and without it no model can be ModelOpt-quantized.
 """
@@ -54,6 +59,12 @@ STANDINS: dict[str, str] = {
         "megatron/training/models/dist_utils.py:303-306 (Bridge _ddp_wrap: torch.cuda.Stream), "
         "megatron/core/distributed/param_and_grad_buffer.py:632,686,691,814 (grad sync: torch.cuda.current_stream) "
         "and megatron/core/dist_checkpointing/strategies/filesystem_async.py:248 (torch.cuda.synchronize)"
+    ),
+    "bshd_valid_token_mask_as_causal": (
+        "verl/models/mcore/util.py:708-716 (preprocess_bshd_engine, verl's stock value-model forward) passes a "
+        "[b, s] valid-token mask that TE's causal attention ignores; megatron's local DotProductAttention "
+        "(transformer/dot_product_attention.py:210 -> transformer/utils.py:54) applies it as a [b, 1, s, s] "
+        "True = masked mask"
     ),
     "modelopt_is_quantized": (
         "megatron/bridge/models/conversion/auto_bridge.py:1127 (save_hf_weights) imports "
@@ -147,25 +158,18 @@ def _install_cuda_by_name() -> None:
 
 
 def _install_host_streams() -> None:
+    from verl.utils.device import get_torch_device
+
+    host = get_torch_device()  # the CPU platform's device module: host streams, no-op synchronize
     host_cuda = _ModuleView(
         torch.cuda,
-        {
-            "Stream": _host_stream_cls(),
-            "current_stream": lambda *_a, **_k: _host_stream_cls()(),
-            "stream": lambda _s=None: contextlib.nullcontext(),
-            "synchronize": lambda *_a, **_k: None,
-        },
+        {"Stream": host.Stream, "current_stream": host.current_stream, "stream": host.stream,
+         "synchronize": host.synchronize},
     )
     view = _ModuleView(torch, {"cuda": host_cuda})
     _set_module_torch("megatron.training.models.dist_utils", view)
     _set_module_torch("megatron.core.distributed.param_and_grad_buffer", view)
     _set_module_torch("megatron.core.dist_checkpointing.strategies.filesystem_async", view)
-
-
-def _host_stream_cls():
-    from verl_mtp_plugin.testing.verl_cpu.platform import _HostStream
-
-    return _HostStream
 
 
 # ---------------------------------------------------------------------------- the rest
@@ -217,6 +221,24 @@ class _ModelOptIsQuantizedFinder:
         return None
 
 
+def _install_bshd_valid_token_mask_as_causal() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    real = DotProductAttention.forward
+    if getattr(real, "_verl_cpu", False):
+        return
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype == torch.bool:
+            sq, sk = query.shape[0], key.shape[0]  # [s, b, heads, dim]
+            attention_mask = torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=query.device), 1)[None, None]
+        return real(self, query, key, value, attention_mask, *args, **kwargs)
+
+    forward._verl_cpu = True
+    forward.__wrapped__ = real
+    DotProductAttention.forward = forward
+
+
 def _install_modelopt_is_quantized() -> None:
     import importlib.util
 
@@ -256,6 +278,8 @@ def install_trainer_worker_standins() -> list[str]:
     _INSTALLED.append("cuda_by_name")
     _install_host_streams()
     _INSTALLED.append("host_streams")
+    _install_bshd_valid_token_mask_as_causal()
+    _INSTALLED.append("bshd_valid_token_mask_as_causal")
     _install_modelopt_is_quantized()
     _INSTALLED.append("modelopt_is_quantized")
     _log(f"trainer worker stand-ins: {', '.join(_INSTALLED)}")
