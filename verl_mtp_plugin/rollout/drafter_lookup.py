@@ -2,13 +2,15 @@
 
 vLLM has two GPU model runners, and they keep the speculative drafter in different places:
 
-* **V1** (``vllm/v1/worker/gpu_model_runner.py``; also the CPU runner, ``CPUModelRunner``): the proposer
-  is ``model_runner.drafter`` (``EagleProposer`` for ``method: mtp``) and its model ``.drafter.model``.
+* **V1** (``vllm/v1/worker/gpu_model_runner.py``; also the CPU runner, ``CPUModelRunner``, its subclass):
+  the proposer is ``model_runner.drafter`` (``EagleProposer`` for ``method: mtp``) and its model
+  ``.drafter.model``. V1 also has ``get_draft_model()`` (vLLM 0.26 ``gpu_model_runner.py:3298``, 0.31
+  ``:3302``): ``.drafter.model`` with a CUDA-graph wrapper taken off, which is what is used when it is there.
 * **V2** (``vllm/v1/worker/gpu/model_runner.py``): the speculator is ``model_runner.speculator``
   (``MTPSpeculator``) and its model ``.speculator.model``, returned by ``model_runner.get_draft_model()``;
   there is no ``model_runner.drafter``. vLLM 0.31 runs Nemotron-H with MTP on V2 by default on CUDA
   (``VllmConfig.use_v2_model_runner``: V2 whenever Triton is importable), vLLM 0.26 with
-  ``VLLM_USE_V2_MODEL_RUNNER=1``.
+  ``VLLM_USE_V2_MODEL_RUNNER=1``. A V2 runner is recognised by its ``speculator`` slot (V1 has none).
 
 verl 0.9.1 looks only at ``model_runner.drafter`` (``vLLMColocateWorkerExtension._get_drafter_model``),
 so on V2 it finds no drafter and its drafter sync is skipped without a word. The plugin's worker
@@ -26,7 +28,8 @@ from typing import Any
 
 __all__ = ["DRAFTER_PLACES", "DrafterNotFoundError", "find_drafter_model", "not_found_message", "runner_kind"]
 
-#: What is tried, in order: (description, how). The first that yields a module wins.
+#: Where a runner keeps its drafter, in the order tried; the first that yields a module wins (on a V1
+#: runner with ``get_draft_model()`` the module comes through it and the place is ``.drafter.model``).
 DRAFTER_PLACES: tuple[str, ...] = (
     "model_runner.get_draft_model()",  # V2's accessor (vllm/v1/worker/gpu/model_runner.py)
     "model_runner.speculator.model",  # V2's attribute behind it (MTPSpeculator)
@@ -40,10 +43,9 @@ class DrafterNotFoundError(RuntimeError):
 
 
 def runner_kind(model_runner: Any) -> str:
-    """``"v2"`` for vLLM's V2 model runner (it has a speculator slot), ``"v1"`` otherwise."""
-    if callable(getattr(model_runner, "get_draft_model", None)) or hasattr(model_runner, "speculator"):
-        return "v2"
-    return "v1"
+    """``"v2"`` for vLLM's V2 model runner (it has a ``speculator`` slot), ``"v1"`` otherwise (V1 runners
+    have ``get_draft_model()`` too, so that accessor does not tell them apart)."""
+    return "v2" if hasattr(model_runner, "speculator") else "v1"
 
 
 def _model_of(holder: Any) -> Any:
@@ -54,7 +56,8 @@ def find_drafter_model(model_runner: Any) -> tuple[Any, str] | tuple[None, None]
     """The drafter model of ``model_runner`` and the place it was found, or ``(None, None)``.
 
     Tries :data:`DRAFTER_PLACES` in order. ``get_draft_model()`` raising ``AttributeError`` (V2 without a
-    speculator) counts as not found there.
+    speculator) counts as not found there; on a V1 runner its module (``.drafter.model`` unwrapped) is
+    reported at ``model_runner.drafter.model``.
     """
     get = getattr(model_runner, "get_draft_model", None)
     if callable(get):
@@ -63,7 +66,7 @@ def find_drafter_model(model_runner: Any) -> tuple[Any, str] | tuple[None, None]
         except AttributeError:
             model = None
         if model is not None:
-            return model, DRAFTER_PLACES[0]
+            return model, DRAFTER_PLACES[0] if runner_kind(model_runner) == "v2" else DRAFTER_PLACES[2]
     model = _model_of(getattr(model_runner, "speculator", None))
     if model is not None:
         return model, DRAFTER_PLACES[1]

@@ -244,7 +244,8 @@ def _owned_roots(drafter: torch.nn.Module, target: torch.nn.Module | None) -> li
         if direct:
             raise MTPSyncError(
                 f"drafter module {name or '<root>'} holds tensors {[n for n, _ in direct]} next to modules "
-                "shared with the target; cannot scope the reload to the drafter's own modules"
+                "shared with the target; cannot scope the reload to the drafter's own modules",
+                phase="setup",
             )
         for child_name, c in m.named_children():
             walk(c, f"{name}.{child_name}" if name else child_name)
@@ -343,7 +344,8 @@ class MTPDrafterSync:
             if hf is None:
                 raise MTPSyncError(
                     f"drafter parameter {n!r} is neither an MTP layer parameter nor the embedding/lm_head "
-                    f"({type(self.drafter).__qualname__}); unknown drafter structure"
+                    f"({type(self.drafter).__qualname__}); unknown drafter structure",
+                    phase="setup",
                 )
             extra[hf] = n
         return own, shared, extra

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from typing import Any
 
 from verl_mtp_plugin.export.names import hf_mtp_pattern
@@ -105,13 +106,26 @@ class _ReceiveTimeout:
 
 
 def _drafter_loaded_at_start(vllm_config: Any) -> bool:
-    """vLLM loaded real drafter weights at start-up unless the draft load format is ``dummy``."""
-    from vllm.model_executor.model_loader.utils import get_draft_load_config
+    """vLLM loaded real drafter weights at start-up unless the draft load format is ``dummy``.
 
-    return "dummy" not in str(get_draft_load_config(vllm_config).load_format).lower()
+    vLLM 0.31 names the drafter's load config in ``get_draft_load_config``; earlier releases (0.26) have
+    no such function and load the drafter with ``speculative_config.draft_load_config``, else the
+    target's ``load_config``."""
+    try:
+        from vllm.model_executor.model_loader.utils import get_draft_load_config
+    except ImportError:
+        spec = getattr(vllm_config, "speculative_config", None)
+        load_config = getattr(spec, "draft_load_config", None) or vllm_config.load_config
+    else:
+        load_config = get_draft_load_config(vllm_config)
+    return "dummy" not in str(load_config.load_format).lower()
 
 
 _DRAIN = object()  # active-sync marker: receive the stream, load nothing
+
+
+class _FailedBucket(RuntimeError):
+    """The first error of a failed update, as text (its traceback is in the worker's log)."""
 
 
 def _describe(weights) -> str:
@@ -238,7 +252,7 @@ def _build_extension_class() -> type:
                 self._mtp_begin_update()
             except Exception as e:  # e.g. no drafter to be found, an unknown drafter structure
                 # Still receive (and drop) the stream, so the trainer's sender does not block, then fail.
-                self._mtp_failure = ("setup", e, "before the first bucket")
+                self._mtp_failure = ("setup", e, "before the first bucket", cause_text(e))
                 self._mtp_active_sync = _DRAIN
             try:
                 with _ReceiveTimeout(timeout):
@@ -273,16 +287,16 @@ def _build_extension_class() -> type:
             )
 
         def _mtp_failure_error(self, failure) -> MTPSyncError:
-            phase, error, where = failure
+            phase, error, where, cause = failure
             if phase == "setup":
                 return MTPSyncError(
-                    f"MTP drafter sync setup failed; no weights were loaded ({cause_text(error)}). "
+                    f"MTP drafter sync setup failed; no weights were loaded ({cause}). "
                     "The stream was received and dropped, so the trainer's sender finished; target and drafter "
                     "still hold their previous weights.",
                     phase="setup",
                 )
             return MTPSyncError(
-                f"weight update failed (loading into vLLM, {where}): {cause_text(error)}. "
+                f"weight update failed (loading into vLLM, {where}): {cause}. "
                 "The rest of the stream was received and dropped, so the trainer's sender finished. "
                 + self._mtp_state_after_failure(),
                 phase="load",
@@ -302,14 +316,21 @@ def _build_extension_class() -> type:
                 if not getattr(self, "_mtp_in_update", False):  # called outside update_weights_from_ipc
                     raise
                 where = f"bucket {self._mtp_buckets + 1}: {_describe(weights)}"
-                logger.error("weight update failed at %s: %s: %s; draining the rest of the stream",
-                             where, type(e).__name__, e)
-                self._mtp_failure = ("load", e, where)
+                cause = cause_text(e)
+                logger.error("weight update failed at %s: %s; draining the rest of the stream\n%s", where, cause,
+                             "".join(traceback.format_exception(e)))
+                # Keep no reference to the exception: its traceback's frames hold this bucket's tensors,
+                # views of verl's transfer buffer, and verl's shared-memory clean-up would then raise
+                # BufferError over the real error. The trainer gets the cause's text; the worker log, the
+                # traceback.
+                self._mtp_failure = ("load", _FailedBucket(cause), where, cause)
+                del e
                 if sync is not None:
                     sync.abort()
                 self._mtp_active_sync = _DRAIN
                 return None
-            self._mtp_buckets += 1
+            # counted for the failure report (also when called without update_weights_from_ipc around it)
+            self._mtp_buckets = getattr(self, "_mtp_buckets", 0) + 1
             return out
 
         # ---------------------------------------------------------- RPCs (collective_rpc)

