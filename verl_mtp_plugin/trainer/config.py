@@ -73,8 +73,11 @@ __all__ = [
     "compose_ppo_trainer",
     "compose_recipe",
     "main",
+    "rollout_speed_warnings",
     "validate_verl_config",
 ]
+
+logger = logging.getLogger(__name__)
 
 _M = "actor_rollout_ref.model"
 _MTP = "actor_rollout_ref.model.mtp"
@@ -132,6 +135,8 @@ class ResolvedMTPSettings:
         rollout_metrics: the trainer logs the plugin's rollout speculation metrics and runs the desync
             guard (a plugin trainer mode, :data:`~verl_mtp_plugin.config_keys.TRAINER_MODES`, with
             speculation on).
+        warnings: rollout settings that run but silently cost speed (:func:`rollout_speed_warnings`),
+            each naming its keys; logged at start-up, printed by ``verl-mtp check``.
     """
 
     model_type: str
@@ -152,6 +157,7 @@ class ResolvedMTPSettings:
     drafter_sync: str | None = None
     trainer_mode: str | None = None
     rollout_metrics: bool = False
+    warnings: tuple[str, ...] = ()
 
 
 def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
@@ -285,8 +291,10 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
         errors.append(
             f"MTP speculation on a hybrid Mamba model with prefix caching ({where}) needs "
-            f"{_VLLM}.mamba_cache_mode=align (got {mamba_cache_mode!r}): the recurrent state must roll back "
-            f"when drafts are rejected (vLLM #39809); set mamba_cache_mode: align or {_RO}.enable_prefix_caching=false"
+            f"{_VLLM}.mamba_cache_mode=align (got {mamba_cache_mode!r}): with prefix caching vLLM caches the Mamba "
+            "state per block only in 'align' mode (its hybrid prefix caching, vllm/model_executor/models/config.py); "
+            "rolling back rejected drafts needs neither (vLLM keeps 1+k Mamba state slots per sequence and its kernels "
+            f"read num_accepted_tokens); set mamba_cache_mode: align or {_RO}.enable_prefix_caching=false"
         )
 
     if hybrid is not False and not prefix_caching and mamba_cache_mode not in (None, "none"):
@@ -376,6 +384,14 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         depth = overrides.get("mtp_num_layers", hf_layers)
         depth = int(depth) if depth is not None else None
     scale = settings.mtp_loss_scaling_factor if settings is not None else None
+    warnings = tuple(
+        rollout_speed_warnings(config, num_speculative_tokens=int(spec["num_speculative_tokens"] or 1), mode=mode,
+                               trained_depth=depth)
+        if spec
+        else ()
+    )
+    for w in warnings:
+        logger.warning("verl_mtp_plugin: %s", w)
     return ResolvedMTPSettings(
         model_type=model_type,
         engine_selected=selected,
@@ -395,7 +411,88 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         drafter_sync=drafter_sync,
         trainer_mode=trainer_mode,
         rollout_metrics=bool(speculation and trainer_mode in TRAINER_MODES),
+        warnings=warnings,
     )
+
+
+#: vLLM's default ceiling of CUDA-graph capture sizes on Hopper (H100/H200; 1024 on Blackwell), in tokens
+#: (``VllmConfig`` in vllm/config/vllm.py: ``min(max_num_seqs * (k + 1) * 2, 512)``).
+DEFAULT_CAPTURE_CEILING = 512
+#: What it costs (H200, vLLM 0.26 on the V2 runner, Nemotron 3 Nano/Lightning 30B-A3B shape, 256 sequences,
+#: k=2): one decode step beyond the captured sizes vs the same step captured.
+_EAGER_STEP = "61.6 ms vs 29.6 ms per decode step (256 sequences, k=2, 30B-A3B shape, H200)"
+
+
+def _capture_ceiling(config: Any, max_num_seqs: int, k: int) -> tuple[int, str]:
+    """The largest decode batch (tokens) vLLM will capture in a CUDA graph, and the key that sets it."""
+    sizes = to_plain(get_key(config, f"{_RO}.cudagraph_capture_sizes"))
+    comp = get_key(config, f"{_VLLM}.compilation_config", {}) or {}
+    if isinstance(comp, str):
+        import json
+
+        comp = json.loads(comp)
+    comp = dict(to_plain(comp) or {})
+    if sizes:
+        ceiling, key = max(int(x) for x in sizes), f"{_RO}.cudagraph_capture_sizes"
+    elif comp.get("cudagraph_capture_sizes"):
+        ceiling, key = max(int(x) for x in comp["cudagraph_capture_sizes"]), f"{_VLLM}.compilation_config.cudagraph_capture_sizes"
+    elif comp.get("max_cudagraph_capture_size") is not None:
+        ceiling, key = int(comp["max_cudagraph_capture_size"]), f"{_VLLM}.compilation_config.max_cudagraph_capture_size"
+    else:
+        ceiling = min(max_num_seqs * (k + 1) * 2, DEFAULT_CAPTURE_CEILING)
+        key = f"{_VLLM}.compilation_config.max_cudagraph_capture_size (unset: vLLM's default {DEFAULT_CAPTURE_CEILING} on Hopper)"
+    batched = get_key(config, f"{_RO}.max_num_batched_tokens")
+    if batched is not None and int(batched) < ceiling:
+        ceiling, key = int(batched), f"{_RO}.max_num_batched_tokens"
+    return ceiling, key
+
+
+def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MTPMode | None,
+                           trained_depth: int | None) -> list[str]:
+    """Rollout settings that run but silently cost speed while vLLM speculates with ``k`` MTP drafts.
+
+    * ``rollout.enforce_eager`` or ``compilation_config.cudagraph_mode: NONE``: no CUDA graphs at all;
+    * a CUDA-graph capture ceiling below ``max_num_seqs * (k + 1)`` tokens: a full decode step (every
+      sequence verifying k drafts) is larger than any captured graph and runs without one;
+    * online / joint mode with ``k`` larger than the MTP depth the trainer trains: vLLM applies the MTP
+      block k times recursively, and drafts past the trained depth come from inputs it never learned.
+    """
+    k = int(num_speculative_tokens)
+    out: list[str] = []
+    comp = get_key(config, f"{_VLLM}.compilation_config", {}) or {}
+    if isinstance(comp, str):
+        import json
+
+        comp = json.loads(comp)
+    mode_key = str((to_plain(comp) or {}).get("cudagraph_mode", "") or "").upper()
+    eager = as_bool(get_key(config, f"{_RO}.enforce_eager", False))
+    if eager or mode_key == "NONE":
+        key = f"{_RO}.enforce_eager=true" if eager else f"{_VLLM}.compilation_config.cudagraph_mode=NONE"
+        out.append(
+            f"{key} while vLLM speculates with k={k} MTP drafts: every draft and verify step runs without CUDA "
+            f"graphs (measured: {_EAGER_STEP}); leave CUDA graphs on for the rollout"
+        )
+    else:
+        max_num_seqs = int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256)
+        need = max_num_seqs * (k + 1)
+        ceiling, key = _capture_ceiling(config, max_num_seqs, k)
+        if ceiling < need:
+            out.append(
+                f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {_RO}.max_num_seqs={max_num_seqs} x "
+                f"(k+1)={k + 1} = {need}: full decode steps with speculation run without CUDA graphs (measured: "
+                f"{_EAGER_STEP}); set {_VLLM}.compilation_config.max_cudagraph_capture_size: {need} (or more), "
+                f"or lower {_RO}.max_num_seqs"
+            )
+    if mode in (MTPMode.ONLINE, MTPMode.JOINT) and trained_depth is not None and k > trained_depth:
+        out.append(
+            f"{_MTP}.num_speculative_tokens={k} is larger than the MTP depth the trainer trains "
+            f"({trained_depth}, {_MEG}.override_transformer_config.mtp_num_layers or the checkpoint's): vLLM runs the "
+            f"MTP block {k} times, and drafts past depth {trained_depth} come from a head never trained for them "
+            "(measured on the H200: second-draft acceptance 0.08 with a one-depth head vs 0.82 trained over two "
+            f"depths); set num_speculative_tokens <= {trained_depth} or train mtp_num_layers={k} "
+            "(mtp_use_repeated_layer: true)"
+        )
+    return out
 
 
 def _critic_in_use(config: Any) -> bool:
