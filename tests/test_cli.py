@@ -93,3 +93,52 @@ def test_check_refuses_broken_variants_naming_the_keys(name, overrides, keys, ca
     assert "INVALID" in err
     for key in keys:
         assert key in err, (key, err)
+
+
+# --------------------------------------------------------------------------- rollout settings that cost speed
+
+_CAP = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size"
+
+
+@pytest.mark.parametrize("recipe", ["grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online"])
+def test_shipped_recipes_pass_the_strict_speed_check(recipe, capsys):
+    """Every recipe captures its full speculative decode step (256 sequences x (k+1) = 768 tokens)."""
+    assert main(["check", "--strict", f"{RECIPES}/{recipe}.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "WARNING" not in out
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # vLLM's default capture ceiling on Hopper is 512 tokens: below 256 x 3
+        ([f"~{_CAP}"], ["CUDA-graph capture ceiling 512 tokens", "max_num_seqs=256 x (k+1)=3 = 768", _CAP]),
+        (["actor_rollout_ref.rollout.max_num_seqs=512"], ["ceiling 768 tokens", "= 1536", f"{_CAP}: 1536"]),
+        (["actor_rollout_ref.rollout.cudagraph_capture_sizes=[1,2,4,8,256]"],
+         ["ceiling 256 tokens (actor_rollout_ref.rollout.cudagraph_capture_sizes)"]),
+        (["actor_rollout_ref.rollout.max_num_batched_tokens=512"],
+         ["ceiling 512 tokens (actor_rollout_ref.rollout.max_num_batched_tokens)"]),
+        (["actor_rollout_ref.rollout.enforce_eager=true"],
+         ["actor_rollout_ref.rollout.enforce_eager=true while vLLM speculates with k=2", "61.6 ms vs 29.6 ms"]),
+        (["+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=NONE"],
+         ["compilation_config.cudagraph_mode=NONE while vLLM speculates"]),
+        # online trains mtp_num_layers=2 (the repeated block); k=3 drafts past it
+        (["actor_rollout_ref.model.mtp.num_speculative_tokens=3", f"{_CAP}=1024"],
+         ["num_speculative_tokens=3 is larger than the MTP depth the trainer trains (2", "0.08"]),
+    ],
+)
+def test_check_warns_on_rollout_settings_that_cost_speed_and_strict_refuses(overrides, expected, capsys):
+    assert main(["check", f"{RECIPES}/grpo_online.yaml", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "1 warning(s)" in out, out[:2000]
+    for text in expected:
+        assert text in out, (text, out[:2000])
+    assert main(["check", "--strict", f"{RECIPES}/grpo_online.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID" in err and expected[0] in err
+
+
+def test_k_beyond_the_checkpoint_depth_is_no_warning_when_mtp_is_frozen(capsys):
+    """Frozen mode trains nothing: the drafter is what the checkpoint gives, whatever k."""
+    assert main(["check", "--strict", f"{RECIPES}/grpo_frozen.yaml",
+                 "actor_rollout_ref.model.mtp.num_speculative_tokens=3", f"{_CAP}=1024"]) == 0
