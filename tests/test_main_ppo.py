@@ -11,8 +11,9 @@ trainer workers and the test-only vLLM worker extension are :mod:`verl_mtp_plugi
 Runs (each a module-scoped fixture shared by the tests that read it; ~2.5-3 min each on 2 cores):
 
 * ``online``: grpo_online, learnable reward, 2 steps.
-* ``online_resumed``: verl's own entry point resumes ``online`` for step 3 with a zero-advantage
-  reward and no KL loss, so the only loss with a gradient is the MTP loss (isolation).
+* ``online_resumed``: verl's own entry point resumes ``online`` (model and trainer state; a fresh
+  Adam state) for step 3 with a zero-advantage reward and no KL loss, so the only loss with a
+  gradient is the MTP loss (isolation).
 * ``frozen`` / ``frozen_resumed``: grpo_frozen, 2 steps, then step 3 from its checkpoint.
 * ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the
   MTP loss.
@@ -31,7 +32,10 @@ pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
-GUARD_FAIL = ["+verl_mtp_plugin.mtp_guard.action=fail", "+verl_mtp_plugin.mtp_guard.patience=1"]
+# the isolation step starts from a fresh Adam state: the resumed momentum of steps 1-2 would move the
+# trunk at step 3 even with a zero gradient (model weights and trainer state are resumed)
+NO_OPTIMIZER_RESUME = "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"
+GUARD_FAIL = ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,7 +68,7 @@ def online(root, assets):
 @pytest.fixture(scope="module")
 def online_resumed(online, assets):
     return _run("grpo_online", online.workdir, assets, entry="verl", steps=3, resume=True, reward="zero_score",
-                extra_overrides=[NO_KL], check=True)
+                extra_overrides=[NO_KL, NO_OPTIMIZER_RESUME], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +129,12 @@ def _changed(a, b):
     return sorted(k for k in a if not bool((a[k] == b[k]).all()))
 
 
+def _matrices(tensors):
+    """The weight matrices (2-D): the tensors a trained block must have moved. Norm weights sit near 1.0,
+    where a bf16 checkpoint resolves 2^-7: a few lr-1e-3 steps may not show there."""
+    return sorted(k for k, v in tensors.items() if v.dim() >= 2)
+
+
 def _loaded(assets):
     return _tensors(assets.model)
 
@@ -168,7 +178,7 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
     assert set(saved) == set(loaded)
     mtp0, trunk0 = _split(loaded)
     mtp1, trunk1 = _split(saved)
-    assert _changed(mtp0, mtp1) == sorted(mtp0)  # every MTP tensor trained
+    assert set(_matrices(mtp0)) <= set(_changed(mtp0, mtp1))  # every MTP weight matrix trained
     assert _changed(trunk0, trunk1)  # the policy gradient moved the trunk (non-zero advantages)
     assert any(m["critic/advantages/max"] > 0 for m in online.metrics.values())
     for m in online.metrics.values():
@@ -192,7 +202,7 @@ def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(on
     m = online_resumed.metrics[3]
     assert m["critic/advantages/max"] == 0.0 and m["critic/advantages/min"] == 0.0
     assert _changed(trunk2, trunk3) == []  # bit-identical: the MTP loss sent the trunk nothing
-    assert _changed(mtp2, mtp3) == sorted(mtp2)
+    assert set(_matrices(mtp2)) <= set(_changed(mtp2, mtp3))
     assert m["actor/grad_norm"] == 0.0 and m["actor/mtp_grad_norm"] > 0
     _assert_rollout_speculation(online_resumed)  # verl's entry point ran the plugin's mtp_sync trainer
 
@@ -243,7 +253,7 @@ def test_joint_mtp_loss_reaches_the_trunk(joint, assets):
         assert m["actor/grad_norm"] > 0  # zero advantages, no KL loss: the MTP loss's gradient
         assert "actor/mtp_grad_norm" not in m  # joint: megatron keeps MTP in the main norm
     assert _changed(trunk0, trunk1)  # (online with the same reward: bit-identical, see above)
-    assert _changed(mtp0, mtp1) == sorted(mtp0)
+    assert set(_matrices(mtp0)) <= set(_changed(mtp0, mtp1))
     _assert_rollout_speculation(joint)
 
 
@@ -277,7 +287,7 @@ def test_ppo_online(ppo_online, assets):
     assert sorted(ppo_online.metrics) == [1, 2]
     _assert_same_names(ppo_online, assets)
     mtp0, _ = _split(_loaded(assets))
-    assert _changed(mtp0, _split(_saved(ppo_online))[0]) == sorted(mtp0)
+    assert set(_matrices(mtp0)) <= set(_changed(mtp0, _split(_saved(ppo_online))[0]))
     for m in ppo_online.metrics.values():
         assert "critic/vf_loss" in m and m["actor/mtp_grad_norm"] > 0
     assert (ppo_online.checkpoints[2] / "critic").is_dir()

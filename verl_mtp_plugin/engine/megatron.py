@@ -517,7 +517,9 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         outputs = super().train_batch(data, loss_function)
         norm = self._mtp_grad_norm
         if norm is not None and self.is_mp_src_rank_with_outputs() and isinstance(outputs, dict):
-            outputs.setdefault("metrics", {})["mtp_grad_norm"] = norm
+            # a list, like the engine's other metrics (verl gathers them over data-parallel ranks and
+            # flattens per micro-batch lists, engine_workers.py:327-331)
+            outputs.setdefault("metrics", {})["mtp_grad_norm"] = [norm]
         return outputs
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False) -> Any:

@@ -26,6 +26,10 @@ as narrow as the forcing line allows:
   local attention (the only one here) receives, in its place, the causal mask TE applies (right-padded
   rows: padding never reaches a real token under causal attention, as in the plugin engine's own
   ``_bshd_attention_mask``). Masks of any other shape are passed on unchanged.
+* ``torch_adam_state_before_load``: without Apex/TE megatron's distributed optimizer is torch's
+  Adam, whose state exists only after a step; loading a checkpoint (resume) first lays the state out
+  with megatron's own ``_init_optimizer_states_with_dummy_values`` (a zero-gradient step, which
+  megatron itself runs before loading Megatron-FSDP checkpoints); the checkpoint then replaces it.
 * ``modelopt_is_quantized``: Megatron-Bridge's HF save asks ModelOpt whether the model is quantized;
   ModelOpt is not in the test environment, and without it no model can be ModelOpt-quantized.
 """
@@ -65,6 +69,11 @@ STANDINS: dict[str, str] = {
         "[b, s] valid-token mask that TE's causal attention ignores; megatron's local DotProductAttention "
         "(transformer/dot_product_attention.py:210 -> transformer/utils.py:54) applies it as a [b, 1, s, s] "
         "True = masked mask"
+    ),
+    "torch_adam_state_before_load": (
+        "megatron/core/optimizer/distrib_optimizer.py:837-839 (state_dict without Apex/TE: one 'step' per "
+        "torch Adam state, asserted) called from sharded_state_dict:1532 when verl loads a checkpoint "
+        "(verl/utils/checkpoint/megatron_checkpoint_manager.py:408) into a torch Adam that has not stepped"
     ),
     "modelopt_is_quantized": (
         "megatron/bridge/models/conversion/auto_bridge.py:1127 (save_hf_weights) imports "
@@ -239,6 +248,23 @@ def _install_bshd_valid_token_mask_as_causal() -> None:
     DotProductAttention.forward = forward
 
 
+def _install_torch_adam_state_before_load() -> None:
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    real = do.DistributedOptimizer.sharded_state_dict
+    if getattr(real, "_verl_cpu", False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading=False, *args, **kwargs):  # noqa: B006
+        if is_loading and not do.HAVE_APEX_OR_TE and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return real(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    sharded_state_dict._verl_cpu = True
+    sharded_state_dict.__wrapped__ = real
+    do.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+
 def _install_modelopt_is_quantized() -> None:
     import importlib.util
 
@@ -280,6 +306,8 @@ def install_trainer_worker_standins() -> list[str]:
     _INSTALLED.append("host_streams")
     _install_bshd_valid_token_mask_as_causal()
     _INSTALLED.append("bshd_valid_token_mask_as_causal")
+    _install_torch_adam_state_before_load()
+    _INSTALLED.append("torch_adam_state_before_load")
     _install_modelopt_is_quantized()
     _INSTALLED.append("modelopt_is_quantized")
     _log(f"trainer worker stand-ins: {', '.join(_INSTALLED)}")
