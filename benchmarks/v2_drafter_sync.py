@@ -8,7 +8,7 @@ engines, that the plugin finds the drafter, syncs it exactly and that vLLM's spe
 the trainer predicts:
 
 1. **Trainer.** A Nemotron-3-shaped megatron-core ``HybridModel`` (the demo's dense ``M*-M-`` + MTP ``*``,
-   fp32), warmed up on the demo's count-on task (``verl_mtp_plugin.demo._warmup`` on ``DemoTask``, MTP
+   fp32), warmed up on the demo's count-on task (``verl_mtp_plugin.testing.rl_loop._warmup`` on ``DemoTask``, MTP
    trained with the model), snapshotted after each of ``--versions`` cumulative warm-up steps: one
    policy version per snapshot, each changing every weight, the MTP block included.
 2. **Engines.** Per runner, two real ``vllm.LLM`` engines built by ``testing.vllm_engine.build_engine``
@@ -252,7 +252,7 @@ class Trainer:
     def __init__(self, args):
         import torch
 
-        from verl_mtp_plugin.demo import DemoTask, _warmup
+        from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
         from verl_mtp_plugin.testing import init_megatron
         from verl_mtp_plugin.testing.vllm_engine import dense_spec
 
@@ -483,7 +483,7 @@ class RunnerProof:
         self.save()
 
     def corrupt(self) -> None:
-        from verl_mtp_plugin.demo import _swap_eh
+        from verl_mtp_plugin.testing.rl_loop import _swap_eh
         from verl_mtp_plugin.export import hf_mtp_digests
 
         last = len(self.tr.snapshots) - 1
@@ -540,7 +540,7 @@ def warm_engines(args) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from verl_mtp_plugin.demo import DemoTask
+    from verl_mtp_plugin.testing.rl_loop import DemoTask
     from verl_mtp_plugin.testing.vllm_engine import dense_spec, write_model_dir
 
     spec = dense_spec(vocab_size=DemoTask().vocab_size, mtp_loss_scaling_factor=0.3)

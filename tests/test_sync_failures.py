@@ -22,7 +22,7 @@ BOUND_S = 10.0  # seconds from the start of a failing update to the exception in
 
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
-    from verl_mtp_plugin.demo import DemoTask, _warmup
+    from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
     from verl_mtp_plugin.testing.vllm_engine import build_engine, dense_spec
 
@@ -98,7 +98,7 @@ def test_a_wrong_shape_tensor_mid_stream_reaches_the_trainer_in_seconds_with_its
     assert "bucket 1: " in text and "RuntimeError: start (0) + length (256) exceeds dimension size (248)" in text, text
     assert "drafter still holds its previous weights" in text and "next update reloads every tensor" in text
     assert "BufferError" not in text and "pointers" not in text
-    from verl_mtp_plugin.demo import _sync_failure
+    from verl_mtp_plugin.testing.rl_loop import _sync_failure
 
     assert _sync_failure(err).startswith("weight update failed while loading into vLLM: MTPSyncError")  # not "verification"
     _restores(env)

@@ -32,7 +32,7 @@ def _conv_paths():
 # CPU without the feature has it ("off"); elsewhere only "off" exists.
 @pytest.fixture(scope="module", params=_conv_paths(), ids=lambda p: f"conv-{p}")
 def env(megatron_env, tmp_path_factory, request):
-    from verl_mtp_plugin.demo import DemoTask, _warmup
+    from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
     from verl_mtp_plugin.testing.vllm_engine import SpecStepReader, build_engine, dense_spec
 

@@ -1,7 +1,7 @@
 """``verl-mtp``: the plugin's command line.
 
 Subcommands:
-  demo     run every RL phase end to end on a tiny Nemotron-3-shaped model (CPU or GPU)
+  demo     verl's own trainer runs the shipped recipes on a tiny Nemotron-H (CPU), online vs frozen
   phases   print the per-phase MTP table
   check    validate a verl recipe YAML and print the table it resolves to
   keys     print the HF MTP tensor names the export produces for an HF config.json
@@ -24,21 +24,9 @@ def _cmd_phases(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    import warnings
+    from verl_mtp_plugin.demo import main_cli
 
-    # megatron warns at import that Transformer Engine / Apex are absent (expected on CPU)
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-    from verl_mtp_plugin.demo import DemoInvariantError, run_demo
-
-    try:
-        run_demo(
-            mode=args.mode, steps=args.steps, seed=args.seed, device=args.device, out=args.out,
-            progress=not args.no_progress, break_sync=args.break_sync,
-        )
-    except DemoInvariantError as e:
-        print(f"\nverl-mtp demo: INVARIANT FAILED: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return main_cli(args)
 
 
 def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: bool = False) -> str:
@@ -95,16 +83,25 @@ def _cmd_keys(args) -> int:
     return 0
 
 
+def _demo_modes(text: str) -> str:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("off", "frozen", "online", "joint")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: modes are off, frozen, online, joint (comma-separated)")
+    return ",".join(modes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-mtp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="run every phase end to end on a tiny Nemotron-3-shaped model")
-    d.add_argument("--mode", default="online", choices=["off", "frozen", "online", "joint"])
-    d.add_argument("--steps", type=int, default=6)
+    d = sub.add_parser("demo", help="verl's own trainer runs the shipped recipes on a tiny Nemotron-H (CPU)")
+    d.add_argument("--mode", default="online,frozen", type=_demo_modes,
+                   help="one mode or a comma list of off, frozen, online, joint (default: online,frozen)")
+    d.add_argument("--steps", type=int, default=10)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, the plot and synced weights")
+    d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, demo.png and each run's log")
     d.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     d.add_argument("--break-sync", default="none", choices=["none", "skip-drafter", "swap-eh"],
                    help="break the drafter sync on purpose: the desync guard must stop the run (exit 2)")

@@ -13,8 +13,9 @@ __all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event"]
 ENV_EVENTS = "VERL_CPU_EVENTS"
 ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
 #: ``swap-eh``: the MTP ``eh_proj``'s two input halves trade places in what reaches vLLM (the demo's
-#: ``--break-sync swap-eh``): names, shapes and checksums stay valid, only generation can tell
-BREAK_SYNC_CHOICES = ("none", "swap-eh")
+#: ``--break-sync swap-eh``): names, shapes and checksums stay valid, only generation can tell;
+#: ``skip-drafter``: the drafter is never loaded (it keeps its start-up weights) while the target follows
+BREAK_SYNC_CHOICES = ("none", "swap-eh", "skip-drafter")
 
 
 def event(kind: str, **fields) -> None:

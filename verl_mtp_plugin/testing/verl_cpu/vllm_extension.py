@@ -16,7 +16,8 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
   drafter loads;
 * ``VERL_CPU_BREAK_SYNC=swap-eh`` breaks the drafter sync on purpose, the way the demo's
   ``--break-sync swap-eh`` does: the MTP ``eh_proj``'s two input halves trade places in what reaches
-  vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell.
+  vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell;
+  ``VERL_CPU_BREAK_SYNC=skip-drafter`` never loads the drafter (it keeps its start-up weights).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class CPUMTPColocateWorkerExtension(_base()):
 
     def update_weights_from_ipc(self, *args, **kwargs):
         self._verl_cpu_kernels()
+        if _break_sync() == "skip-drafter":
+            # the extension's frozen mode with the drafter marked loaded: every update skips it
+            self.mtp_configure_sync(mode="frozen")
+            self._mtp_drafter_sync().drafter_loaded = True
         try:
             result = super().update_weights_from_ipc(*args, **kwargs)
         except BaseException as e:
