@@ -14,7 +14,8 @@ as narrow as the forcing line allows:
   ``override_transformer_config`` through OmegaConf, which cannot carry the callable
   ``hybrid_stack_spec``, so the TE branch of the default resolves to the testing package's TE-layout
   local spec (:func:`verl_mtp_plugin.testing.bridge.te_layout_hybrid_stack_spec`).
-* ``inference_rng_tracker``: megatron's CPU-safe RNG tracker, created before verl seeds the CUDA one.
+* ``inference_rng_tracker``: megatron's CPU-safe RNG tracker, created before verl seeds the CUDA one;
+  its (CUDA) states, which verl checkpoints and requires non-empty on resume, are the host generator's.
 * ``cuda_by_name``: megatron-core 0.19.2 allocates a few scalars on ``"cuda"`` by name and checks
   ``param.type()`` against ``torch.cuda.*Tensor``. Only the modules holding those lines see a
   ``torch`` whose factories place ``device="cuda"`` on the host; the type checks read the CUDA names
@@ -53,7 +54,10 @@ STANDINS: dict[str, str] = {
     "te_import_placeholder": "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine unconditionally",
     "mamba_reference": "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels",
     "te_free_default_hybrid_spec": "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec",
-    "inference_rng_tracker": "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker",
+    "inference_rng_tracker": (
+        "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker; "
+        "verl/utils/checkpoint/megatron_checkpoint_manager.py:843-844 refuses to resume from empty tracker states"
+    ),
     "cuda_by_name": (
         "megatron/core/optimizer/optimizer.py:315,690,698,702,1249 + clip_grads.py:96,108,112,180,231 + "
         "core/utils.py:1332 + pipeline_parallel/schedules.py:749 allocate device='cuda'; optimizer.py:1009,1028, "
@@ -298,7 +302,12 @@ def install_trainer_worker_standins() -> list[str]:
     # model_parallel_cuda_manual_seed finds the tracker initialised and keeps it.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     initialize_rng_tracker(inference_rng_tracker=True)
+    # the inference tracker holds no CUDA states (set_states is a no-op); what verl saves must not be
+    # empty, or verl's resume raises: save the host generator's state in their place
+    get_cuda_rng_tracker().get_states = lambda: {"host_rng_state": torch.get_rng_state()}
     _INSTALLED.append("inference_rng_tracker")
     _install_cuda_by_name()
     _INSTALLED.append("cuda_by_name")
