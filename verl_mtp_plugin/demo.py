@@ -37,7 +37,8 @@ __all__ = ["BREAK_SYNC_CHOICES", "DEMO_MODES", "DemoInvariantError", "DemoRunErr
 DEMO_MODES = ("off", "frozen", "online", "joint")
 BREAK_SYNC_CHOICES = ("none", "skip-drafter", "swap-eh")
 #: the desync guard as the demo runs it: fail, on the first step that shows a desync
-GUARD_FAIL = ("+verl_mtp_plugin.mtp_guard.action=fail", "+verl_mtp_plugin.mtp_guard.patience=1")
+GUARD_FAIL = ("verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1",
+              "verl_mtp_plugin.mtp_guard.zero_patience=1")
 #: a larger batch than the tests' (8 prompts x 4 samples): the reward moves visibly within a few steps
 DEMO_SIZES = (
     "trainer.total_epochs=1000",  # the tiny train set is a few batches: steps, not epochs, end the run
