@@ -330,7 +330,11 @@ def run_recipe(
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
     ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
-    env = {**os.environ, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync), "RAY_TMPDIR": ray_tmp}
+    # A run starts like a user's shell: megatron-core sets process-wide NVTE_* attention variables whenever it
+    # builds a model (language_module.py:110-140) and asserts they agree with the backend of the next build, so
+    # the ones an earlier model build in this process left behind must not reach the run.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
     stopped = None
