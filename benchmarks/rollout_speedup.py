@@ -114,7 +114,17 @@ def model_spec(args):
     from verl_mtp_plugin.testing import TinyHybridSpec
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.trainer_dtype]
-    if args.device == "cuda":
+    if args.device == "cuda" and args.size == "2b":
+        # 2.2 B parameters (0.7 B active): 11 Mamba, 11 MoE (32 experts top-4 + shared), 3 attention, hidden 2048,
+        # Mamba 64 heads x 64 with state 128 and 8 groups (Nano's), MTP ``*E``
+        spec = TinyHybridSpec(
+            pattern="MEMEM*EMEMEM*EMEMEM*EMEME/*E", vocab_size=args.vocab, hidden_size=2048, ffn_hidden_size=4096,
+            num_attention_heads=16, num_query_groups=2, num_experts=32, moe_topk=4, moe_ffn_hidden_size=1024,
+            moe_shared_expert_intermediate_size=2048, moe_latent_size=None, mamba_state_dim=128,
+            mamba_head_dim=64, mamba_num_groups=8, max_sequence_length=256, params_dtype=dtype,
+            mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR,
+        )
+    elif args.device == "cuda":
         spec = TinyHybridSpec(
             pattern="MEMEM*EMEMEM*EME/*E", vocab_size=args.vocab, hidden_size=1024, ffn_hidden_size=2048,
             num_attention_heads=8, num_query_groups=2, num_experts=8, moe_topk=2, moe_ffn_hidden_size=512,
@@ -546,6 +556,18 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=None, help="measured prompts per generate call (64 GPU, 16 CPU)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (= response length)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--size", default="200m", choices=("200m", "2b"), help="CUDA trainer preset (CPU: tiny dense)")
+    ap.add_argument("--update-path", default="ipc", choices=("ipc", "inprocess"),
+                    help="ipc: the production path (engine core in its own process on CUDA, the plugin's worker "
+                         "extension's update_weights_from_ipc fed by verl's BucketedWeightSender); inprocess: "
+                         "MTPDrafterSync called in an in-process engine (the earlier runs)")
+    ap.add_argument("--runner", default="v2", choices=("v1", "v2"), help="vLLM GPU model runner (ipc path, CUDA)")
+    ap.add_argument("--batches", default=None,
+                    help="ipc path: sequences per measured generate call (default 64,256 GPU, 8,16 CPU); every "
+                         "version is measured at the first, the last version at all")
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="ipc path: vLLM cache (KV + Mamba state)")
+    ap.add_argument("--bucket-mb", type=int, default=512, help="ipc path: verl's update bucket (>= largest tensor)")
+    ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -559,6 +581,8 @@ def parse_args(argv=None):
     args.response_len = args.response_len or (128 if gpu else 32)
     args.max_tokens = args.max_tokens or args.response_len
     args.prompts = args.prompts or (64 if gpu else 16)
+    args.batches = [int(x) for x in (args.batches or ("64,256" if gpu else "8,16")).split(",") if x]
+    args.kv_cache_gib = args.kv_cache_gib or (40.0 if gpu else 0.25)
     args.pretrain_steps = args.pretrain_steps or (300 if gpu else 200)
     args.pretrain_batch = args.pretrain_batch or (64 if gpu else 32)
     args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
@@ -571,6 +595,21 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     deadline = T0 + args.budget if args.budget else float("inf")
+    if args.update_path == "ipc":
+        import tempfile
+
+        import v2_drafter_sync
+
+        args.workdir = args.workdir or tempfile.mkdtemp(prefix="rollout_speedup_")
+        os.environ.setdefault("VERL_RAY_JOB_ID", f"speedup-{os.getpid()}")
+        if CUDA:
+            # the engine core runs in its own process, spawned (CUDA is initialised here by the trainer)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+        # verl's rollout modules without ray where ray is not installed (the GPU machine), before any verl import
+        hook = v2_drafter_sync.install_verl_import_path_without_ray(args.workdir)
+        log(f"update path: ipc (runner {args.runner if CUDA else 'v1 (CPU)'}); verl import hook: {hook}")
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
     if CUDA and args.mamba_impl == "triton":
         from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
@@ -643,6 +682,11 @@ def main(argv=None) -> int:
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
+
+    if args.update_path == "ipc":
+        result["update_path"] = "ipc"
+        run_ipc(result, write, spec, lang, snapshots, steps, args, deadline)
+        return 0
 
     # ---- rollout engines
     model_dir = write_hf_config_dir(os.path.join("/tmp", f"rollout_speedup_{os.getpid()}"), spec)
@@ -728,6 +772,172 @@ def main(argv=None) -> int:
     print_table(result)
     log(f"wrote {out_path}")
     return 0
+
+
+# --------------------------------------------------------------------------- the production update path
+
+
+def capture_sizes(max_tokens: int) -> list[int]:
+    """CUDA-graph sizes up to ``max_tokens`` (= max_num_seqs x (k+1), what ``verl-mtp check`` asks for)."""
+    base = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    return sorted({x for x in base if x <= max_tokens} | {max_tokens})
+
+
+def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
+    """Engines with the plugin's worker extension; every policy version through verl's update path.
+
+    Per engine (no speculation, then each k of ``--ks``): build (``testing.vllm_engine.build_engine``:
+    ``worker_extension_cls`` = the plugin's extension, engine core in its own process on CUDA), then per
+    policy version one ``RolloutEngine.sync`` (worker RPC ``update_weights_from_ipc`` fed by verl's
+    ``BucketedWeightSender`` over CUDA IPC; verl's shared memory on a CPU) and a measurement at temperature 1;
+    every version at the first batch size, the last version at every batch size. Then the stale drafter on
+    the same engine: version 0 synced online, the extension switched to ``frozen``
+    (``mtp_configure_sync``), the last version synced (target only: 0 drafter bytes), measured."""
+    from verl_mtp_plugin.testing.vllm_engine import build_engine as build_rollout_engine
+
+    last = len(snapshots) - 1
+    mode = args.graph_modes[0]
+    prompts = {n: lang.prompts(n, torch.Generator().manual_seed(args.seed + 300 + n)).tolist() for n in args.batches}
+    by_batch: dict = {str(n): {} for n in args.batches}
+    per_version: list = []
+    syncs: list = []
+    builds: dict = {}
+    places: dict = {}
+    result.update(by_batch=by_batch, per_version=per_version, syncs=syncs, engine_build_s=builds,
+                  drafter_places=places, graphs=mode, batches=args.batches,
+                  runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+
+    def est(v: int) -> dict:
+        return {kk.split("/", 1)[1]: vv for kk, vv in steps[v].items() if kk.startswith("in_trainer/")}
+
+    def one_engine(k: int) -> None:
+        name = "no_spec" if k == 0 else f"k{k}"
+        top = max(args.batches) * (k + 1)
+        extra = {"max_num_batched_tokens": max(8192, top)}
+        if mode == "graphs":
+            sizes = capture_sizes(top)
+            extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,
+                                                                  "max_cudagraph_capture_size": max(sizes)})
+        t0 = time.time()
+        eng = build_rollout_engine(
+            spec, os.path.join(args.workdir, name), num_speculative_tokens=k, max_model_len=args.max_model_len,
+            max_num_seqs=max(args.batches), kv_cache_mib=int(args.kv_cache_gib * 1024), in_process=not CUDA,
+            drafter_sync="online", extra_engine_args=extra)
+        eng.bucket_mb = args.bucket_mb
+        builds[name] = time.time() - t0
+        log(f"engine {name} ({mode}) built in {builds[name]:.1f}s")
+        try:
+            if k:
+                places[name] = eng.rpc("mtp_drafter_place")
+                log(f"  drafter: {places[name]}")
+            arm = "no_spec" if k == 0 else f"synced_k{k}"
+            for v in (range(last + 1) if k else [0, last]):
+                s = eng.sync(iter(snapshots[v]))
+                syncs.append({"engine": name, "version": v, "mode": "online", **s})
+                for n in (args.batches if v == last else args.batches[:1]):
+                    m = measure(eng.llm, prompts[n], temperature=1.0, args=args)
+                    row = {"arm": arm, "version": v, "batch": n, **m, "in_trainer": est(v)}
+                    per_version.append(row)
+                    if v == last:
+                        by_batch[str(n)][arm] = row
+                    log(f"  {arm} v{v} N={n}: {m['tokens_per_s']:.0f} tok/s accept {m['accept_rate']} "
+                        f"pos {[round(x, 3) for x in m['accept_rate_pos']]} | sync {s.get('sync/wall_seconds', 0):.2f}s "
+                        f"(drafter {1e3 * s.get('sync/drafter_seconds', 0):.1f} ms)")
+                write()
+            if args.greedy_row:
+                n = args.batches[0]
+                by_batch[str(n)][f"{arm}_greedy"] = {**measure(eng.llm, prompts[n], temperature=0.0, args=args),
+                                                    "version": last, "batch": n}
+            if k:  # the stale drafter: version 0 in the drafter, the last version in the target
+                eng.configure_drafter_sync(mode="online")
+                eng.sync(iter(snapshots[0]))
+                eng.configure_drafter_sync(mode="frozen")
+                s = eng.sync(iter(snapshots[last]))
+                syncs.append({"engine": name, "version": last, "mode": "frozen", **s})
+                if s.get("sync/bytes_drafter", 0.0) != 0.0:
+                    raise RuntimeError(f"frozen sync loaded {s['sync/bytes_drafter']} drafter bytes")
+                for n in args.batches:
+                    m = measure(eng.llm, prompts[n], temperature=1.0, args=args)
+                    by_batch[str(n)][f"stale_k{k}"] = {"arm": f"stale_k{k}", "version": last, "drafter_version": 0,
+                                                      "batch": n, **m}
+                    log(f"  stale_k{k} N={n} (drafter v0, target v{last}): {m['tokens_per_s']:.0f} tok/s accept "
+                        f"{m['accept_rate']} pos {[round(x, 3) for x in m['accept_rate_pos']]}")
+        finally:
+            eng.close()
+            try:  # vLLM 0.26's LLM has no shutdown(): end the engine-core process so its memory is freed
+                eng.llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # noqa: BLE001
+                log(f"  engine shutdown: {type(e).__name__}: {e}")
+            del eng
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+            summarize_batches(result)
+            write()
+
+    est_engine = None
+    for k in [0] + [k for k in args.ks if k]:
+        if est_engine is not None and time.time() + est_engine > deadline:
+            log(f"budget: skipping engine k={k}")
+            continue
+        t0 = time.time()
+        try:
+            one_engine(k)
+        except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed, go on
+            result.setdefault("errors", []).append(f"k={k}: {type(e).__name__}: {e}")
+            log(f"engine k={k} FAILED: {type(e).__name__}: {e}")
+        est_engine = time.time() - t0
+    summarize_batches(result)
+    write()
+    print_batches(result)
+
+
+def summarize_batches(result: dict) -> None:
+    """Per batch: speed-up vs no speculation; the step cost each speculative arm implies
+    (``c_k = accept_length x tok/s(no_spec) / tok/s(arm)``: tokens per step over the speed-up); the best
+    synced k at the first batch size against its stale twin."""
+    for n, rows in result["by_batch"].items():
+        base = rows.get("no_spec", {}).get("tokens_per_s")
+        for arm, r in rows.items():
+            if base and r.get("tokens_per_s"):
+                r["speedup_vs_no_spec"] = r["tokens_per_s"] / base
+                if r.get("accept_length") and not arm.endswith("_greedy"):
+                    r["implied_c_k"] = r["accept_length"] / r["speedup_vs_no_spec"]
+    rows = result["by_batch"].get(str(result["batches"][0]), {})
+    synced = {a: r["tokens_per_s"] for a, r in rows.items() if a.startswith("synced_") and not a.endswith("_greedy")}
+    if synced and "no_spec" in rows:
+        best = max(synced, key=synced.get)
+        stale = rows.get(best.replace("synced", "stale"), {})
+        result["goal"] = {
+            "batch": result["batches"][0], "best_synced": best,
+            "best_synced_speedup": rows[best].get("speedup_vs_no_spec"),
+            "accept_length": rows[best].get("accept_length"), "implied_c_k": rows[best].get("implied_c_k"),
+            "stale_same_k_speedup": stale.get("speedup_vs_no_spec"),
+            "speedup_ge_2x": (rows[best].get("speedup_vs_no_spec") or 0) >= 2.0,
+            "stale_below_synced": bool(stale) and stale["tokens_per_s"] < rows[best]["tokens_per_s"],
+        }
+
+
+def print_batches(result: dict) -> None:
+    steps = {r["version"]: r for r in result["rl_steps"]}
+    last = max(steps)
+    for n, rows in result["by_batch"].items():
+        print(f"\n== N={n}, temperature 1 (greedy rows marked), last version v{last} ==")
+        print(f"{'arm':<18} {'tok/s':>9} {'x no_spec':>9} {'accept':>7} {'length':>7} {'c_k':>6} {'pos rates':<22} "
+              f"{'trainer d1 / d2':>16}")
+        for arm, r in rows.items():
+            e = steps.get(0 if arm.startswith("stale") else last, {})
+            d1 = e.get("in_trainer/mtp_argmax_draft_accept_rate", float("nan"))
+            d2 = e.get("in_trainer/mtp_expected_accept_rate_depth2", float("nan"))
+            sp, acc, ln, ck = (r.get(x) for x in ("speedup_vs_no_spec", "accept_rate", "accept_length", "implied_c_k"))
+            print(f"{arm:<18} {r['tokens_per_s']:>9.0f} {'-' if sp is None else f'{sp:.2f}':>9} "
+                  f"{'-' if acc is None else f'{acc:.3f}':>7} {'-' if ln is None else f'{ln:.2f}':>7} "
+                  f"{'-' if ck is None else f'{ck:.2f}':>6} {str([round(x, 2) for x in r.get('accept_rate_pos', [])]):<22} "
+                  f"{d1:>7.3f} / {d2:.3f}")
+    if "goal" in result:
+        print(f"goal: {result['goal']}")
+    if result.get("errors"):
+        print(f"errors: {result['errors']}")
 
 
 def summarize(result: dict, last: int) -> None:
