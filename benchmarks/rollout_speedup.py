@@ -568,6 +568,11 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="ipc path: vLLM cache (KV + Mamba state)")
     ap.add_argument("--bucket-mb", type=int, default=512, help="ipc path: verl's update bucket (>= largest tensor)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="ipc path: build the no-speculation engine first (--no-baseline: measured in another call)")
+    ap.add_argument("--state", default=None,
+                    help="ipc path: save the trainer's policy versions and estimates here; if the file exists, "
+                         "load them and run the engines only (a later device call)")
     args = ap.parse_args(argv)
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -627,12 +632,21 @@ def main(argv=None) -> int:
     args.max_model_len = lang.seq_len + max(args.ks) + 8
     spec = model_spec(args)
     reset_mtp_globals(args.mtp_depths)
-    model = drift.build_model(spec, device)
-    fwd = drift.Fwd(device)
+    state = None
+    if args.state and os.path.exists(args.state):  # a trainer run saved by an earlier call: engines only
+        state = torch.load(args.state, map_location="cpu", weights_only=False)
+        if state["spec_pattern"] != spec.pattern or state["hidden_size"] != spec.hidden_size:
+            raise SystemExit(f"--state {args.state} holds {state['spec_pattern']} hidden {state['hidden_size']}, "
+                             f"not this run's {spec.pattern} hidden {spec.hidden_size}")
+        model, fwd = None, None
+        n_params, n_mtp = state["params"]["total"], state["params"]["mtp"]
+    else:
+        model = drift.build_model(spec, device)
+        fwd = drift.Fwd(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"rollout_speedup_{args.tag}.json")
-    n_params = sum(p.numel() for p in model.parameters())
-    n_mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
     result = {
         "config": {k: v for k, v in vars(args).items()}, "spec": {**dataclasses.asdict(spec),
                                                                  "params_dtype": str(spec.params_dtype)},
@@ -650,6 +664,18 @@ def main(argv=None) -> int:
     log(f"model {spec.pattern} hidden {spec.hidden_size} vocab {spec.vocab_size} {spec.params_dtype}: "
         f"{n_params / 1e6:.1f} M params ({n_mtp / 1e6:.1f} M MTP); trainer {args.trainer_dtype}, "
         f"Mamba {args.mamba_impl if CUDA else 'torch reference (CPU)'}")
+
+    if state is not None:
+        log(f"trainer run loaded from {args.state} ({len(state['snapshots'])} policy versions, saved "
+            f"{state['saved_utc']}); no trainer in this process")
+        result.update(pretrain=state["pretrain"], rl_steps=state["steps"], payload=state["payload"],
+                      state={"path": args.state, "saved_utc": state["saved_utc"]})
+        snapshots = [[(n, t.to(device)) for n, t in snap] for snap in state["snapshots"]]
+        if args.update_path != "ipc":
+            raise SystemExit("--state is for the ipc path")
+        result["update_path"] = "ipc"
+        run_ipc(result, write, spec, lang, snapshots, state["steps"], args, deadline)
+        return 0
 
     # ---- trainer: pretrain, then RL steps with one snapshot per policy version
     trainer = Trainer(model, args.pretrain_lr)
@@ -677,6 +703,15 @@ def main(argv=None) -> int:
     result["payload"] = {"tensors": len(snapshots[0]), "bytes": sum(t.numel() * t.element_size() for _, t in snapshots[0]),
                          "mtp_tensors": sum(1 for n, _ in snapshots[0] if n.startswith("mtp.")), "mtp_bytes": mtp_bytes}
     write()
+    if args.state:  # for a later call that runs the engines only (a device call is at most 10 minutes)
+        t0 = time.time()
+        torch.save({"snapshots": [[(n, t.cpu()) for n, t in snap] for snap in snapshots], "steps": steps,
+                    "pretrain": result["pretrain"], "payload": result["payload"],
+                    "params": {"total": n_params, "mtp": n_mtp}, "spec_pattern": spec.pattern,
+                    "hidden_size": spec.hidden_size,
+                    "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+                   args.state)
+        log(f"trainer run saved to {args.state} in {time.time() - t0:.1f}s")
     # free the trainer's optimizer state and activations before the engines take their share
     trainer.zero_grad()
     gc.collect()
@@ -783,6 +818,16 @@ def capture_sizes(max_tokens: int) -> list[int]:
     return sorted({x for x in base if x <= max_tokens} | {max_tokens})
 
 
+class EngineStartError(RuntimeError):
+    """An engine failed to start (the following ones would fail alike)."""
+
+
+def engine_memory_utilization(free_bytes: int, total_bytes: int, margin: float = 0.03) -> float:
+    """The ``gpu_memory_utilization`` an engine next to a trainer may ask for: what is free now, less a
+    margin for the engine process's own CUDA context."""
+    return max(0.05, round(free_bytes / total_bytes - margin, 3))
+
+
 def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
     """Engines with the plugin's worker extension; every policy version through verl's update path.
 
@@ -818,11 +863,23 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
             sizes = capture_sizes(top)
             extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,
                                                                   "max_cudagraph_capture_size": max(sizes)})
+        if CUDA:
+            # vLLM refuses to start unless the device's free memory is at least gpu_memory_utilization x total
+            # (``v1/worker/utils.py: request_memory``), even with an explicit cache size; the colocated trainer
+            # holds the rest, so ask for what is free now (the cache size is kv_cache_memory_bytes)
+            free, total = torch.cuda.mem_get_info()
+            extra["gpu_memory_utilization"] = engine_memory_utilization(free, total)
+            result.setdefault("gpu_memory_at_engine_start", {})[name] = {
+                "free_gib": free / 2**30, "total_gib": total / 2**30,
+                "gpu_memory_utilization": extra["gpu_memory_utilization"]}
         t0 = time.time()
-        eng = build_rollout_engine(
-            spec, os.path.join(args.workdir, name), num_speculative_tokens=k, max_model_len=args.max_model_len,
-            max_num_seqs=max(args.batches), kv_cache_mib=int(args.kv_cache_gib * 1024), in_process=not CUDA,
-            drafter_sync="online", extra_engine_args=extra)
+        try:
+            eng = build_rollout_engine(
+                spec, os.path.join(args.workdir, name), num_speculative_tokens=k, max_model_len=args.max_model_len,
+                max_num_seqs=max(args.batches), kv_cache_mib=int(args.kv_cache_gib * 1024), in_process=not CUDA,
+                drafter_sync="online", extra_engine_args=extra)
+        except Exception as e:
+            raise EngineStartError(f"engine {name} did not start: {type(e).__name__}: {e}") from e
         eng.bucket_mb = args.bucket_mb
         builds[name] = time.time() - t0
         log(f"engine {name} ({mode}) built in {builds[name]:.1f}s")
@@ -876,13 +933,17 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
             write()
 
     est_engine = None
-    for k in [0] + [k for k in args.ks if k]:
+    for k in ([0] if args.baseline else []) + [k for k in args.ks if k]:
         if est_engine is not None and time.time() + est_engine > deadline:
             log(f"budget: skipping engine k={k}")
             continue
         t0 = time.time()
         try:
             one_engine(k)
+        except EngineStartError as e:  # the next engines would fail the same way: stop here, say why
+            result.setdefault("errors", []).append(str(e))
+            log(f"STOP: {e} (engine-core log above has the root cause)")
+            break
         except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed, go on
             result.setdefault("errors", []).append(f"k={k}: {type(e).__name__}: {e}")
             log(f"engine k={k} FAILED: {type(e).__name__}: {e}")
@@ -894,11 +955,12 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
 
 def summarize_batches(result: dict) -> None:
     """Per batch: speed-up vs no speculation; the step cost each speculative arm implies
-    (``c_k = accept_length x tok/s(no_spec) / tok/s(arm)``: tokens per step over the speed-up); the best
+    (``c_k = accept_length x tok/s(no_spec) / tok/s(arm)``: tokens per step over the speed-up; greedy rows
+    against the greedy baseline); the best
     synced k at the first batch size against its stale twin."""
     for n, rows in result["by_batch"].items():
-        base = rows.get("no_spec", {}).get("tokens_per_s")
         for arm, r in rows.items():
+            base = rows.get("no_spec_greedy" if arm.endswith("_greedy") else "no_spec", {}).get("tokens_per_s")
             if base and r.get("tokens_per_s"):
                 r["speedup_vs_no_spec"] = r["tokens_per_s"] / base
                 if r.get("accept_length") and not arm.endswith("_greedy"):

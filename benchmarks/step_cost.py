@@ -158,7 +158,7 @@ def _worker_models(worker) -> dict:
 
     runner = worker.model_runner
     out = {"target": runner.get_model() if hasattr(runner, "get_model") else runner.model}
-    drafter, place = find_drafter_model(worker)
+    drafter, place = find_drafter_model(runner)
     if drafter is not None:
         out["drafter"] = drafter
     out["_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"

@@ -47,8 +47,11 @@ decode): the MTP block ``*E`` (``eh_proj`` 8192x4096 = 33.6M, attention 35.7M, M
 latent experts + shared expert + router 175.6M) plus the drafter's LM head (131072x4096 = 536.9M) is
 0.78B against the target's 12.23B (40 Mamba x 109.6M + 40 MoE x 175.6M + 8 attention x 35.7M + LM
 head): 0.78 / 12.23 = 0.064. The layer-count view agrees: 2/88 layers (0.023) + the LM head's share
-(0.044) = 0.067. At large decode batches, where every expert of every MoE layer is read, ``c`` falls
-to ~0.03. Set ``draft_cost`` for other models or measured costs.
+(0.044) = 0.067. Measured on an H200 (vLLM's V2 runner, CUDA graphs, spread routing; ``benchmarks/RESULTS.md``,
+"Step cost by size") a draft costs more than this count says: 0.18 of a plain decode step at the Nemotron 3
+Nano/Lightning 30B-A3B shape with 64 sequences, 0.33 with 256 (the (k+1)-token verify stops being bound by
+reading weights), 0.28 on a 31-layer slice of Super's layers with 64. Set ``draft_cost`` from that table for
+the model and batch size you run; with the default the estimated speed-up is optimistic.
 
 Config block (top-level plugin namespace; verl's ``RolloutConfig`` rejects unknown keys, so the block
 cannot live under ``actor_rollout_ref.rollout``)::
