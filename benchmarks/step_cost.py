@@ -388,6 +388,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if args.device == "cuda":
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        # vLLM's Mamba2 SSD warm-up autotunes its Triton kernels in every engine-core process (78-100 s per
+        # engine measured) unless the autotuning results are cached with the kernels
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     else:
