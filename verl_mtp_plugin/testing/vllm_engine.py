@@ -147,113 +147,14 @@ _HOST_PLATFORM: list = []
 
 
 def _host_platform():
-    """verl's platform object for this host when verl's own detection finds none (None with CUDA)."""
+    """verl's platform object for this host when verl's own detection finds none (None with CUDA): the
+    CPU platform of the trainer harness (:class:`verl_mtp_plugin.testing.verl_cpu.platform.PlatformCPU`)."""
     if torch.cuda.is_available():
         return None
-    if _HOST_PLATFORM:
-        return _HOST_PLATFORM[0]
-    from verl.plugin.platform import PlatformBase
+    if not _HOST_PLATFORM:
+        from verl_mtp_plugin.testing.verl_cpu.platform import PlatformCPU
 
-    class _HostOps:
-        """What verl calls on ``get_torch_device()`` (``torch.cuda``'s role) for host memory."""
-
-        @staticmethod
-        def synchronize(*_a, **_k):
-            return None
-
-        @staticmethod
-        def empty_cache():
-            return None
-
-        @staticmethod
-        def ipc_collect():
-            return None
-
-        @staticmethod
-        def current_device():
-            return 0
-
-        @staticmethod
-        def device_count():
-            return 1
-
-        @staticmethod
-        def is_available():
-            return True
-
-        manual_seed = staticmethod(torch.manual_seed)
-        manual_seed_all = staticmethod(torch.manual_seed)
-
-    class PlatformHostCPU(PlatformBase):
-        """verl platform for a machine without an accelerator (test-only; see the module docstring)."""
-
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = _HostOps
-
-        def is_available(self):
-            return True
-
-        def is_platform_available(self, use_smi_check=False):
-            return not torch.cuda.is_available()
-
-        def current_device(self):
-            return 0
-
-        def device_count(self):
-            return 1
-
-        def set_device(self, device_index):
-            return None
-
-        def synchronize(self, device_index=None):
-            return None
-
-        def manual_seed(self, seed):
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed):
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings):
-            return None
-
-        def empty_cache(self):
-            return None
-
-        def get_device_capability(self, device_index=0):
-            return (None, None)
-
-        def communication_backend_name(self):
-            return "gloo"
-
-        def visible_devices_envvar(self):
-            return "CUDA_VISIBLE_DEVICES"
-
-        def nvtx_range(self, msg):
-            import contextlib
-
-            return contextlib.nullcontext()
-
-        def profiler_start(self):
-            return None
-
-        def profiler_stop(self):
-            return None
-
-        def ray_resource_name(self):
-            return "CPU"
-
-        def ray_noset_envvars(self):
-            return []
-
-        def is_ipc_supported(self):
-            return False
-
-        def cudart(self):
-            return None
-
-    _HOST_PLATFORM.append(PlatformHostCPU())
+        _HOST_PLATFORM.append(PlatformCPU())
     return _HOST_PLATFORM[0]
 
 

@@ -4,8 +4,11 @@ verl has no CPU platform: its detection falls back to ``nvidia`` (``verl/plugin/
 platform_manager.py:_detect_platform_name``). verl loads this module in every process that imports
 verl through ``VERL_USE_EXTERNAL_MODULES=verl_cpu_platform`` (``verl/__init__.py:49-52``; the
 top-level loader in ``pythonpath/verl_cpu_platform.py`` says why it is not named directly);
-``VERL_PLATFORM=cpu`` selects the platform registered here (``platform_manager.py:92-95``). This
-module imports nothing of ``verl_mtp_plugin`` at import time. What the platform answers and why:
+``VERL_PLATFORM=cpu`` selects the platform registered here (``platform_manager.py:92-95``); it is
+registered only in such processes, so that elsewhere verl's auto-detection (which probes every registered
+platform) is unchanged and :class:`PlatformCPU` can serve as a plain host platform object (the rollout
+harness's weight-transfer platform, ``testing.vllm_engine._verl_platform``). This module imports nothing of
+``verl_mtp_plugin`` at import time. What the platform answers and why:
 
 * ``ray_resource_name() == "GPU"``: verl's resource pools ask Ray for this resource and count only
   ``GPU``/``NPU`` (``verl/single_controller/ray/base.py:146, 230``); the harness starts Ray with
@@ -139,7 +142,6 @@ device_module = types.SimpleNamespace(
 )
 
 
-@PlatformRegistry.register(platform=PLATFORM_NAME)
 class PlatformCPU(PlatformBase):
     """verl platform for a machine without an accelerator (test-only; see the module docstring)."""
 
@@ -242,5 +244,6 @@ def _trainer_worker_entry():
     vd.initialize_global_process_group_ray = initialize_global_process_group_ray
 
 
-if active():
+if active():  # registered only where it is selected: verl's auto-detection elsewhere stays as it was
+    PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
     _trainer_worker_entry()

@@ -31,15 +31,12 @@ as narrow as the forcing line allows:
   Adam, whose state exists only after a step; loading a checkpoint (resume) first lays the state out
   with megatron's own ``_init_optimizer_states_with_dummy_values`` (a zero-gradient step, which
   megatron itself runs before loading Megatron-FSDP checkpoints); the checkpoint then replaces it.
-* ``modelopt_is_quantized``: Megatron-Bridge's HF save asks ModelOpt whether the model is quantized;
-  ModelOpt is not in the test environment, and without it no model can be ModelOpt-quantized.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.machinery
 import os
 import sys
 import types
@@ -78,10 +75,6 @@ STANDINS: dict[str, str] = {
         "megatron/core/optimizer/distrib_optimizer.py:837-839 (state_dict without Apex/TE: one 'step' per "
         "torch Adam state, asserted) called from sharded_state_dict:1532 when verl loads a checkpoint "
         "(verl/utils/checkpoint/megatron_checkpoint_manager.py:408) into a torch Adam that has not stepped"
-    ),
-    "modelopt_is_quantized": (
-        "megatron/bridge/models/conversion/auto_bridge.py:1127 (save_hf_weights) imports "
-        "modelopt.torch.quantization.utils.is_quantized"
     ),
 }
 
@@ -209,31 +202,6 @@ def _install_te_free_default_hybrid_spec() -> None:
     hp.get_default_hybrid_stack_spec = get_default_hybrid_stack_spec
 
 
-_MODELOPT_NAMES = ("modelopt", "modelopt.torch", "modelopt.torch.quantization", "modelopt.torch.quantization.utils")
-
-
-class _ModelOptIsQuantizedFinder:
-    """Resolves exactly ``modelopt.torch.quantization.utils`` (and its parents as empty packages)."""
-
-    @staticmethod
-    def find_spec(fullname, path=None, target=None):
-        if fullname in _MODELOPT_NAMES:
-            return importlib.machinery.ModuleSpec(fullname, _ModelOptIsQuantizedFinder, is_package=True)
-        return None
-
-    @staticmethod
-    def create_module(spec):
-        mod = types.ModuleType(spec.name)
-        mod.__path__ = []
-        if spec.name == "modelopt.torch.quantization.utils":
-            mod.is_quantized = lambda model: False  # no ModelOpt here: nothing is ModelOpt-quantized
-        return mod
-
-    @staticmethod
-    def exec_module(module):
-        return None
-
-
 def _install_bshd_valid_token_mask_as_causal() -> None:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -267,13 +235,6 @@ def _install_torch_adam_state_before_load() -> None:
     sharded_state_dict._verl_cpu = True
     sharded_state_dict.__wrapped__ = real
     do.DistributedOptimizer.sharded_state_dict = sharded_state_dict
-
-
-def _install_modelopt_is_quantized() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("modelopt") is None:
-        sys.meta_path.append(_ModelOptIsQuantizedFinder)
 
 
 def install_trainer_worker_standins() -> list[str]:
@@ -317,7 +278,5 @@ def install_trainer_worker_standins() -> list[str]:
     _INSTALLED.append("bshd_valid_token_mask_as_causal")
     _install_torch_adam_state_before_load()
     _INSTALLED.append("torch_adam_state_before_load")
-    _install_modelopt_is_quantized()
-    _INSTALLED.append("modelopt_is_quantized")
     _log(f"trainer worker stand-ins: {', '.join(_INSTALLED)}")
     return installed()
