@@ -574,6 +574,9 @@ def parse_args(argv=None):
     ap.add_argument("--state", default=None,
                     help="ipc path: save the trainer's policy versions and estimates here; if the file exists, "
                          "load them and run the engines only (a later device call)")
+    ap.add_argument("--trainer-only", action="store_true",
+                    help="ipc path: train, save the policy versions to --state, build no engine (the engines run "
+                         "in later calls, side by side in one)")
     args = ap.parse_args(argv)
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -595,6 +598,8 @@ def parse_args(argv=None):
     args.sync_stages = [x for x in args.sync_stages.split(",") if x.strip()]
     if any(k < 1 for k in args.ks):
         raise SystemExit("--ks: speculative token counts must be >= 1")
+    if args.trainer_only and not args.state:
+        raise SystemExit("--trainer-only needs --state (where the policy versions go)")
     return args
 
 
@@ -713,6 +718,9 @@ def main(argv=None) -> int:
                     "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
                    args.state)
         log(f"trainer run saved to {args.state} in {time.time() - t0:.1f}s")
+    if args.trainer_only:
+        write()
+        return 0
     # free the trainer's optimizer state and activations before the engines take their share
     trainer.zero_grad()
     gc.collect()
