@@ -574,6 +574,9 @@ def parse_args(argv=None):
     ap.add_argument("--state", default=None,
                     help="ipc path: save the trainer's policy versions and estimates here; if the file exists, "
                          "load them and run the engines only (a later device call)")
+    ap.add_argument("--draft-sample-method", default="greedy", choices=("greedy", "probabilistic"),
+                    help="ipc path: vLLM's speculative_config.draft_sample_method (greedy = vLLM's default: a draft is "
+                         "accepted with p[argmax q]; probabilistic: with the overlap sum min(p, q))")
     ap.add_argument("--trainer-only", action="store_true",
                     help="ipc path: train, save the policy versions to --state, build no engine (the engines run "
                          "in later calls, side by side in one)")
@@ -659,7 +662,7 @@ def main(argv=None) -> int:
         "params": {"total": n_params, "mtp": n_mtp}, "language": dataclasses.asdict(lang),
         "environment": environment(args), "rollout_dtype": "bfloat16",
         "gpu_memory_utilization": args.gpu_memory_utilization if CUDA else None,
-        "draft_sample_method": "greedy (vLLM default)",
+        "draft_sample_method": args.draft_sample_method,
     }
 
     def write():
@@ -868,6 +871,9 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
         name = "no_spec" if k == 0 else f"k{k}"
         top = max(args.batches) * (k + 1)
         extra = {"max_num_batched_tokens": max(8192, top)}
+        if k and args.draft_sample_method != "greedy":
+            extra["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k,
+                                           "draft_sample_method": args.draft_sample_method}
         if mode == "graphs":
             sizes = capture_sizes(top)
             extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,
