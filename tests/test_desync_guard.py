@@ -19,6 +19,7 @@ from verl_mtp_plugin.rollout.desync_guard import (
     MTPDesyncError,
     MTPDesyncGuard,
     MTPDesyncWarning,
+    MTPDraftMethodWarning,
     MTPGuardConfig,
     MTPSlowSpeculationWarning,
     MTPSpecStatsMissingWarning,
@@ -38,7 +39,7 @@ from verl_mtp_plugin.rollout.spec_metrics import (
 )
 
 N = 2000  # verify steps per training step
-GUARD_CATEGORIES = (MTPDesyncWarning, MTPSlowSpeculationWarning, MTPSpecStatsMissingWarning)
+GUARD_CATEGORIES = (MTPDesyncWarning, MTPSlowSpeculationWarning, MTPSpecStatsMissingWarning, MTPDraftMethodWarning)
 
 # every key the desync message must name (checked against verl 0.9.1's config tree in test_config_*)
 CAUSE_KEYS = (
@@ -201,6 +202,63 @@ def test_auto_estimate_matches_greedy_drafting():
     assert len(of(rec, MTPDesyncWarning)) == 1
     _, rec = run(MTPDesyncGuard(num_speculative_tokens=1, draft_sample_method="probabilistic"), [measured] * 4)
     assert len(of(rec, MTPDesyncWarning)) == 1  # probabilistic drafting: overlap is the right estimate
+
+
+DRAFT_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
+
+
+def test_draft_method_advice_for_a_high_entropy_policy():
+    """The H200 run's last policy version (2.0 nats): greedy drafts accepted 0.25 (estimate p[argmax q]
+    0.285) where the overlap was 0.80. The guard advises probabilistic drafting after `patience` steps and
+    again every `patience` steps, never as a desync, and logs the estimated gain every step."""
+    drifted = step([0.25, 0.09], expected=0.80, argmax=0.285)
+    outs, rec = run(MTPDesyncGuard(num_speculative_tokens=2), [drifted] * 6)
+    assert of(rec, MTPDesyncWarning) == []
+    advice = of(rec, MTPDraftMethodWarning)
+    assert len(advice) == 2  # steps 3 and 6 (patience 3)
+    msg = str(advice[0].message)
+    assert f"{DRAFT_METHOD_KEY}=probabilistic" in msg
+    assert "0.800 with probabilistic drafting" in msg and "0.285 with the configured greedy" in msg
+    assert "vLLM measured 0.250" in msg and "+0.515" in msg
+    assert f"{GUARD_CONFIG_PATH}.draft_method_margin=null" in msg
+    assert [o["mtp_guard/draft_method_gain"] for o in outs] == pytest.approx([0.515] * 6)
+
+
+def test_draft_method_advice_stays_quiet_or_points_back_to_greedy():
+    # a sharp policy (the H200 run's first version: overlap 0.949, p[argmax q] 0.881): greedy is fine
+    sharp = step([0.87, 0.77], expected=0.949, argmax=0.881)
+    outs, rec = run(MTPDesyncGuard(num_speculative_tokens=2), [sharp] * 6)
+    assert rec == [] and outs[-1]["mtp_guard/draft_method_gain"] == pytest.approx(0.068)
+    # switched off
+    drifted = step([0.25, 0.09], expected=0.80, argmax=0.285)
+    _, rec = run(MTPDesyncGuard({"draft_method_margin": None}, num_speculative_tokens=2), [drifted] * 6)
+    assert of(rec, MTPDraftMethodWarning) == []
+    # probabilistic drafting with a sharp policy and a spread-out head: greedy would accept more
+    spread_head = step([0.62], expected=0.62, argmax=0.93)
+    outs, rec = run(MTPDesyncGuard(num_speculative_tokens=1, draft_sample_method="probabilistic"), [spread_head] * 3)
+    advice = of(rec, MTPDraftMethodWarning)
+    assert len(advice) == 1 and f"{DRAFT_METHOD_KEY}=greedy" in str(advice[0].message)
+    assert "more device memory" not in str(advice[0].message)
+    assert outs[-1]["mtp_guard/draft_method_gain"] == pytest.approx(0.31)
+    # a gain that comes and goes never reaches patience
+    _, rec = run(MTPDesyncGuard(num_speculative_tokens=2), [drifted, sharp] * 4)
+    assert of(rec, MTPDraftMethodWarning) == []
+
+
+def test_draft_method_advice_waits_while_a_desync_is_reported():
+    """Acceptance ~0 is a desync (the drafter is not the policy's head); advice about the drafting method
+    would send the user the wrong way."""
+    dead = step([0.0, 0.0], expected=0.80, argmax=0.285)
+    _, rec = run(MTPDesyncGuard(num_speculative_tokens=2), [dead] * 6)
+    assert of(rec, MTPDesyncWarning) and of(rec, MTPDraftMethodWarning) == []
+
+
+def test_draft_method_margin_is_validated():
+    assert MTPGuardConfig().draft_method_margin == 0.15
+    assert MTPGuardConfig.from_dict({"draft_method_margin": None}).draft_method_margin is None
+    for bad in (0, 1.5, "big", True):
+        with pytest.raises(MTPConfigError, match=f"{GUARD_CONFIG_PATH}.draft_method_margin"):
+            MTPGuardConfig.from_dict({"draft_method_margin": bad})
 
 
 def test_without_positions_the_estimate_is_mapped_to_all_positions():

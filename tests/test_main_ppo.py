@@ -185,6 +185,9 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
         assert m["actor/grad_norm"] > 0
         assert m["actor/mtp_losses/mtp_1_loss"] > 0 and "actor/mtp_losses/mtp_2_loss" in m
         assert m["mtp_guard/desync"] == 0.0
+        # the guard's drafting-method advice reads the engine's two estimates from verl's step metrics
+        assert m["mtp_guard/draft_method_gain"] == pytest.approx(
+            m["actor/mtp_expected_accept_rate"] - m["actor/mtp_argmax_draft_accept_rate"])
     _assert_rollout_speculation(online)
     syncs = _syncs(online)
     assert len(syncs) == 3 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync

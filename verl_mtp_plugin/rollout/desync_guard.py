@@ -42,6 +42,19 @@ the speculative-sampling overlap ``mtp_expected_accept_rate`` (uniform p = q ove
 ``rollout/spec_accept_rate_pos_0`` (first draft position); without per-position data it is turned into
 the all-position rate ``(E(alpha, k) - 1) / k`` first.
 
+**Drafting-method advice.** The trainer's two estimates also say which of vLLM's drafting methods accepts
+more for this policy: greedy drafting accepts ``p[argmax q]`` (``actor/mtp_argmax_draft_accept_rate``),
+probabilistic drafting (``draft_sample_method: probabilistic``) the overlap ``sum min(p, q)``
+(``actor/mtp_expected_accept_rate``). When the other method's estimate exceeds the configured one's by at
+least ``draft_method_margin`` for ``patience`` consecutive steps the guard warns
+(:class:`MTPDraftMethodWarning`, never raises; not while a desync is reported) naming
+``actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method``; the per-step metric
+``mtp_guard/draft_method_gain`` is that difference. A high-entropy policy is where greedy drafting loses: on
+the H200 a 2.2 B policy at 2.0 nats accepted 0.25 of greedy drafts where the overlap was 0.80, and on CPU
+switching to probabilistic drafting took first-draft acceptance from 0.20 to 0.67 as the overlap (0.60)
+predicted (``benchmarks/RESULTS.md``, "Step cost by size"). Probabilistic drafting keeps the draft
+probabilities (more device memory).
+
 **Default draft cost** ``c = 0.064`` (Nemotron 3 Super, per-token active parameters, memory-bound
 decode): the MTP block ``*E`` (``eh_proj`` 8192x4096 = 33.6M, attention 35.7M, MoE with 22 of 512
 latent experts + shared expert + router 175.6M) plus the drafter's LM head (131072x4096 = 536.9M) is
@@ -67,6 +80,7 @@ cannot live under ``actor_rollout_ref.rollout``)::
         min_speedup: 1.0      # slow-speculation rule: warn below this estimated speedup
         min_drafts: 100       # steps with fewer verify steps are not judged
         expected_key: null    # null = auto (see above)
+        draft_method_margin: 0.15  # drafting-method advice (null = off)
 
 On the command line the block needs Hydra's ``+``: ``+verl_mtp_plugin.mtp_guard.action=fail``.
 The guard's rules are here; the text of its messages (what a user reads when it fires) is in
@@ -85,7 +99,12 @@ from typing import Any
 
 from verl_mtp_plugin.config_keys import ARGMAX_DRAFT_METRIC, EXPECTED_METRIC, GUARD_CONFIG_PATH
 from verl_mtp_plugin.policy import MTPConfigError
-from verl_mtp_plugin.rollout.desync_messages import desync_message, missing_message, slow_message
+from verl_mtp_plugin.rollout.desync_messages import (
+    desync_message,
+    draft_method_message,
+    missing_message,
+    slow_message,
+)
 from verl_mtp_plugin.rollout.spec_metrics import (
     ACCEPT_LENGTH_KEY,
     ACCEPT_RATE_KEY,
@@ -104,6 +123,7 @@ __all__ = [
     "MTPDesyncError",
     "MTPDesyncGuard",
     "MTPDesyncWarning",
+    "MTPDraftMethodWarning",
     "MTPGuardConfig",
     "MTPSlowSpeculationWarning",
     "MTPSpecStatsMissingWarning",
@@ -145,6 +165,10 @@ class MTPDesyncWarning(UserWarning):
 
 class MTPSlowSpeculationWarning(UserWarning):
     """Speculation is estimated to make the rollout slower than no speculation."""
+
+
+class MTPDraftMethodWarning(UserWarning):
+    """The trainer estimates that vLLM's other drafting method would accept clearly more drafts."""
 
 
 class MTPSpecStatsMissingWarning(UserWarning):
@@ -218,6 +242,9 @@ def _config_errors(values: Mapping[str, Any], path: str) -> list[str]:
         isinstance(values["expected_key"], str) and values["expected_key"]
     ):
         bad("expected_key", "must be a metric name (e.g. actor/mtp_expected_accept_rate) or null for auto")
+    margin = values.get("draft_method_margin")
+    if margin is not None and not (_is_real(margin) and 0 < margin <= 1):
+        bad("draft_method_margin", "must be a number in (0, 1] (estimated acceptance gained) or null for off")
     return errs
 
 
@@ -237,6 +264,9 @@ class MTPGuardConfig:
         min_drafts (int): steps with fewer verify steps (``rollout/spec_num_drafts``) are not judged.
             Default 100.
         expected_key (str | None): metric holding the trainer's estimate; None = auto (module docstring).
+        draft_method_margin (float | None): drafting-method advice: warn when the other drafting method's
+            estimated first-draft acceptance exceeds the configured one's by at least this much for
+            ``patience`` steps. Default 0.15; None = off.
 
     Raises:
         MTPConfigError: invalid values, all listed, each with its full key.
@@ -251,6 +281,7 @@ class MTPGuardConfig:
     min_speedup: float = 1.0
     min_drafts: int = 100
     expected_key: str | None = None
+    draft_method_margin: float | None = 0.15
 
     def __post_init__(self):
         errs = _config_errors(dataclasses.asdict(self), GUARD_CONFIG_PATH)
@@ -263,7 +294,7 @@ class MTPGuardConfig:
 
         Args:
             block: ``{threshold, patience, zero_patience, zero_rate, action, draft_cost, min_speedup,
-                min_drafts, expected_key}`` (any subset) or None.
+                min_drafts, expected_key, draft_method_margin}`` (any subset) or None.
             path (str): the block's key path, used in error messages.
 
         Raises:
@@ -344,6 +375,7 @@ class MTPDesyncGuard:
         self.low_streak = 0
         self.zero_streak = 0
         self.slow_streak = 0
+        self.method_streak = 0
         self.desync_streak = 0
         self.missing_streak = 0
         self._warned_missing = False
@@ -460,6 +492,8 @@ class MTPDesyncGuard:
             if slow_due and not desync:  # a desync report already explains a slow rollout
                 slow_msg = self._slow_message(step, length, k, pos, speedup)
 
+        method_msg = self._draft_method_step(metrics, step, measured, desync, out)
+
         if fire:
             self._act(
                 self._desync_message(
@@ -472,7 +506,32 @@ class MTPDesyncGuard:
             )
         if slow_msg is not None:
             self._act(slow_msg, MTPSlowSpeculationWarning, may_fail=False)
+        if method_msg is not None:
+            self._act(method_msg, MTPDraftMethodWarning, may_fail=False)
         return out
+
+    def _draft_method_step(self, metrics, step, measured: float, desync: bool, out: dict) -> str | None:
+        """The drafting-method advice for one step (module docstring); the message when it is due."""
+        margin = self.config.draft_method_margin
+        greedy = scalar_metric(metrics, ARGMAX_DRAFT_METRIC)
+        overlap = scalar_metric(metrics, EXPECTED_METRIC)
+        if margin is None or greedy is None or overlap is None:
+            self.method_streak = 0
+            return None
+        current, other = ("greedy", "probabilistic") if self.draft_sample_method == "greedy" else (
+            "probabilistic", "greedy")
+        est = {"greedy": greedy, "probabilistic": overlap}
+        gain = est[other] - est[current]
+        out[_GUARD_PREFIX + "draft_method_gain"] = float(gain)
+        self.method_streak = self.method_streak + 1 if gain >= margin else 0
+        p = self.config.patience
+        due = self.method_streak >= p and (self.method_streak - p) % p == 0
+        if not due or desync:
+            return None
+        return draft_method_message(
+            self.config, step, current=current, other=other, estimates=est, measured=measured,
+            streak=self.method_streak,
+        )
 
     # ---- messages (text in :mod:`verl_mtp_plugin.rollout.desync_messages`) ----------------------------
     def _desync_message(self, step, *, rate, length, pos, drafts, measured, expected, alpha, key, basis, zero) -> str:

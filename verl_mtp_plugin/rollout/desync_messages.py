@@ -11,7 +11,7 @@ from typing import Any
 
 from verl_mtp_plugin.config_keys import ARGMAX_DRAFT_METRIC, EXPECTED_METRIC, GUARD_CONFIG_PATH, WORKER_EXTENSION_CLS
 
-__all__ = ["desync_message", "missing_message", "slow_message"]
+__all__ = ["desync_message", "draft_method_message", "missing_message", "slow_message"]
 
 _MTP = "actor_rollout_ref.model.mtp"
 _RO = "actor_rollout_ref.rollout"
@@ -167,6 +167,50 @@ def slow_message(
         "acceptance used to be higher, see the desync causes (drafter sync, sleep level). Verification "
         "overhead is not counted: the real speedup is lower."
     )
+    return "\n".join(lines)
+
+
+def draft_method_message(
+    cfg: Any,
+    step: Any,
+    *,
+    current: str,
+    other: str,
+    estimates: dict[str, float],
+    measured: float,
+    streak: int,
+) -> str:
+    """The drafting-method advice: both estimates, what vLLM measured, the key to set.
+
+    Args:
+        cfg: the guard's ``MTPGuardConfig``.
+        step: the training step.
+        current: the configured ``draft_sample_method``; other: the one estimated to accept more.
+        estimates: estimated first-draft acceptance per method (``greedy``: ``p[argmax q]``,
+            ``probabilistic``: the overlap ``sum min(p, q)``).
+        measured: vLLM's measured first-draft acceptance this step.
+        streak: consecutive steps with the gain at or above the margin.
+
+    Returns:
+        str: the message.
+    """
+    keys = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
+    gain = estimates[other] - estimates[current]
+    lines = [
+        f"MTP drafting method: for {streak} consecutive steps (step {step}) the trainer estimates that vLLM "
+        f"would accept the first draft with probability {estimates[other]:.3f} with {other} drafting "
+        f"({keys[other]}) against {estimates[current]:.3f} with the configured {current} drafting "
+        f"({keys[current]}; vLLM measured {measured:.3f}): +{gain:.3f}, above "
+        f"{GUARD_CONFIG_PATH}.draft_method_margin={cfg.draft_method_margin}.",
+        f"  Set {_VLLM}.speculative_config.draft_sample_method={other} (verl merges it into the MTP speculative "
+        f"config it gives vLLM; on the command line: +{_VLLM}.speculative_config.draft_sample_method={other} "
+        "where the recipe does not set it)."
+        + (" Probabilistic drafting keeps the draft probabilities: more device memory per sequence."
+           if other == "probabilistic" else ""),
+        "  Greedy drafting accepts a draft with p[argmax q], which a high-entropy policy keeps low; probabilistic "
+        f"drafting accepts with the overlap sum min(p, q). {GUARD_CONFIG_PATH}.draft_method_margin=null silences "
+        "this advice.",
+    ]
     return "\n".join(lines)
 
 
