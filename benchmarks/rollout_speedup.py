@@ -872,8 +872,7 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
         top = max(args.batches) * (k + 1)
         extra = {"max_num_batched_tokens": max(8192, top)}
         if k and args.draft_sample_method != "greedy":
-            extra["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k,
-                                           "draft_sample_method": args.draft_sample_method}
+            extra["speculative_config"] = {"draft_sample_method": args.draft_sample_method}
         if mode == "graphs":
             sizes = capture_sizes(top)
             extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,

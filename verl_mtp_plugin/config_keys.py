@@ -11,6 +11,7 @@ from typing import Any, Mapping
 __all__ = [
     "ARGMAX_DRAFT_METRIC",
     "BACKEND",
+    "DRAFT_METHOD_ESTIMATE_METRIC",
     "EXPECTED_METRIC",
     "GUARD_CONFIG_PATH",
     "MODEL_TYPE",
@@ -37,6 +38,9 @@ GUARD_CONFIG_PATH = "verl_mtp_plugin.mtp_guard"
 #: The engine's in-trainer acceptance estimates as verl logs them (``actor/`` + the probe's keys).
 EXPECTED_METRIC = "actor/mtp_expected_accept_rate"
 ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
+#: vLLM ``draft_sample_method`` -> the estimate of what it accepts (greedy: ``p[argmax q]``; probabilistic:
+#: the overlap ``sum min(p, q)``).
+DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
 #: ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls`` of the plugin's vLLM worker extension.
 WORKER_EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
 

@@ -97,7 +97,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from verl_mtp_plugin.config_keys import ARGMAX_DRAFT_METRIC, EXPECTED_METRIC, GUARD_CONFIG_PATH
+from verl_mtp_plugin.config_keys import (
+    ARGMAX_DRAFT_METRIC,
+    DRAFT_METHOD_ESTIMATE_METRIC,
+    EXPECTED_METRIC,
+    GUARD_CONFIG_PATH,
+)
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.rollout.desync_messages import (
     desync_message,
@@ -207,6 +212,11 @@ def expected_all_position_rate(alpha: float, k: int) -> float:
 
 # --------------------------------------------------------------------------------------------------
 # config
+
+
+def _due(streak: int, patience: int) -> bool:
+    """A repeating report is due: at ``patience`` consecutive steps and every ``patience`` steps after."""
+    return streak >= patience and (streak - patience) % patience == 0
 
 
 def _is_real(v: Any) -> bool:
@@ -488,8 +498,7 @@ class MTPDesyncGuard:
             out[_GUARD_PREFIX + "est_speedup"] = speedup
             out[_GUARD_PREFIX + "breakeven_accept_length"] = breakeven_accept_length(k, cfg.draft_cost)
             self.slow_streak = self.slow_streak + 1 if speedup < cfg.min_speedup else 0
-            slow_due = self.slow_streak >= cfg.patience and (self.slow_streak - cfg.patience) % cfg.patience == 0
-            if slow_due and not desync:  # a desync report already explains a slow rollout
+            if _due(self.slow_streak, cfg.patience) and not desync:  # a desync report already explains a slow rollout
                 slow_msg = self._slow_message(step, length, k, pos, speedup)
 
         method_msg = self._draft_method_step(metrics, step, measured, desync, out)
@@ -513,20 +522,16 @@ class MTPDesyncGuard:
     def _draft_method_step(self, metrics, step, measured: float, desync: bool, out: dict) -> str | None:
         """The drafting-method advice for one step (module docstring); the message when it is due."""
         margin = self.config.draft_method_margin
-        greedy = scalar_metric(metrics, ARGMAX_DRAFT_METRIC)
-        overlap = scalar_metric(metrics, EXPECTED_METRIC)
-        if margin is None or greedy is None or overlap is None:
+        est = {m: scalar_metric(metrics, key) for m, key in DRAFT_METHOD_ESTIMATE_METRIC.items()}
+        if margin is None or None in est.values():
             self.method_streak = 0
             return None
         current, other = ("greedy", "probabilistic") if self.draft_sample_method == "greedy" else (
             "probabilistic", "greedy")
-        est = {"greedy": greedy, "probabilistic": overlap}
         gain = est[other] - est[current]
         out[_GUARD_PREFIX + "draft_method_gain"] = float(gain)
         self.method_streak = self.method_streak + 1 if gain >= margin else 0
-        p = self.config.patience
-        due = self.method_streak >= p and (self.method_streak - p) % p == 0
-        if not due or desync:
+        if not _due(self.method_streak, self.config.patience) or desync:
             return None
         return draft_method_message(
             self.config, step, current=current, other=other, estimates=est, measured=measured,

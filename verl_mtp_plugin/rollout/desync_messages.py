@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_mtp_plugin.config_keys import ARGMAX_DRAFT_METRIC, EXPECTED_METRIC, GUARD_CONFIG_PATH, WORKER_EXTENSION_CLS
+from verl_mtp_plugin.config_keys import (
+    ARGMAX_DRAFT_METRIC,
+    DRAFT_METHOD_ESTIMATE_METRIC,
+    EXPECTED_METRIC,
+    GUARD_CONFIG_PATH,
+    WORKER_EXTENSION_CLS,
+)
 
 __all__ = ["desync_message", "draft_method_message", "missing_message", "slow_message"]
 
@@ -194,13 +200,12 @@ def draft_method_message(
     Returns:
         str: the message.
     """
-    keys = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
     gain = estimates[other] - estimates[current]
     lines = [
         f"MTP drafting method: for {streak} consecutive steps (step {step}) the trainer estimates that vLLM "
         f"would accept the first draft with probability {estimates[other]:.3f} with {other} drafting "
-        f"({keys[other]}) against {estimates[current]:.3f} with the configured {current} drafting "
-        f"({keys[current]}; vLLM measured {measured:.3f}): +{gain:.3f}, above "
+        f"({DRAFT_METHOD_ESTIMATE_METRIC[other]}) against {estimates[current]:.3f} with the configured {current} drafting "
+        f"({DRAFT_METHOD_ESTIMATE_METRIC[current]}; vLLM measured {measured:.3f}): +{gain:.3f}, above "
         f"{GUARD_CONFIG_PATH}.draft_method_margin={cfg.draft_method_margin}.",
         f"  Set {_VLLM}.speculative_config.draft_sample_method={other} (verl merges it into the MTP speculative "
         f"config it gives vLLM; on the command line: +{_VLLM}.speculative_config.draft_sample_method={other} "

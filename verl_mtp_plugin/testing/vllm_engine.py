@@ -714,7 +714,9 @@ def build_engine(
         drafter_sync (str): ``VERL_MTP_DRAFTER_SYNC`` for the extension (``online``/``frozen``).
         verify_checksums (bool): ``VERL_MTP_SYNC_CHECKSUM`` (digest check after every drafter load).
         use_shm (bool | None): verl's shared-memory transport; None = verl's rule ``not is_support_ipc()``.
-        extra_engine_args (dict | None): more ``vllm.LLM`` keyword arguments.
+        extra_engine_args (dict | None): more ``vllm.LLM`` keyword arguments; a ``speculative_config`` there
+            is merged over the MTP one built from ``num_speculative_tokens`` (as verl's
+            ``build_mtp_speculative_config`` merges ``engine_kwargs.vllm.speculative_config``).
         conv_pack (str): the CPU conv-weight path (:func:`cpu_conv_pack`) for this engine's loads.
 
     Returns:
@@ -750,9 +752,11 @@ def build_engine(
         disable_log_stats=not log_stats,
         seed=seed,
     )
+    extra = dict(extra_engine_args or {})
     if num_speculative_tokens:
-        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(num_speculative_tokens)}
-    args.update(extra_engine_args or {})
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(num_speculative_tokens),
+                                      **extra.pop("speculative_config", {})}
+    args.update(extra)
     shares_world = in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
     with cpu_conv_pack(conv_pack):
         llm = LLM(**args)
