@@ -44,3 +44,40 @@ def _clean_mtp_globals():
         from verl_mtp_plugin.testing import reset_mtp_globals
 
         reset_mtp_globals()
+
+
+# --------------------------------------------------------------------------------------------------
+# One `verl-mtp demo` run for the whole session: tests/test_demo.py asserts its story, tests/test_main_ppo.py
+# reads its two runs of verl's trainer (grpo_online, grpo_frozen) and continues them from their checkpoints.
+
+#: wall-clock limit of the demo (both modes); a run past it is a hang
+DEMO_TIMEOUT_S = 1500
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (default modes and steps)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    out = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    cmd = [sys.executable, "-m", "verl_mtp_plugin", "demo", "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    except BaseException:
+        # a hang (or pytest-timeout): the demo stops the run of verl's trainer it is in on SIGTERM
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return SimpleNamespace(out=out, rc=proc.returncode, stdout=stdout, stderr=stderr, cmd=cmd,
+                           wall_s=time.perf_counter() - t0)

@@ -241,9 +241,8 @@ _SHARDED_SCRIPT = textwrap.dedent(
     from verl_mtp_plugin.acceptance import speculative_overlap, greedy_agreement, argmax_draft_acceptance
     from verl_mtp_plugin.acceptance.estimate import acceptance_stats as _acceptance_stats, rows_at as _rows_at
 
-    def work(rank, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+    def work(rank, init_method):
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
         g = torch.Generator().manual_seed(11)
         p = torch.randn(7, 10, generator=g) * 3
         q = torch.randn(7, 10, generator=g) * 3
@@ -273,7 +272,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        mp.spawn(work, args=(int(sys.argv[1]),), nprocs=2, join=True)
+        mp.spawn(work, args=(sys.argv[1],), nprocs=2, join=True)
         print("SHARDED_OK")
     """
 )
@@ -281,12 +280,12 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 def test_vocab_sharded_reductions_match_full_vocab(tmp_path):
     """Tensor parallelism: a 2-rank gloo group, each rank holding half the vocabulary."""
-    from verl_mtp_plugin.testing import free_port
+    from verl_mtp_plugin.testing import rendezvous
 
     script = tmp_path / "sharded.py"
     script.write_text(_SHARDED_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=170
+        [sys.executable, str(script), rendezvous()], capture_output=True, text=True, timeout=170
     )
     assert proc.returncode == 0 and "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -298,8 +297,8 @@ _TP2_SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist
     import torch.multiprocessing as mp
 
-    def work(rank, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    def work(rank, init_method):
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", VERL_MTP_TEST_INIT_METHOD=init_method)
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         from verl_mtp_plugin.acceptance import AcceptanceProbe, per_position_acceptance
         from verl_mtp_plugin.control import hybrid_forward
@@ -335,7 +334,7 @@ _TP2_SCRIPT = textwrap.dedent(
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        mp.spawn(work, args=(int(sys.argv[1]),), nprocs=2, join=True)
+        mp.spawn(work, args=(sys.argv[1],), nprocs=2, join=True)
         print("TP2_OK")
     """
 )
@@ -344,12 +343,12 @@ _TP2_SCRIPT = textwrap.dedent(
 def test_probe_under_tensor_parallelism(tmp_path):
     """TP=2 (gloo, 2 processes): the probe's estimate from vocabulary-sharded logits, from gathered
     logits and from the captured main hidden states all equal the full-vocabulary reference."""
-    from verl_mtp_plugin.testing import free_port
+    from verl_mtp_plugin.testing import rendezvous
 
     script = tmp_path / "tp2.py"
     script.write_text(_TP2_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=170
+        [sys.executable, str(script), rendezvous()], capture_output=True, text=True, timeout=170
     )
     assert proc.returncode == 0 and "TP2_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(HERE, "gpu"))
 
 import pp2_tp2_common as C  # noqa: E402
 
-from verl_mtp_plugin.testing import free_port  # noqa: E402
+from verl_mtp_plugin.testing import ENV_INIT_METHOD, rendezvous  # noqa: E402
 
 WORLD = 2
 SEED = 1234
@@ -45,9 +45,10 @@ def _build(fields, overrides):
     return build_tiny_hybrid(**fields, device="cpu", config_overrides=overrides)
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, init_method: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    C.set_dist_env(rank, WORLD, port)
+    C.set_dist_env(rank, WORLD, 0)
+    os.environ[ENV_INIT_METHOD] = init_method
     from verl_mtp_plugin.testing import destroy_megatron, init_megatron, make_batch
 
     try:
@@ -78,7 +79,7 @@ def test_tp2_and_ep2_export_equals_unsharded(tmp_path):
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(rendezvous(), str(tmp_path)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:

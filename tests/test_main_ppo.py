@@ -8,19 +8,22 @@ agent loop, the weight sync through the plugin's worker extension, reward, GRPO 
 update with the MTP loss, checkpoint save and resume. The CPU platform, the named stand-ins in the
 trainer workers and the test-only vLLM worker extension are :mod:`verl_mtp_plugin.testing.verl_cpu`.
 
-Runs (each a module-scoped fixture shared by the tests that read it; ~2.5-3 min each on 2 cores):
+Each start of verl's trainer costs 2-3 min on 2 cores, almost all start-up, so every run below is read
+by several tests (module- or session-scoped fixtures), and one run carries several checks where the
+behaviour under test is the same. Five starts here, two more in the demo:
 
-* ``online``: grpo_online, learnable reward, 2 steps.
-* ``online_resumed``: verl's own entry point resumes ``online`` for step 3 with a zero-advantage
-  reward and no KL loss, so the only loss with a gradient is the MTP loss: megatron's norm of every
-  non-MTP gradient (``actor/grad_norm``) must be exactly 0 (isolation). The resumed Adam momentum of
-  steps 1-2 still moves the trunk at step 3, so the weights are not compared there; the joint run
-  (same reward) shows the trunk weights moving when the MTP loss does reach them.
-* ``frozen`` / ``frozen_resumed``: grpo_frozen, 2 steps, then step 3 from its checkpoint.
-* ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the
-  MTP loss.
-* ``joint_broken``: resumes ``joint`` for step 3 with the drafter sync broken on purpose
-  (``swap-eh``) and ``mtp_guard.action=fail``: the guard must stop the run.
+* ``online`` / ``frozen``: the demo's runs of grpo_online and grpo_frozen (``demo_run`` in
+  ``conftest.py``: ``verl-mtp demo`` as a user runs it, a checkpoint saved at its last step N).
+* ``online_resumed``: verl's own entry point resumes the demo's online run for steps N+1 and N+2 with a
+  zero-advantage reward and no KL loss, so the only loss with a gradient is the MTP loss: at step N+1
+  megatron's norm of every non-MTP gradient (``actor/grad_norm``) must be exactly 0 (isolation; the
+  resumed Adam momentum still moves the trunk, so weights are not compared there; the joint run shows the
+  trunk moving when the MTP loss does reach it). From the run's second weight update on the drafter sync
+  is broken on purpose (``swap-eh@2``) with ``mtp_guard.action=fail``: step N+2's rollout runs on a
+  wrongly wired drafter and the guard must stop the trainer.
+* ``frozen_resumed``: grpo_frozen continues the demo's frozen run for step N+1: the resumed rollout
+  server loads the drafter once too.
+* ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss.
 * ``ppo_frozen`` / ``ppo_online``: the PPO recipes (critic), 2 steps.
 """
 
@@ -35,6 +38,8 @@ pytest.importorskip("vllm")
 
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
 GUARD_FAIL = ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"]
+#: a test's limit: the demo (both modes) if no earlier test ran it, plus one run of verl's trainer
+RUN_TIMEOUT_S = 2400
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,10 +52,26 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def assets(root):
-    from verl_mtp_plugin.testing.verl_cpu.harness import ensure_assets
+def assets(demo_run):
+    """The demo's checkpoint, tokenizer and data: every run here starts from them."""
+    from verl_mtp_plugin.testing.verl_cpu.assets import Assets
 
-    return ensure_assets(root / "assets")
+    a = Assets(demo_run.out / "assets")
+    assert a.ready(), f"the demo built no assets in {a.root}"
+    return a
+
+
+def _demo_result(demo_run, mode):
+    from verl_mtp_plugin.demo import run_overrides
+    from verl_mtp_plugin.testing.verl_cpu import load_result
+
+    recipe, _ = run_overrides(mode)
+    for path in sorted((demo_run.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
+        if ".resume." in path.name:
+            continue
+        steps = int(path.name.split(".step")[1].split(".")[0])
+        return load_result(demo_run.out / mode, recipe, steps=steps).check()
+    raise AssertionError(f"the demo left no {mode} run in {demo_run.out} (rc {demo_run.rc}):\n{demo_run.stderr[-3000:]}")
 
 
 def _run(recipe, workdir, assets, **kwargs):
@@ -60,36 +81,38 @@ def _run(recipe, workdir, assets, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def online(root, assets):
-    return _run("grpo_online", root / "online", assets, steps=2, check=True)
+def online(demo_run):
+    return _demo_result(demo_run, "online")
+
+
+@pytest.fixture(scope="module")
+def frozen(demo_run):
+    return _demo_result(demo_run, "frozen")
 
 
 @pytest.fixture(scope="module")
 def online_resumed(online, assets):
-    return _run("grpo_online", online.workdir, assets, entry="verl", steps=3, resume=True, reward="zero_score",
-                extra_overrides=[NO_KL], check=True)
+    from verl_mtp_plugin.demo import run_overrides
 
-
-@pytest.fixture(scope="module")
-def frozen(root, assets):
-    return _run("grpo_frozen", root / "frozen", assets, steps=2, check=True)
+    recipe, extra = run_overrides("online")
+    n = max(online.metrics)
+    return _run(recipe, online.workdir, assets, entry="verl", steps=n + 2, resume=True, reward="zero_score",
+                break_sync="swap-eh@2", extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL])
 
 
 @pytest.fixture(scope="module")
 def frozen_resumed(frozen, assets):
-    return _run("grpo_frozen", frozen.workdir, assets, steps=3, resume=True, check=True)
+    from verl_mtp_plugin.demo import run_overrides
+
+    recipe, extra = run_overrides("frozen")
+    return _run(recipe, frozen.workdir, assets, steps=max(frozen.metrics) + 1, resume=True, extra_overrides=extra,
+                check=True)
 
 
 @pytest.fixture(scope="module")
 def joint(root, assets):
     return _run("grpo_joint", root / "joint", assets, steps=2, reward="zero_score", extra_overrides=[NO_KL],
                 check=True)
-
-
-@pytest.fixture(scope="module")
-def joint_broken(joint, assets):
-    return _run("grpo_joint", joint.workdir, assets, steps=3, resume=True, break_sync="swap-eh",
-                extra_overrides=GUARD_FAIL)
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +194,15 @@ def _assert_same_names(result, assets):
 # online
 
 
+def _steps(result):
+    return list(range(1, max(result.metrics) + 1))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, assets):
-    assert sorted(online.metrics) == [1, 2] and sorted(online.checkpoints) == [2]
-    loaded, saved = _loaded(assets), _saved(online)
+    n = max(online.metrics)
+    assert n >= 2 and sorted(online.metrics) == _steps(online) and sorted(online.checkpoints) == [n]
+    loaded, saved = _loaded(assets), _saved(online, n)
     assert set(saved) == set(loaded)
     mtp0, trunk0 = _split(loaded)
     mtp1, trunk1 = _split(saved)
@@ -190,34 +219,40 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
             m["actor/mtp_expected_accept_rate"] - m["actor/mtp_argmax_draft_accept_rate"])
     _assert_rollout_speculation(online)
     syncs = _syncs(online)
-    assert len(syncs) == 3 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync
+    assert len(syncs) == n + 1 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(online, online_resumed, assets):
+    n = max(online.metrics)
     assert online_resumed.cmd[2] == "verl.trainer.main_ppo"
-    assert sorted(online_resumed.metrics) == [3]  # continued from the saved step 2
-    assert sorted(online_resumed.checkpoints) == [2, 3]
-    before, after = _saved(online, 2), _saved(online_resumed, 3)
+    assert min(online_resumed.metrics) == n + 1  # continued from the saved step N
+    assert {n, n + 1} <= set(online_resumed.checkpoints)
+    before, after = _saved(online, n), _saved(online_resumed, n + 1)
     assert set(after) == set(before) == set(_loaded(assets))
-    mtp2, trunk2 = _split(before)
-    mtp3, trunk3 = _split(after)
-    m = online_resumed.metrics[3]
+    mtp_n, trunk_n = _split(before)
+    mtp_n1, trunk_n1 = _split(after)
+    m = online_resumed.metrics[n + 1]
     assert m["critic/advantages/max"] == 0.0 and m["critic/advantages/min"] == 0.0
     # the MTP loss sent the trunk, embedding and output layer no gradient at all (exactly 0.0), while
     # the MTP block got one and was trained
     assert m["actor/grad_norm"] == 0.0 and m["actor/mtp_grad_norm"] > 0
-    assert set(_matrices(mtp2)) <= set(_changed(mtp2, mtp3))
-    assert set(trunk3) == set(trunk2)
-    _assert_rollout_speculation(online_resumed)  # verl's entry point ran the plugin's mtp_sync trainer
+    assert set(_matrices(mtp_n)) <= set(_changed(mtp_n, mtp_n1))
+    assert set(trunk_n1) == set(trunk_n)
+    assert m["mtp_guard/desync"] == 0.0  # the healthy step of the run: the guard stayed quiet
+    # verl's entry point ran the plugin's mtp_sync trainer: vLLM's counters reached its step metrics
+    assert m.get("rollout/spec_num_drafts", 0) > 0 and 0.0 < m["rollout/spec_accept_rate"] <= 1.0
 
 
 # --------------------------------------------------------------------------------------------------
 # frozen
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_frozen_keeps_the_mtp_block_and_syncs_the_drafter_once(frozen, assets):
-    assert sorted(frozen.metrics) == [1, 2] and sorted(frozen.checkpoints) == [2]
-    loaded, saved = _loaded(assets), _saved(frozen)
+    n = max(frozen.metrics)
+    assert n >= 2 and sorted(frozen.metrics) == _steps(frozen) and sorted(frozen.checkpoints) == [n]
+    loaded, saved = _loaded(assets), _saved(frozen, n)
     assert set(saved) == set(loaded)
     mtp0, trunk0 = _split(loaded)
     mtp1, trunk1 = _split(saved)
@@ -231,21 +266,25 @@ def test_frozen_keeps_the_mtp_block_and_syncs_the_drafter_once(frozen, assets):
         assert not any(k.startswith("actor/mtp_losses") for k in m)
     _assert_rollout_speculation(frozen)
     loads = [s["sync/drafter_loaded"] for s in _syncs(frozen)]
-    assert len(loads) == 3 and loads == [1.0, 0.0, 0.0], loads
+    assert loads == [1.0] + [0.0] * n, loads
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_frozen_resume_continues_from_the_saved_step(frozen, frozen_resumed, assets):
-    assert sorted(frozen_resumed.metrics) == [3] and sorted(frozen_resumed.checkpoints) == [2, 3]
+    n = max(frozen.metrics)
+    assert sorted(frozen_resumed.metrics) == [n + 1] and sorted(frozen_resumed.checkpoints) == [n, n + 1]
     _assert_same_names(frozen_resumed, assets)
-    assert _changed(_split(_loaded(assets))[0], _split(_saved(frozen_resumed, 3))[0]) == []
+    assert _changed(_split(_loaded(assets))[0], _split(_saved(frozen_resumed, n + 1))[0]) == []
     loads = [s["sync/drafter_loaded"] for s in _syncs(frozen_resumed)]
     assert loads[0] == 1.0 and sum(loads) == 1.0, loads  # the resumed rollout server loads it once too
+    _assert_rollout_speculation(frozen_resumed)
 
 
 # --------------------------------------------------------------------------------------------------
 # joint
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_joint_mtp_loss_reaches_the_trunk(joint, assets):
     assert sorted(joint.metrics) == [1, 2]
     loaded, saved = _loaded(assets), _saved(joint)
@@ -261,22 +300,33 @@ def test_joint_mtp_loss_reaches_the_trunk(joint, assets):
     _assert_rollout_speculation(joint)
 
 
-def test_desync_guard_stops_the_trainer_on_a_broken_drafter_sync(joint, joint_broken, assets):
-    assert joint_broken.rc != 0, "the run with a broken drafter sync finished"
-    assert sorted(joint_broken.metrics) == [3]  # resumed at step 3, logged it, then the guard stopped the run
-    m = joint_broken.metrics[3]
+# --------------------------------------------------------------------------------------------------
+# the desync guard
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_desync_guard_stops_the_trainer_on_a_broken_drafter_sync(online, online_resumed):
+    n = max(online.metrics)
+    assert online_resumed.rc != 0 and online_resumed.stopped is None, (
+        "the run with a broken drafter sync must end by itself with an error", online_resumed.rc,
+        online_resumed.stopped)
+    assert sorted(online_resumed.metrics) == [n + 1, n + 2]  # logged the broken step, then the guard stopped it
+    syncs = [e for e in online_resumed.events if e["event"] == "sync"]
+    assert [e["break_sync"] for e in syncs[:2]] == ["none", "swap-eh"], syncs  # healthy at start, broken after N+1
+    m = online_resumed.metrics[n + 2]
     assert m["mtp_guard/desync"] == 1.0
     assert m["mtp_guard/measured_accept_rate"] < 0.5 * m["mtp_guard/expected_accept_rate"]
-    assert all(e.get("break_sync") == "swap-eh" for e in joint_broken.events if e["event"] == "sync")
-    assert "MTPDesyncError" in joint_broken.log
-    # the healthy run of the same recipe and model did not fire
-    assert all(mm["mtp_guard/desync"] == 0.0 for mm in joint.metrics.values())
+    assert "MTPDesyncError" in online_resumed.log
+    # the same drafter, synced healthily, did not fire: the step before, and every step of the demo's run
+    assert online_resumed.metrics[n + 1]["mtp_guard/desync"] == 0.0
+    assert all(mm["mtp_guard/desync"] == 0.0 for mm in online.metrics.values())
 
 
 # --------------------------------------------------------------------------------------------------
 # PPO (critic)
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_ppo_frozen(ppo_frozen, assets):
     assert sorted(ppo_frozen.metrics) == [1, 2]
     _assert_same_names(ppo_frozen, assets)
@@ -285,8 +335,11 @@ def test_ppo_frozen(ppo_frozen, assets):
         assert "critic/vf_loss" in m and m.get("actor/mtp_grad_norm", 0.0) == 0.0
     assert (ppo_frozen.checkpoints[2] / "critic").is_dir()
     _assert_rollout_speculation(ppo_frozen)
+    loads = [s["sync/drafter_loaded"] for s in _syncs(ppo_frozen)]
+    assert loads == [1.0, 0.0, 0.0], loads
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_ppo_online(ppo_online, assets):
     assert sorted(ppo_online.metrics) == [1, 2]
     _assert_same_names(ppo_online, assets)

@@ -3,8 +3,10 @@ on every vLLM model runner.
 
 Real vLLM (CPU build), updated exactly as verl updates it (the plugin's ``update_weights_from_ipc`` fed
 by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.testing.vllm_engine``). Each failing update must
-reach the caller within :data:`BOUND_S` seconds (a good update of this model takes well under one) and
-leave an engine whose next full update restores exactly the generation of a good one.
+reach the caller within :data:`BOUND_S` seconds and leave an engine whose next full update restores exactly
+the generation of a good one. A good update of this model takes well under a second and a failing one
+arrives in under one too (measured); the bound is set so that only a failure that waits out a timeout
+fails it on a loaded 2-core machine: the receiver's default timeout is 300 s.
 """
 
 import time
@@ -17,7 +19,7 @@ from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
-BOUND_S = 10.0  # seconds from the start of a failing update to the exception in the trainer's hands
+BOUND_S = 30.0  # seconds from the start of a failing update to the exception in the trainer's hands
 
 
 @pytest.fixture(scope="module")

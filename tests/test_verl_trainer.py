@@ -75,14 +75,15 @@ class VllmMetricsServer:
         self.prom = SpecDecodingProm(spec, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
         app = FastAPI()
         attach_router(app)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # the socket is bound here and handed to uvicorn: no port picked now and bound later
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        port = self.sock.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
+        deadline = time.time() + 120  # only a server that never starts fails
         while not self.server.started:
             if time.time() > deadline:
                 raise RuntimeError("uvicorn did not start")
@@ -108,7 +109,8 @@ class VllmMetricsServer:
         from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=60)
+        self.sock.close()
         unregister_vllm_metrics()
 
 

@@ -89,6 +89,13 @@ def _recipe(mode: str) -> tuple[str, tuple[str, ...]]:
     return f"grpo_{mode}", ()
 
 
+def run_overrides(mode: str, seed: int = 0) -> tuple[str, list[str]]:
+    """The recipe and the Hydra overrides (beyond the CPU harness's) the demo runs ``mode`` with: what a run
+    that continues a demo run from its checkpoint passes too."""
+    recipe, extra = _recipe(mode)
+    return recipe, [*extra, *DEMO_SIZES, f"actor_rollout_ref.rollout.seed={seed}", f"data.seed={seed}"]
+
+
 def _drafter_bytes(events: list[dict]) -> list[float]:
     return [float(e.get("metrics", {}).get("sync/bytes_drafter", 0.0)) for e in events if e.get("event") == "sync"]
 
@@ -140,9 +147,8 @@ def _run_mode(mode: str, *, steps: int, out: pathlib.Path, assets, break_sync: s
               timeout_s: float):
     from verl_mtp_plugin.testing.verl_cpu import run_recipe
 
-    recipe, extra = _recipe(mode)
+    recipe, extra = run_overrides(mode, seed)
     workdir = out / mode
-    extra = [*extra, *DEMO_SIZES, f"actor_rollout_ref.rollout.seed={seed}", f"data.seed={seed}"]
     if break_sync != "none":
         extra += list(GUARD_FAIL)
     metrics_path = workdir / f"{recipe}.plugin.step{steps}.metrics.jsonl"
@@ -312,6 +318,21 @@ def _table(history: dict[str, list[dict]]) -> None:
           "the sync before the step's rollout loaded into the drafter")
 
 
+def _stop_runs_on_sigterm() -> None:
+    """SIGTERM (a job scheduler, a test's time limit) stops the run of verl's trainer in flight, with its Ray
+    cluster, before the demo exits."""
+    import signal
+
+    def stop(signum, frame):
+        from verl_mtp_plugin.testing.verl_cpu.harness import stop_active_runs
+
+        stop_active_runs()
+        sys.exit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main_cli(args) -> int:
     """``verl-mtp demo`` (see :func:`verl_mtp_plugin.cli.build_parser`)."""
     if args.device == "cuda":
@@ -320,6 +341,7 @@ def main_cli(args) -> int:
               "grpo_online", file=sys.stderr)
         return 2
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    _stop_runs_on_sigterm()
     try:
         run_demo(modes=modes, steps=args.steps, out=args.out, break_sync=args.break_sync, seed=args.seed,
                  progress=not args.no_progress)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
+import tempfile
 from functools import partial
 
 import torch
@@ -33,7 +33,7 @@ __all__ = [
     "build_tiny_hybrid",
     "causal_mask",
     "destroy_megatron",
-    "free_port",
+    "rendezvous",
     "init_megatron",
     "make_batch",
     "reset_mtp_globals",
@@ -66,12 +66,14 @@ class TinyHybridSpec:
     make_vocab_size_divisible_by: int | None = None  # pad the vocab like Megatron does
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+#: an ``init_method`` for torch.distributed that test processes of one group share (see :func:`rendezvous`)
+ENV_INIT_METHOD = "VERL_MTP_TEST_INIT_METHOD"
+
+
+def rendezvous() -> str:
+    """A fresh ``file://`` rendezvous for one torch.distributed group (gloo's FileStore): the ranks meet in
+    a file, so no port is picked now and bound later (a race with anything else on the machine)."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="verl_mtp_dist_"), "store")
 
 
 def _install_cpu_current_device():
@@ -94,10 +96,12 @@ def init_megatron(seed: int = 1234, tp: int = 1, pp: int = 1, ep: int = 1) -> No
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        if os.environ.get(ENV_INIT_METHOD):  # test processes started together (rendezvous())
+            init_method = os.environ[ENV_INIT_METHOD]
+        elif "MASTER_PORT" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
             init_method = "env://"
-        else:  # one process: a free port, not exported (child processes pick their own)
-            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:  # one process: a rendezvous of its own, not exported (child processes make theirs)
+            init_method = rendezvous()
         torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world, init_method=init_method)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -273,7 +273,7 @@ def init_vllm_distributed(vllm_config=None) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from verl_mtp_plugin.testing import free_port
+    from verl_mtp_plugin.testing import rendezvous
 
     if model_parallel_is_initialized():
         return
@@ -282,7 +282,7 @@ def init_vllm_distributed(vllm_config=None) -> None:
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            distributed_init_method=rendezvous(),
             backend="gloo",
         )
         initialize_model_parallel(1, 1)

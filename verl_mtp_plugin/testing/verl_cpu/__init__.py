@@ -17,7 +17,7 @@ Importing this package imports nothing heavy.
 
 from __future__ import annotations
 
-__all__ = ["RECIPES", "RecipeResult", "RecipeRunError", "run_recipe"]
+__all__ = ["RECIPES", "RecipeResult", "RecipeRunError", "load_result", "run_recipe"]
 
 
 def __getattr__(name: str):

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event"]
+__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync"]
 
 ENV_EVENTS = "VERL_CPU_EVENTS"
 ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
@@ -16,6 +16,22 @@ ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
 #: ``--break-sync swap-eh``): names, shapes and checksums stay valid, only generation can tell;
 #: ``skip-drafter``: the drafter is never loaded (it keeps its start-up weights) while the target follows
 BREAK_SYNC_CHOICES = ("none", "swap-eh", "skip-drafter")
+
+
+def parse_break_sync(value: str | None) -> tuple[str, int]:
+    """``"<mode>"`` or ``"<mode>@N"`` -> ``(mode, N)``: the sync is broken from the run's N-th weight
+    update on (1 = every update; a run that resumes healthy and breaks later uses N > 1)."""
+    text = (value or "none").strip() or "none"
+    mode, _, start = text.partition("@")
+    if mode not in BREAK_SYNC_CHOICES:
+        raise ValueError(f"{ENV_BREAK_SYNC}={text!r}; allowed: {list(BREAK_SYNC_CHOICES)}, each optionally '@N'")
+    try:
+        first = int(start) if start else 1
+    except ValueError:
+        raise ValueError(f"{ENV_BREAK_SYNC}={text!r}: '@N' needs an integer N >= 1") from None
+    if first < 1:
+        raise ValueError(f"{ENV_BREAK_SYNC}={text!r}: '@N' needs an integer N >= 1")
+    return mode, first
 
 
 def event(kind: str, **fields) -> None:

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from typing import Any
 from verl_mtp_plugin.testing.verl_cpu.assets import RESPONSE_LENGTH, Assets
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
-           "run_recipe"]
+           "load_result", "run_recipe", "stop_active_runs"]
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
@@ -42,16 +41,6 @@ PLATFORM_MODULE = "verl_cpu_platform"
 PYTHONPATH_DIR = pathlib.Path(__file__).resolve().parent / "pythonpath"
 EXTENSION = "verl_mtp_plugin.testing.verl_cpu.vllm_extension.CPUMTPColocateWorkerExtension"
 ENTRIES = {"plugin": "verl_mtp_plugin.main_ppo", "verl": "verl.trainer.main_ppo"}
-
-#: log lines after which a run is stopped if it has not exited by itself within ERROR_GRACE_S
-#: (a failed weight sync leaves verl's trainer waiting on the sender: environment notes, item 10)
-FATAL_PATTERNS = (
-    re.compile(r"Error executing job with overrides"),
-    re.compile(r"MTPDesyncError|MTPSyncError|MTPConfigError"),
-    re.compile(r"RayTaskError|ActorDiedError|RaySystemError"),
-)
-ERROR_GRACE_S = 45.0
-
 
 class RecipeRunError(RuntimeError):
     """A harness run failed; the message ends with the tail of its log."""
@@ -74,7 +63,7 @@ class RecipeResult:
     checkpoints: dict[int, pathlib.Path]
     #: harness events from the vLLM worker extension (one dict per weight update)
     events: list[dict]
-    stopped: str | None = None  # why the harness stopped the run (fatal log line, timeout)
+    stopped: str | None = None  # why the harness stopped the run (its time limit)
 
     @property
     def ok(self) -> bool:
@@ -144,6 +133,9 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
         ENV_BREAK_SYNC: break_sync,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "RAY_DEDUP_LOGS": "0",
+        # Ray starts one idle Python worker per CPU slot when the driver connects; every actor of a run
+        # gets a process of its own anyway, so on 2 cores those extra starts are pure cost
+        "RAY_prestart_worker_first_driver": "0",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), os.environ.get("PYTHONPATH")])),
     }
 
@@ -171,6 +163,11 @@ def _megatron_cpu(prefix: str) -> list[str]:
             continue
         out.append(f"+{otc}.{k}={str(v).lower() if isinstance(v, bool) else v}")
     return out
+
+
+def ray_cpu_slots(recipe: str) -> int:
+    """Ray CPU slots a run of ``recipe`` places actors on (see :func:`cpu_overrides`)."""
+    return (9 if recipe.startswith("ppo") else 8) + 2
 
 
 def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: int, resume: bool,
@@ -223,8 +220,13 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         f"trainer.resume_mode={'auto' if resume else 'disable'}",
         "trainer.device=cpu",
         "+ray_kwargs.ray_init.num_gpus=1",
-        # TransferQueue's storage units each ask Ray for a CPU (8 by default): logical CPUs
-        "ray_kwargs.ray_init.num_cpus=16",
+        # Ray's logical CPUs are scheduling slots, not cores: every actor verl and TransferQueue place asks
+        # one (TransferQueue controller.py:943 and simple_storage.py:722 `@ray.remote(num_cpus=1)`, verl's
+        # task runner, worker group, reward and agent-loop workers, vLLM server, load balancer: 8 for GRPO,
+        # 9 with a critic), plus 2 for the short Ray tasks verl runs beside them (single_controller/ray/
+        # base.py:524 get_master_addr_port). The cores the run uses are the machine's: OMP_NUM_THREADS=1 per
+        # process, and no idle worker prestarted per slot (cpu_env).
+        f"ray_kwargs.ray_init.num_cpus={ray_cpu_slots(recipe)}",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         # tiny runs: judge the guard on every step (a step has a few dozen verify steps)
@@ -261,6 +263,39 @@ def _checkpoints(ckpt: pathlib.Path) -> dict[int, pathlib.Path]:
         except ValueError:
             pass
     return dict(sorted(out.items()))
+
+
+def _tag(recipe: str, entry: str, steps: int, resume: bool) -> str:
+    return f"{recipe}.{entry}.step{steps}{'.resume' if resume else ''}"
+
+
+def load_result(workdir, recipe: str, *, entry: str = "plugin", steps: int, resume: bool = False) -> RecipeResult:
+    """The :class:`RecipeResult` of a finished :func:`run_recipe` call, read back from its folder (so that
+    several tests, or the demo and the tests, can read one run)."""
+    workdir = pathlib.Path(workdir).resolve()
+    tag = _tag(recipe, entry, steps, resume)
+    path = workdir / f"{tag}.result.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no finished run {tag} in {workdir}")
+    info = json.loads(path.read_text())
+    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(workdir / f"{tag}.metrics.jsonl") if "step" in r}
+    return RecipeResult(
+        recipe=recipe, entry=entry, rc=int(info["rc"]), wall_s=float(info["wall_s"]), workdir=workdir,
+        log_path=workdir / f"{tag}.log", cmd=list(info.get("cmd", [])), metrics=metrics,
+        checkpoints=_checkpoints(workdir / "ckpt"), events=_read_jsonl(workdir / f"{tag}.events.jsonl"),
+        stopped=info.get("stopped"),
+    )
+
+
+#: process groups of the runs in flight in this process (see :func:`stop_active_runs`)
+_ACTIVE: dict[int, subprocess.Popen] = {}
+
+
+def stop_active_runs() -> None:
+    """Stop every run of this process that is still in flight, with the Ray cluster it started (a caller
+    that is itself being stopped, e.g. on SIGTERM, leaves nothing behind)."""
+    for proc in list(_ACTIVE.values()):
+        _stop(proc)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -321,10 +356,10 @@ def run_recipe(
     workdir = pathlib.Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     assets = assets or ensure_assets(workdir.parent / "assets")
-    tag = f"{recipe}.{entry}.step{steps}{'.resume' if resume else ''}"
+    tag = _tag(recipe, entry, steps, resume)
     log_path = workdir / f"{tag}.log"
     metrics_path, events_path = workdir / f"{tag}.metrics.jsonl", workdir / f"{tag}.events.jsonl"
-    for p in (metrics_path, events_path):
+    for p in (metrics_path, events_path, workdir / f"{tag}.result.json"):
         p.unlink(missing_ok=True)
     overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward)
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
@@ -343,18 +378,18 @@ def run_recipe(
         log.flush()
         proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, start_new_session=True)
-        first_error = None
+        _ACTIVE[proc.pid] = proc
         import selectors
 
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         try:
+            # The run's outcome is its exit: verl's trainer ends by itself on a failure (a failed weight
+            # update reaches it within seconds, the desync guard raises in it). Only a run past its time
+            # limit is stopped, as a hang.
             while True:
                 if time.perf_counter() - t0 > timeout_s:
                     stopped = f"timeout after {timeout_s:.0f} s"
-                    break
-                if first_error is not None and time.perf_counter() - first_error > ERROR_GRACE_S:
-                    stopped = f"still running {ERROR_GRACE_S:.0f} s after a fatal log line"
                     break
                 if sel.select(timeout=1.0):
                     line = proc.stdout.readline()
@@ -363,8 +398,6 @@ def run_recipe(
                     log.write(f"[{time.perf_counter() - t0:6.1f}s] {line}")
                     if echo:
                         sys.stdout.write(line)
-                    if first_error is None and any(p.search(line) for p in FATAL_PATTERNS):
-                        first_error = time.perf_counter()
                 elif proc.poll() is not None:
                     break
         finally:
@@ -378,19 +411,15 @@ def run_recipe(
             log.write(rest or "")
             rc = proc.wait()
             _stop(proc)  # whatever the run left in its process group (Ray's processes)
+            _ACTIVE.pop(proc.pid, None)
             shutil.rmtree(ray_tmp, ignore_errors=True)
         if stopped:
             log.write(f"\n[verl_cpu harness] stopped: {stopped}\n")
     wall = time.perf_counter() - t0
-    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(metrics_path) if "step" in r}
-    result = RecipeResult(
-        recipe=recipe, entry=entry, rc=rc if stopped is None else (rc if rc else -1), wall_s=wall, workdir=workdir,
-        log_path=log_path, cmd=cmd, metrics=metrics, checkpoints=_checkpoints(workdir / "ckpt"),
-        events=_read_jsonl(events_path), stopped=stopped,
-    )
     (workdir / f"{tag}.result.json").write_text(json.dumps(
-        {"rc": result.rc, "wall_s": wall, "stopped": stopped, "steps": sorted(metrics),
-         "checkpoints": {k: str(v) for k, v in result.checkpoints.items()}}, indent=1))
+        {"recipe": recipe, "entry": entry, "rc": rc if stopped is None else (rc if rc else -1), "wall_s": wall,
+         "stopped": stopped, "cmd": cmd}, indent=1))
+    result = load_result(workdir, recipe, entry=entry, steps=steps, resume=resume)
     if check:
         result.check()
     return result

@@ -17,7 +17,9 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
 * ``VERL_CPU_BREAK_SYNC=swap-eh`` breaks the drafter sync on purpose, the way the demo's
   ``--break-sync swap-eh`` does: the MTP ``eh_proj``'s two input halves trade places in what reaches
   vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell;
-  ``VERL_CPU_BREAK_SYNC=skip-drafter`` never loads the drafter (it keeps its start-up weights).
+  ``VERL_CPU_BREAK_SYNC=skip-drafter`` never loads the drafter (it keeps its start-up weights);
+  ``<mode>@N`` breaks it from the run's N-th weight update on (the earlier ones are healthy), so one
+  run can show a healthy step and then the guard stopping the trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 
-from verl_mtp_plugin.testing.verl_cpu.events import BREAK_SYNC_CHOICES, ENV_BREAK_SYNC, event
+from verl_mtp_plugin.testing.verl_cpu.events import ENV_BREAK_SYNC, event, parse_break_sync
 from verl_mtp_plugin.testing.vllm_engine import _register_kernel_overrides, install_engine_workarounds
 
 __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
@@ -35,11 +37,14 @@ WORKAROUNDS = install_engine_workarounds()
 print(f"[verl_cpu vllm pid={os.getpid()}] vLLM CPU workarounds: {WORKAROUNDS}", file=sys.stderr, flush=True)
 
 
+#: weight updates this worker process has started (the ``@N`` of ``VERL_CPU_BREAK_SYNC`` counts them)
+_UPDATES = 0
+
+
 def _break_sync() -> str:
-    mode = os.environ.get(ENV_BREAK_SYNC, "none") or "none"
-    if mode not in BREAK_SYNC_CHOICES:
-        raise ValueError(f"{ENV_BREAK_SYNC}={mode!r}; allowed: {list(BREAK_SYNC_CHOICES)}")
-    return mode
+    """The break in force for the current weight update ("none" before the ``@N``-th)."""
+    mode, first = parse_break_sync(os.environ.get(ENV_BREAK_SYNC))
+    return mode if _UPDATES >= first else "none"
 
 
 def _swap_eh(weights):
@@ -77,6 +82,8 @@ class CPUMTPColocateWorkerExtension(_base()):
         return super()._update_weights(weights, peft_config, base_sync_done)
 
     def update_weights_from_ipc(self, *args, **kwargs):
+        global _UPDATES
+        _UPDATES += 1
         self._verl_cpu_kernels()
         if _break_sync() == "skip-drafter":
             # the extension's frozen mode with the drafter marked loaded: every update skips it
@@ -87,5 +94,5 @@ class CPUMTPColocateWorkerExtension(_base()):
         except BaseException as e:
             event("sync_error", error=f"{type(e).__name__}: {e}")
             raise
-        event("sync", metrics=self.mtp_sync_metrics(), break_sync=_break_sync())
+        event("sync", metrics=self.mtp_sync_metrics(), break_sync=_break_sync(), update=_UPDATES)
         return result
