@@ -226,7 +226,8 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
 def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(online, online_resumed, assets):
     n = max(online.metrics)
     assert online_resumed.cmd[2] == "verl.trainer.main_ppo"
-    assert min(online_resumed.metrics) == n + 1  # continued from the saved step N
+    # continued from the saved step N (the run ends at N+2 by the guard: see the guard's test)
+    assert min(online_resumed.metrics, default=None) == n + 1, online_resumed.describe_failure()
     assert {n, n + 1} <= set(online_resumed.checkpoints)
     before, after = _saved(online, n), _saved(online_resumed, n + 1)
     assert set(after) == set(before) == set(_loaded(assets))
@@ -310,7 +311,8 @@ def test_desync_guard_stops_the_trainer_on_a_broken_drafter_sync(online, online_
     assert online_resumed.rc != 0 and online_resumed.stopped is None, (
         "the run with a broken drafter sync must end by itself with an error", online_resumed.rc,
         online_resumed.stopped)
-    assert sorted(online_resumed.metrics) == [n + 1, n + 2]  # logged the broken step, then the guard stopped it
+    # logged the broken step, then the guard stopped it
+    assert sorted(online_resumed.metrics) == [n + 1, n + 2], online_resumed.describe_failure()
     syncs = [e for e in online_resumed.events if e["event"] == "sync"]
     assert [e["break_sync"] for e in syncs[:2]] == ["none", "swap-eh"], syncs  # healthy at start, broken after N+1
     m = online_resumed.metrics[n + 2]
