@@ -76,11 +76,12 @@ GRACE_S = 40.0
 # -------------------------------------------------------------------------------------------- assets
 
 #: the GPU model: Nemotron-3-like layer types (Mamba M, MoE E, attention *), MTP block "*E" as in Super;
-#: attention head_dim 64 (FlashAttention 3 sizes), Mamba head_dim 64
+#: attention head_dim 64 (FlashAttention 3 sizes), Mamba head_dim 64; 2 Mamba groups, 2 query groups and 4 experts
+#: so that TP=2 / EP=2 runs build the same checkpoint
 SPEC = dict(pattern="MEM*EME/*E", vocab_size=64, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
             num_query_groups=2, num_experts=4, moe_topk=2, moe_ffn_hidden_size=128,
             moe_shared_expert_intermediate_size=128, moe_latent_size=None, mamba_head_dim=64, mamba_state_dim=64,
-            mamba_num_groups=1, max_sequence_length=256, mtp_loss_scaling_factor=0.3)
+            mamba_num_groups=2, max_sequence_length=256, mtp_loss_scaling_factor=0.3)
 
 
 def _answer(a: int, b: int, n: int) -> list[int]:
@@ -108,8 +109,9 @@ def task_rows(n: int, split: str, seed: int, answer_len: int) -> list[dict]:
 
 
 def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: float, seed: int = 0,
-                 train_rows: int = 512) -> dict:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+                 train_rows: int = 512, device: str = "cpu") -> dict:
+    if device == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     import pandas as pd
     import torch
 
@@ -123,26 +125,27 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
     spec = TinyHybridSpec(**SPEC)
     tok = _tokenizer(spec.vocab_size)
     torch.manual_seed(seed)
-    model = build_tiny_hybrid(spec, device="cpu")
+    model = build_tiny_hybrid(spec, device=device)  # on CUDA: mamba_ssm's Triton kernels (bare package)
     rows = task_rows(512, "warmup", seed + 1, answer_len)
     seqs = []
     for r in rows:
         p = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
         p = p["input_ids"] if hasattr(p, "keys") else p
         seqs.append(list(p) + tok.convert_tokens_to_ids(r["reward_model"]["ground_truth"].split()))
-    ids_all = torch.tensor(seqs)
+    ids_all = torch.tensor(seqs, device=device)
     prompt_len = ids_all.shape[1] - answer_len
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     t0, losses = time.time(), []
     for step in range(warmup_steps):
-        ids = ids_all[torch.randint(0, len(seqs), (32,), generator=g)]
+        ids = ids_all[torch.randint(0, len(seqs), (32,), generator=g, device=device)]
         b, s = ids.shape
-        loss_mask = torch.zeros(b, s)
+        loss_mask = torch.zeros(b, s, device=device)
         loss_mask[:, prompt_len:] = 1.0
-        pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+        pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous()
         opt.zero_grad(set_to_none=True)
-        logits = hybrid_forward(model, ids, pos, causal_mask(s), run_mtp_forward=True, loss_mask=loss_mask)
+        logits = hybrid_forward(model, ids, pos, causal_mask(s, device=device), run_mtp_forward=True,
+                                loss_mask=loss_mask)
         logp = torch.log_softmax(logits.float(), dim=-1)[:, prompt_len - 1 : s - 1]
         loss = -logp.gather(-1, ids[:, prompt_len:, None]).mean()
         loss.backward()
@@ -159,7 +162,7 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
     pd.DataFrame(task_rows(8, "test", seed + 7, answer_len)).to_parquet(root / "data" / "val.parquet")
     info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "answer_len": answer_len,
             "prompt_len": prompt_len, "warmup_steps": warmup_steps, "lr": lr, "loss_first": losses[0],
-            "loss_last": losses[-1], "seconds": time.time() - t0}
+            "loss_last": losses[-1], "seconds": time.time() - t0, "device": device}
     (root / "assets.json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -456,6 +459,7 @@ def main(argv=None) -> int:
     p.add_argument("--answer-len", type=int, default=32)
     p.add_argument("--warmup-steps", type=int, default=150)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton Mamba kernels; warms Triton's cache)")
     r = sub.add_parser("run", help="run the modes on this machine's GPUs")
     r.add_argument("--assets", required=True)
     r.add_argument("--out", required=True)
@@ -482,7 +486,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "assets":
         print(json.dumps(build_assets(pathlib.Path(a.dir), answer_len=a.answer_len, warmup_steps=a.warmup_steps,
-                                      lr=a.lr), indent=1))
+                                      lr=a.lr, device=a.device), indent=1))
         return 0
     return cmd_run(a)
 
