@@ -300,7 +300,7 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
     env.pop("RAY_ADDRESS", None)
     log_path = out / f"{mode}.log"
     t0 = time.perf_counter()
-    stopped, first_error = None, None
+    stopped, first_error, last_line = None, None, time.perf_counter()
     print(f"=== {mode}: {recipe}, {steps} steps, limit {timeout_s:.0f} s", flush=True)
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -319,10 +319,14 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
                 if first_error is not None and time.perf_counter() - first_error > GRACE_S:
                     stopped = f"still running {GRACE_S:.0f} s after a fatal log line"
                     break
+                if time.perf_counter() - last_line > a.silence_s:
+                    stopped = f"no output for {a.silence_s:.0f} s"
+                    break
                 if sel.select(timeout=1.0):
                     line = proc.stdout.readline()
                     if line == "":
                         break
+                    last_line = time.perf_counter()
                     log.write(f"[{now:6.1f}s] {line}")
                     log.flush()
                     if a.echo or re.search(r"step:\d+ -|Traceback|Error|error:|MTPDesync|guard", line):
@@ -354,6 +358,8 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
            "desync_error": bool(re.search(r"MTPDesyncError", text)),
            "guard_lines": [ln[:600] for ln in text.splitlines() if "desync guard" in ln or "MTPDesyncError" in ln][:6],
            "table": step_table(metrics, events, a.prompts * a.n)}
+    if rc != 0 or stopped:
+        print(f"--- {mode}: last lines of {log_path.name}:\n" + "\n".join(l[:300] for l in text.splitlines()[-40:]))
     print(f"=== {mode}: rc {rc} stopped {stopped} wall {wall:.0f} s steps {sorted(metrics)}", flush=True)
     return res
 
@@ -482,6 +488,7 @@ def main(argv=None) -> int:
     r.add_argument("--run-timeout", type=float, default=420.0, help="seconds for one mode")
     r.add_argument("--min-run-s", type=float, default=90.0, help="skip a mode with less time left")
     r.add_argument("--override", action="append", help="one more Hydra override (repeatable)")
+    r.add_argument("--silence-s", type=float, default=200.0, help="stop a run that prints nothing this long")
     r.add_argument("--echo", action="store_true")
     a = ap.parse_args(argv)
     if a.cmd == "assets":
