@@ -11,7 +11,10 @@
 #       vllm-slim.tar.xz (vLLM 0.26.0, from ../shared/tools/h200-vllm/prepare_stage.sh)
 #     + ray-slim.tar.xz  (ray 2.60.0 without jars, dashboard client, rllib, tests)
 #     + deps.tar.xz      (verl, megatron-core, Megatron-Bridge, TransferQueue, hydra/omegaconf, datasets,
-#                         tensordict, transformers 5.10.4 + tokenizers 0.22.2 (verl <5.11, Bridge <=5.12.1;
+#                         tensordict, megatron-energon + multi-storage-client (Megatron-Bridge's training config
+#                         imports them: megatron/bridge/data/energon/base_energon_datamodule.py:19), vLLM's HTTP
+#                         server imports (watchfiles, prometheus_fastapi_instrumentator, python-multipart,
+#                         model_hosting_container_standards), transformers 5.10.4 + tokenizers 0.22.2 (verl <5.11, Bridge <=5.12.1;
 #                         the image has 5.17), jsonschema (ray), mamba_ssm 2.3.2.post1 built pure-Python,
 #                         and the 20 wheels vLLM 0.26 imports that the image lacks)
 #   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, src/ (this
@@ -52,13 +55,21 @@ if [ ! -f "$W/deps.tar.xz" ]; then
   rm -rf "$W/deps" && mkdir -p "$W/deps/site" "$W/deps/wheels"
   PKGS="jsonschema jsonschema_specifications referencing rpds transfer_queue verl megatron/core megatron/training
         megatron/bridge hydra omegaconf antlr4 datasets dill multiprocess _multiprocess tensordict pyvers orjson
-        codetiming torchdata pylatexenc nvtx uvicorn jmespath transformers tokenizers"
+        codetiming torchdata pylatexenc nvtx uvicorn jmespath transformers tokenizers
+        megatron/energon multistorageclient multistorageclient_rust xattr cffi _cffi_backend.cpython-312-x86_64-linux-gnu.so
+        deprecation.py interegular webdataset braceexpand filetype ryml lark wcmatch bracex opentelemetry
+        watchfiles prometheus_fastapi_instrumentator multipart python_multipart model_hosting_container_standards supervisor"
   DISTS="jsonschema-*.dist-info jsonschema_specifications-*.dist-info referencing-*.dist-info rpds_py-*.dist-info
          transferqueue-*.dist-info verl-0.9.1.dist-info megatron_core-*.dist-info megatron_bridge-*.dist-info
          hydra_core-*.dist-info omegaconf-*.dist-info antlr4_python3_runtime-*.dist-info datasets-*.dist-info
          dill-*.dist-info multiprocess-*.dist-info tensordict-*.dist-info pyvers-*.dist-info orjson-*.dist-info
          codetiming-*.dist-info torchdata-*.dist-info pylatexenc-*.dist-info nvtx-*.dist-info uvicorn-*.dist-info
-         jmespath-*.dist-info transformers-*.dist-info tokenizers-*.dist-info"
+         jmespath-*.dist-info transformers-*.dist-info tokenizers-*.dist-info megatron_energon-*.dist-info
+         multi_storage_client-*.dist-info xattr-*.dist-info cffi-*.dist-info deprecation-*.dist-info
+         interegular-*.dist-info webdataset-*.dist-info braceexpand-*.dist-info filetype-*.dist-info
+         rapidyaml-*.dist-info lark-*.dist-info wcmatch-*.dist-info bracex-*.dist-info opentelemetry_api-*.dist-info
+         watchfiles-*.dist-info prometheus_fastapi_instrumentator-*.dist-info python_multipart-*.dist-info
+         model_hosting_container_standards-*.dist-info supervisor-*.dist-info"
   (cd "$SP" && tar -cf - --exclude=__pycache__ $PKGS $DISTS) | tar -xf - -C "$W/deps/site"
   (cd "$W/deps/site" && python3 -m zipfile -e "$W"/dl/mamba_ssm-2.3.2.post1-*.whl .)
   cp "$VW"/extra/*.whl "$W/deps/wheels/"
