@@ -87,6 +87,10 @@ class _PlaceholderModule(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        if name.startswith("_") and name.lstrip("_")[:1].islower():
+            # a private module-level object (verl's optimizer offload clears TE's ``_dummy_wgrads`` cache under
+            # ``except ImportError``, verl/utils/megatron_utils.py:964-970): absent, as without TE
+            raise AttributeError(name)
         full = f"{self.__name__}.{name}"
         if name[:1].islower():  # a submodule (te.pytorch.ops, te.common.recipe, ...)
             mod = _new_module(full)

@@ -1,0 +1,502 @@
+"""verl 0.9.1's real trainer on GPUs: ``python -m verl_mtp_plugin.main_ppo`` with the shipped recipes
+(``grpo_online``, ``grpo_frozen``, and mode off = ``grpo_online`` with ``mtp.enable=false``), sizes
+overridden, on a small Nemotron-H with Mamba, attention, MoE and an MTP block ``*E`` (real, warmed-up
+weights), vLLM on the V2 model runner with CUDA graphs and sleep mode (``free_cache_engine: true``),
+colocated (``trainer.v1.trainer_mode=mtp_sync``, the recipes' own).
+
+Two sub-commands:
+
+* ``assets DIR`` (any machine; CPU is fine, ~1-2 min): the tiny MoE checkpoint + tokenizer + parquet files,
+  built from the CPU harness's pieces (:mod:`verl_mtp_plugin.testing.verl_cpu.assets`: its tokenizer,
+  count-on task and reward) with a longer answer, so a rollout has enough decode steps to time.
+* ``run`` (the GPU machine): one ``main_ppo`` run per ``--modes`` entry (``online``, ``frozen``, ``off``,
+  ``break``: ``grpo_online`` with the drafter sync broken on purpose, ``swap-eh``, and
+  ``verl_mtp_plugin.mtp_guard.action=fail``), each in its own process group with a wall-clock limit; after
+  each run ``<out>/summary.json`` is rewritten (per-step metrics from verl's file logger, the vLLM worker
+  extension's per-update events, the table of :func:`step_table`), so a cut call keeps what finished.
+
+What the overrides change, and why (everything else is the recipe's):
+
+* sizes: model path, data, batch (``--prompts`` x ``rollout.n``), prompt/response lengths, parallelism
+  (``--tp``/``--ep``/``--gpus``; the recipe's 64-GPU layout cannot run on one GPU), vLLM memory share,
+  ``max_num_seqs`` and the CUDA-graph ceiling ``max_seqs x (k+1)``, step count, Ray's logical CPUs and
+  worker counts, no checkpoint save (Megatron-Bridge's HF save imports ``modelopt``, not carried),
+  no recompute (the model is tiny);
+* forced by the image (no Transformer Engine, no apex, no ``causal_conv1d``): ``attention_backend=local``,
+  the CPU harness's fusion/kernel choices (``verl_mtp_plugin.testing.bridge.CPU_PROVIDER_OVERRIDES``; the
+  MoE dispatcher ``allgather`` is the combination those runs proved), ``use_mamba_mem_eff_path=false``
+  (megatron's fused Mamba path needs ``causal_conv1d``), ``model.use_remove_padding=false`` (packed THD
+  sequences need TE attention), the stand-ins of ``pythonpath/verl_h200_standins.py``;
+* benchmark instruments: the worker extension ``pythonpath/verl_h200_ext.py`` (the plugin's, plus
+  per-update digests/bytes/time and the break switch), verl's file logger, the guard judging every step
+  (``mtp_guard.min_drafts=1``), a learnable reward (the CPU harness's ``compute_score``).
+
+Staging and the exact device calls: ``benchmarks/h200_main_ppo/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+PYTHONPATH_DIR = HERE / "pythonpath"
+RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
+EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
+
+#: mode -> (recipe, extra overrides, break switch)
+MODES = {
+    "online": ("grpo_online", [], "none"),
+    "frozen": ("grpo_frozen", [], "none"),
+    "off": ("grpo_online", ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.enable_train=false",
+                            "actor_rollout_ref.model.mtp.enable_rollout=false"], "none"),
+    "break": ("grpo_online", ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"],
+              "swap-eh"),
+}
+FATAL = (
+    re.compile(r"Error executing job with overrides"),
+    re.compile(r"MTPDesyncError|MTPSyncError|MTPConfigError"),
+    re.compile(r"RayTaskError|ActorDiedError|RaySystemError"),
+)
+GRACE_S = 40.0
+
+# -------------------------------------------------------------------------------------------- assets
+
+#: the GPU model: Nemotron-3-like layer types (Mamba M, MoE E, attention *), MTP block "*E" as in Super;
+#: attention head_dim 64 (FlashAttention 3 sizes), Mamba head_dim 64; 2 Mamba groups, 2 query groups and 4 experts
+#: so that TP=2 / EP=2 runs build the same checkpoint
+SPEC = dict(pattern="MEM*EME/*E", vocab_size=64, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4,
+            num_query_groups=2, num_experts=4, moe_topk=2, moe_ffn_hidden_size=128,
+            moe_shared_expert_intermediate_size=128, moe_latent_size=None, mamba_head_dim=64, mamba_state_dim=64,
+            mamba_num_groups=2, max_sequence_length=256, mtp_loss_scaling_factor=0.3)
+
+
+def _answer(a: int, b: int, n: int) -> list[int]:
+    step = (b - a) % 10
+    return [(b + step * k) % 10 for k in range(1, n + 1)]
+
+
+def task_rows(n: int, split: str, seed: int, answer_len: int) -> list[dict]:
+    """The CPU harness's count-on task (``assets.task_rows``) with answers of ``answer_len`` digits."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, step = rng.randint(0, 9), rng.randint(1, 2)
+        b = (a + step) % 10
+        rows.append({
+            "data_source": "count_on",
+            "prompt": [{"role": "user", "content": f"count {a} {b}"}],
+            "ability": "count",
+            "reward_model": {"style": "rule", "ground_truth": " ".join(map(str, _answer(a, b, answer_len)))},
+            "extra_info": {"split": split, "index": i},
+        })
+    return rows
+
+
+def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: float, seed: int = 0,
+                 train_rows: int = 512, device: str = "cpu") -> dict:
+    if device == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import pandas as pd
+    import torch
+
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.metrics import reset_mtp_metrics
+    from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
+    from verl_mtp_plugin.testing.verl_cpu.assets import _tokenizer
+    from verl_mtp_plugin.testing.vllm_engine import write_model_dir
+
+    init_megatron(seed=seed)
+    spec = TinyHybridSpec(**SPEC)
+    tok = _tokenizer(spec.vocab_size)
+    torch.manual_seed(seed)
+    model = build_tiny_hybrid(spec, device=device)  # on CUDA: mamba_ssm's Triton kernels (bare package)
+    rows = task_rows(512, "warmup", seed + 1, answer_len)
+    seqs = []
+    for r in rows:
+        p = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
+        p = p["input_ids"] if hasattr(p, "keys") else p
+        seqs.append(list(p) + tok.convert_tokens_to_ids(r["reward_model"]["ground_truth"].split()))
+    ids_all = torch.tensor(seqs, device=device)
+    prompt_len = ids_all.shape[1] - answer_len
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator(device=device).manual_seed(seed)
+    t0, losses = time.time(), []
+    for step in range(warmup_steps):
+        ids = ids_all[torch.randint(0, len(seqs), (32,), generator=g, device=device)]
+        b, s = ids.shape
+        loss_mask = torch.zeros(b, s, device=device)
+        loss_mask[:, prompt_len:] = 1.0
+        pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous()
+        opt.zero_grad(set_to_none=True)
+        logits = hybrid_forward(model, ids, pos, causal_mask(s, device=device), run_mtp_forward=True,
+                                loss_mask=loss_mask)
+        logp = torch.log_softmax(logits.float(), dim=-1)[:, prompt_len - 1 : s - 1]
+        loss = -logp.gather(-1, ids[:, prompt_len:, None]).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % 20 == 0 or step == warmup_steps - 1:
+            print(f"warm-up step {step}: loss {losses[-1]:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    reset_mtp_metrics()
+    write_model_dir(root / "model", spec, model=model, dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+                    pad_token_id=0)
+    tok.save_pretrained(str(root / "model"))
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(task_rows(train_rows, "train", seed, answer_len)).to_parquet(root / "data" / "train.parquet")
+    pd.DataFrame(task_rows(8, "test", seed + 7, answer_len)).to_parquet(root / "data" / "val.parquet")
+    info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "answer_len": answer_len,
+            "prompt_len": prompt_len, "warmup_steps": warmup_steps, "lr": lr, "loss_first": losses[0],
+            "loss_last": losses[-1], "seconds": time.time() - t0, "device": device}
+    (root / "assets.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+# -------------------------------------------------------------------------------------------- runs
+
+
+def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> list[str]:
+    """Hydra overrides for one run: sizes, what the image forces, instruments (module docstring)."""
+    from verl_mtp_plugin.testing.bridge import CPU_PROVIDER_OVERRIDES
+
+    info = json.loads((assets / "assets.json").read_text())
+    resp = int(info["answer_len"])
+    k = 2  # the recipe's num_speculative_tokens
+    seqs = a.prompts * a.n
+    ar = "actor_rollout_ref"
+    otc = f"{ar}.actor.megatron.override_transformer_config"
+    out = [
+        f"{ar}.model.path={assets / 'model'}",
+        f"data.train_files={assets / 'data' / 'train.parquet'}",
+        f"data.val_files={assets / 'data' / 'val.parquet'}",
+        f"data.train_batch_size={a.prompts}",
+        "data.max_prompt_length=16",
+        f"data.max_response_length={resp}",
+        "data.dataloader_num_workers=0",
+        f"{ar}.rollout.n={a.n}",
+        f"{ar}.actor.ppo_mini_batch_size={a.prompts}",
+        f"{ar}.actor.optim.lr={a.lr}",
+        # forced: packed (THD) sequences need TE attention (megatron's local attention asserts on them)
+        f"{ar}.model.use_remove_padding=false",
+        # parallelism (sizes)
+        f"{ar}.actor.megatron.tensor_model_parallel_size={a.tp}",
+        f"{ar}.actor.megatron.expert_model_parallel_size={a.ep}",
+        f"{ar}.actor.megatron.sequence_parallel={'true' if a.tp > 1 else 'false'}",
+        f"{ar}.rollout.tensor_model_parallel_size={a.rollout_tp}",
+        f"{ar}.rollout.expert_parallel_size={a.rollout_ep}",
+        # forced: no Transformer Engine (attention), no causal_conv1d (Mamba's fused path)
+        f"{otc}.attention_backend=local",
+        f"+{otc}.use_mamba_mem_eff_path=false",
+        # tiny model: no activation recompute
+        f"{otc}.recompute_granularity=null",
+        f"{otc}.recompute_method=null",
+        f"{otc}.recompute_num_layers=null",
+        # vLLM sizes
+        "actor_rollout_ref.rollout.max_model_len=64",
+        f"{ar}.rollout.max_num_seqs={seqs}",
+        f"{ar}.rollout.max_num_batched_tokens={max(2048, seqs * 16)}",
+        f"{ar}.rollout.gpu_memory_utilization={a.gpu_mem}",
+        f"{ar}.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size={seqs * (k + 1)}",
+        f"{ar}.rollout.agent.num_workers={a.agent_workers}",
+        f"{ar}.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
+        f"reward.custom_reward_function.path={REPO / 'verl_mtp_plugin/testing/verl_cpu/reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=2",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={a.gpus}",
+        "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={a.steps}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={workdir / 'ckpt'}",
+        "trainer.resume_mode=disable",
+        "ray_kwargs.ray_init.num_cpus=32",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "+verl_mtp_plugin.mtp_guard.min_drafts=1",
+    ]
+    if a.tp > 1 or a.ep > 1:
+        out.append(f"{ar}.ref.megatron.tensor_model_parallel_size={a.tp}")
+        out.append(f"{ar}.ref.megatron.expert_model_parallel_size={a.ep}")
+    if a.no_offload:
+        out += [f"{ar}.actor.megatron.param_offload=false", f"{ar}.actor.megatron.optimizer_offload=false",
+                f"{ar}.ref.megatron.param_offload=false"]
+    for key, v in CPU_PROVIDER_OVERRIDES.items():
+        if key == "sequence_parallel":
+            continue
+        out.append(f"+{otc}.{key}={str(v).lower() if isinstance(v, bool) else v}")
+        if a.tp > 1 or a.ep > 1:
+            pass
+    return out + list(a.override or [])
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
+    recipe, extra, brk = MODES[mode]
+    workdir = pathlib.Path(a.workdir) / mode
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    metrics_path, events_path = workdir / "metrics.jsonl", workdir / "events.jsonl"
+    steps = a.break_steps if mode == "break" else a.steps
+    ns = argparse.Namespace(**{**vars(a), "steps": steps})
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path", str(RECIPE_DIR), "--config-name", recipe,
+           *overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
+    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update({
+        "VERL_USE_EXTERNAL_MODULES": "verl_h200_standins",
+        "VERL_FILE_LOGGER_PATH": str(metrics_path),
+        "VERL_CPU_EVENTS": str(events_path),
+        "VERL_CPU_BREAK_SYNC": brk,
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+        "TRITON_CACHE_AUTOTUNING": "1",
+        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
+    })
+    env.pop("RAY_ADDRESS", None)
+    log_path = out / f"{mode}.log"
+    t0 = time.perf_counter()
+    stopped, first_error, last_line = None, None, time.perf_counter()
+    print(f"=== {mode}: {recipe}, {steps} steps, limit {timeout_s:.0f} s", flush=True)
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, start_new_session=True)
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        try:
+            while True:
+                now = time.perf_counter() - t0
+                if now > timeout_s:
+                    stopped = f"timeout after {timeout_s:.0f} s"
+                    break
+                if first_error is not None and time.perf_counter() - first_error > GRACE_S:
+                    stopped = f"still running {GRACE_S:.0f} s after a fatal log line"
+                    break
+                if time.perf_counter() - last_line > a.silence_s:
+                    stopped = f"no output for {a.silence_s:.0f} s"
+                    break
+                if sel.select(timeout=1.0):
+                    line = proc.stdout.readline()
+                    if line == "":
+                        break
+                    last_line = time.perf_counter()
+                    log.write(f"[{now:6.1f}s] {line}")
+                    log.flush()
+                    if a.echo or re.search(r"step:\d+ -|Traceback|Error|error:|MTPDesync|guard", line):
+                        sys.stdout.write(f"[{mode} {now:5.0f}s] {line[:400]}" + ("" if line.endswith("\n") else "\n"))
+                    if first_error is None and any(p.search(line) for p in FATAL):
+                        first_error = time.perf_counter()
+                elif proc.poll() is not None:
+                    break
+        finally:
+            sel.close()
+            if stopped is not None or proc.poll() is None:
+                try:
+                    proc.wait(5 if stopped is None else 0.1)
+                except subprocess.TimeoutExpired:
+                    _stop(proc)
+            rest = proc.stdout.read() if proc.stdout else ""
+            log.write(rest or "")
+            rc = proc.wait()
+            _stop(proc)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        if stopped:
+            log.write(f"\n[h200 driver] stopped: {stopped}\n")
+    wall = time.perf_counter() - t0
+    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(metrics_path) if "step" in r}
+    events = _read_jsonl(events_path)
+    text = log_path.read_text(errors="replace")
+    res = {"mode": mode, "recipe": recipe, "rc": rc, "stopped": stopped, "wall_s": round(wall, 1),
+           "steps_logged": sorted(metrics), "metrics": metrics, "events": events, "cmd": cmd,
+           "desync_error": bool(re.search(r"MTPDesyncError", text)),
+           "guard_lines": [ln[:600] for ln in text.splitlines() if "desync guard" in ln or "MTPDesyncError" in ln][:6],
+           "table": step_table(metrics, events, a.prompts * a.n)}
+    if rc != 0 or stopped:
+        print(f"--- {mode}: last lines of {log_path.name}:\n" + "\n".join(l[:300] for l in text.splitlines()[-40:]))
+    print(f"=== {mode}: rc {rc} stopped {stopped} wall {wall:.0f} s steps {sorted(metrics)}", flush=True)
+    return res
+
+
+#: per-step columns: (label, metric key or callable)
+def step_table(metrics: dict, events: list[dict], seqs: int) -> list[dict]:
+    syncs = [e for e in events if e.get("event") == "sync"]
+    rows = []
+    for i, (step, m) in enumerate(sorted(metrics.items())):
+        row = {"step": step}
+        for key in ("rollout/spec_accept_rate_pos_0", "rollout/spec_accept_rate_pos_1", "rollout/spec_accept_rate",
+                    "rollout/spec_accept_length", "actor/mtp_argmax_draft_accept_rate",
+                    "actor/mtp_expected_accept_rate", "actor/mtp_losses/mtp_1_loss", "critic/score/mean",
+                    "response_length/mean", "mtp_guard/fired"):
+            if key in m:
+                row[key] = m[key]
+        for key, v in m.items():
+            if key.startswith("timing_s/") or key.startswith("perf/") or key.startswith("mtp_guard/"):
+                row[key] = v
+        gen = m.get("timing_s/gen")
+        if gen and "response_length/mean" in m:
+            row["gen_tokens_per_s"] = m["response_length/mean"] * seqs / gen
+        rows.append(row)
+    # the vLLM side: update i+1 is the sync before step i+1's rollout (update 1 at start-up)
+    for r in rows:
+        ev = next((e for e in syncs if e.get("update") == r["step"]), None)
+        if ev:
+            met = ev.get("metrics", {})
+            r["sync/bytes_drafter"] = met.get("sync/bytes_drafter")
+            r["sync/bytes_target"] = met.get("sync/bytes_target")
+            r["sync/drafter_seconds"] = met.get("sync/drafter_seconds")
+            r["sync/update_wall_s"] = ev.get("wall_s")
+            r["drafter_pre"] = (ev.get("pre") or {}).get("digest")
+            r["drafter_post"] = (ev.get("post") or {}).get("digest")
+    return rows
+
+
+def digest_check(events: list[dict]) -> dict:
+    """Each update's pre-digest (after the wake-up) against the previous update's post-digest."""
+    syncs = sorted((e for e in events if e.get("event") == "sync"), key=lambda e: e.get("update", 0))
+    pairs = []
+    for prev, cur in zip(syncs, syncs[1:]):
+        pairs.append({"update": cur.get("update"), "prev_post": (prev.get("post") or {}).get("digest"),
+                      "pre": (cur.get("pre") or {}).get("digest"),
+                      "equal": (prev.get("post") or {}).get("digest") == (cur.get("pre") or {}).get("digest")})
+    loads = [float((e.get("metrics") or {}).get("sync/bytes_drafter", 0) or 0) > 0 for e in syncs]
+    return {"updates": len(syncs), "pairs": pairs, "all_equal": bool(pairs) and all(p["equal"] for p in pairs),
+            "drafter_loaded_in_updates": [i + 1 for i, x in enumerate(loads) if x]}
+
+
+def cmd_run(a) -> int:
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    summary = {"args": vars(a), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "runs": {}}
+    try:
+        summary["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                                "--format=csv,noheader"], capture_output=True, text=True).stdout
+    except OSError:
+        pass
+    for mode in a.modes.split(","):
+        left = a.budget - (time.perf_counter() - t_start)
+        if left < a.min_run_s:
+            summary["runs"][mode] = {"skipped": f"budget: {left:.0f} s left"}
+            print(f"=== {mode}: skipped ({left:.0f} s left)", flush=True)
+            continue
+        res = run_mode(mode, a, out, min(left, a.run_timeout))
+        res["digests"] = digest_check(res["events"])
+        summary["runs"][mode] = res
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print_tables(summary)
+    return 0
+
+
+def print_tables(summary: dict) -> None:
+    cols = [("gen s", "timing_s/gen"), ("sync s", "timing_s/update_weights"), ("logp s", "timing_s/old_log_prob"),
+            ("ref s", "timing_s/ref"), ("upd s", "timing_s/update_actor"), ("step s", "timing_s/step"),
+            ("tok/s", "gen_tokens_per_s"), ("vLLM a0", "rollout/spec_accept_rate_pos_0"),
+            ("vLLM a1", "rollout/spec_accept_rate_pos_1"), ("argmax", "actor/mtp_argmax_draft_accept_rate"),
+            ("overlap", "actor/mtp_expected_accept_rate"), ("drafter B", "sync/bytes_drafter"),
+            ("score", "critic/score/mean")]
+    for mode, r in summary["runs"].items():
+        if "table" not in r:
+            print(f"{mode}: {r}")
+            continue
+        print(f"\n{mode}: rc {r['rc']} {r.get('stopped') or ''} wall {r['wall_s']} s; digests {r.get('digests', {}).get('all_equal')}"
+              f" loads {r.get('digests', {}).get('drafter_loaded_in_updates')}")
+        print("step " + " ".join(f"{c:>9}" for c, _ in cols))
+        for row in r["table"]:
+            vals = []
+            for _, k in cols:
+                v = row.get(k)
+                vals.append(f"{v:9.3f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>9}")
+            print(f"{row['step']:>4} " + " ".join(vals))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("assets", help="build the checkpoint, tokenizer and data")
+    p.add_argument("dir")
+    p.add_argument("--answer-len", type=int, default=32)
+    p.add_argument("--warmup-steps", type=int, default=150)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton Mamba kernels; warms Triton's cache)")
+    r = sub.add_parser("run", help="run the modes on this machine's GPUs")
+    r.add_argument("--assets", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--workdir", default="/tmp/h200_main_ppo")
+    r.add_argument("--modes", default="online,frozen,off,break")
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--break-steps", type=int, default=3)
+    r.add_argument("--prompts", type=int, default=16, help="data.train_batch_size (prompts per step)")
+    r.add_argument("--n", type=int, default=8, help="rollout.n (the recipe's)")
+    r.add_argument("--lr", type=float, default=1e-4)
+    r.add_argument("--gpus", type=int, default=1)
+    r.add_argument("--tp", type=int, default=1, help="Megatron tensor parallel size (actor and ref)")
+    r.add_argument("--ep", type=int, default=1, help="Megatron expert parallel size (actor and ref)")
+    r.add_argument("--rollout-tp", type=int, default=1)
+    r.add_argument("--rollout-ep", type=int, default=1)
+    r.add_argument("--gpu-mem", type=float, default=0.3, help="rollout.gpu_memory_utilization")
+    r.add_argument("--agent-workers", type=int, default=2)
+    r.add_argument("--no-offload", action="store_true", help="actor/ref param and optimizer offload off")
+    r.add_argument("--budget", type=float, default=560.0, help="seconds for all modes of this call")
+    r.add_argument("--run-timeout", type=float, default=420.0, help="seconds for one mode")
+    r.add_argument("--min-run-s", type=float, default=90.0, help="skip a mode with less time left")
+    r.add_argument("--override", action="append", help="one more Hydra override (repeatable)")
+    r.add_argument("--silence-s", type=float, default=200.0, help="stop a run that prints nothing this long")
+    r.add_argument("--echo", action="store_true")
+    a = ap.parse_args(argv)
+    if a.cmd == "assets":
+        print(json.dumps(build_assets(pathlib.Path(a.dir), answer_len=a.answer_len, warmup_steps=a.warmup_steps,
+                                      lr=a.lr, device=a.device), indent=1))
+        return 0
+    return cmd_run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
