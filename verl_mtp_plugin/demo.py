@@ -53,7 +53,7 @@ GUARD_FAIL = ("verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guar
 #: the demo's settings over the recipe (sizes and learning rate only; the same for every mode): 8 prompts x 4
 #: samples per step and an actor learning rate (MTP block included) at which 10 GRPO steps move the policy
 #: of the tiny model from the warm-up rule to the rewarded one
-DEMO_LR = 2e-3
+DEMO_LR = 3e-3
 DEMO_SIZES = (
     "trainer.total_epochs=1000",  # the tiny train set is a few batches: steps, not epochs, end the run
     "data.train_batch_size=8",
@@ -91,8 +91,6 @@ COLUMNS = (
     ("est_acc", ESTIMATE, "{:.3f}"),
     ("tok/step", TOKENS_PER_STEP, "{:.2f}"),
     ("mtp_loss", "actor/mtp_losses/mtp_1_loss", "{:.3f}"),
-    ("mtp_gnorm", "actor/mtp_grad_norm", "{:.3f}"),
-    ("desync", "mtp_guard/desync", "{:.0f}"),
     ("B->drafter", "sync/bytes_drafter", "{:,.0f}"),
     ("t_step", "timing_s/step", "{:.1f}"),
 )
@@ -314,9 +312,12 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
     _write(outp, history)
     _table(history)
     if failure is None and break_sync == "none":
-        problems = check_story(history, steps=steps)
-        if problems:
-            failure = DemoInvariantError("the online-vs-frozen story did not show: " + "; ".join(problems))
+        if "online" in history and "frozen" in history and steps >= 2 * STORY_WINDOW:
+            problems = check_story(history, steps=steps)
+            if problems:
+                failure = DemoInvariantError("the online-vs-frozen story did not show: " + "; ".join(problems))
+        else:
+            print(f"(the online-vs-frozen story is judged when both modes run >= {2 * STORY_WINDOW} steps)")
     if failure is not None:
         raise failure
     print(f"\nall runs finished in {time.perf_counter() - t_start:.0f} s: {closing_line(history)}")
@@ -477,6 +478,7 @@ def _write(out: pathlib.Path, history: dict[str, list[dict]]) -> None:
         ax.legend(fontsize=8)
     axes[0].set_ylim(0, 1)
     axes[1].set_ylim(0, 1)
+    axes[2].set_ylim(1, 3)  # 1 + accepted drafts, k=2
     fig.suptitle("verl's trainer, tiny Nemotron-H: RL moves the policy off the rule the MTP head learned; "
                  "online MTP keeps the drafter with it", fontsize=10)
     fig.tight_layout()
@@ -502,8 +504,7 @@ def _table(history: dict[str, list[dict]]) -> None:
         print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
     print("reward: critic/score/mean; vLLM_acc: rollout/spec_accept_rate_pos_0 (the vLLM server's counters); est_acc: "
           "actor/mtp_argmax_draft_accept_rate (the trainer's estimate for the same policy); tok/step: "
-          "rollout/spec_accept_length (tokens per verify step, k=2); mtp_gnorm: actor/mtp_grad_norm (megatron's "
-          "'mtp' group); B->drafter: bytes the sync before the step's rollout loaded into the drafter")
+          "rollout/spec_accept_length (tokens per verify step, k=2); B->drafter: bytes the sync before the step's rollout loaded into the drafter")
 
 
 def main_cli(args) -> int:
