@@ -4,8 +4,8 @@ What runs is what a user's cluster runs: ``python -m verl_mtp_plugin.main_ppo --
 recipes/nemotron3_super_mtp/config --config-name grpo_<mode>`` — Hydra, Ray, TransferQueue, the plugin's
 ``mtp_sync`` trainer, Megatron actor and reference workers through the plugin engine, verl's vLLM server
 with MTP speculation (k=2) and its agent loop, the weight sync through the plugin's worker extension,
-reward, GRPO, the actor update with the MTP loss, checkpoint save. Only the sizes are shrunk to the tiny
-model and one CPU "GPU", with the CPU harness of :mod:`verl_mtp_plugin.testing.verl_cpu` (its module
+reward, GRPO, the actor update with the MTP loss, checkpoint save. Only the sizes (shrunk to the tiny
+model and one CPU "GPU") and the learning rate (:data:`DEMO_LR`) differ from the recipe, with the CPU harness of :mod:`verl_mtp_plugin.testing.verl_cpu` (its module
 docstrings list each stand-in and the library line that forces it).
 
 By default it runs **online** and then **frozen** at the same settings, on the same checkpoint and task.
