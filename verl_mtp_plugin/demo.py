@@ -5,8 +5,9 @@ recipes/nemotron3_super_mtp/config --config-name grpo_<mode>`` — Hydra, Ray, T
 ``mtp_sync`` trainer, Megatron actor and reference workers through the plugin engine, verl's vLLM server
 with MTP speculation (k=2) and its agent loop, the weight sync through the plugin's worker extension,
 reward, GRPO, the actor update with the MTP loss, checkpoint save. Only the sizes (shrunk to the tiny
-model and one CPU "GPU") and the learning rate (:data:`DEMO_LR`) differ from the recipe, with the CPU harness of :mod:`verl_mtp_plugin.testing.verl_cpu` (its module
-docstrings list each stand-in and the library line that forces it).
+model and one CPU "GPU") and the learning rate (:data:`DEMO_LR`) differ from the recipe, with the CPU
+harness of :mod:`verl_mtp_plugin.testing.verl_cpu` (its module docstrings list each stand-in and the
+library line that forces it).
 
 By default it runs **online** and then **frozen** at the same settings, on the same checkpoint and task.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
@@ -504,7 +505,8 @@ def _table(history: dict[str, list[dict]]) -> None:
         print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
     print("reward: critic/score/mean; vLLM_acc: rollout/spec_accept_rate_pos_0 (the vLLM server's counters); est_acc: "
           "actor/mtp_argmax_draft_accept_rate (the trainer's estimate for the same policy); tok/step: "
-          "rollout/spec_accept_length (tokens per verify step, k=2); B->drafter: bytes the sync before the step's rollout loaded into the drafter")
+          "rollout/spec_accept_length (tokens per verify step, k=2); B->drafter: bytes the sync before the step's "
+          "rollout loaded into the drafter")
 
 
 def main_cli(args) -> int:
