@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl_mtp_plugin.testing.verl_cpu.events import swap_eh
+
 from verl_mtp_plugin.policy import MTPMode, Phase, run_mtp_forward
 
 __all__ = ["BREAK_SYNC_CHOICES", "DemoInvariantError", "DemoTask", "run_demo"]
@@ -488,19 +490,6 @@ def _make_rollout(model, spec, mode, out, break_sync, k, seed):
     return _VllmRollout(model, spec, mode, out, break_sync, k, seed)
 
 
-def _swap_eh(weights):
-    """``--break-sync swap-eh``: the MTP ``eh_proj``'s two input halves trade places (the drafter then
-    reads the previous hidden state as the next token's embedding and vice versa); names, shapes and
-    checksums of what is sent stay valid: only generation can tell."""
-    out = []
-    for name, t in weights:
-        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
-            h = t.shape[1] // 2
-            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
-        out.append((name, t))
-    return out
-
-
 class _VllmRollout:
     """Two real vLLM engines (``verl_mtp_plugin.testing.vllm_engine``): MTP speculation with k draft
     tokens, and a no-speculation baseline for tokens/s, both updated through verl's update path."""
@@ -541,7 +530,7 @@ class _VllmRollout:
         from verl_mtp_plugin.testing.vllm_engine import rollout_weights
 
         w = rollout_weights(self.model, self.spec, self.engine.dtype)
-        return _swap_eh(w) if self.break_sync == "swap-eh" else w
+        return list(swap_eh(w)) if self.break_sync == "swap-eh" else w
 
     def sync(self, step):
         from verl_mtp_plugin.testing.vllm_engine import rollout_weights

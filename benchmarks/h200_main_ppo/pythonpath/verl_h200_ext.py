@@ -20,26 +20,13 @@ import hashlib
 import os
 import time
 
-from verl_mtp_plugin.testing.verl_cpu.events import BREAK_SYNC_CHOICES, ENV_BREAK_SYNC, event
+from verl_mtp_plugin.testing.verl_cpu.events import ENV_BREAK_SYNC, event, parse_break_sync, swap_eh
 
 __all__ = ["H200MTPColocateWorkerExtension"]
 
 
 def _break_sync() -> str:
-    mode = os.environ.get(ENV_BREAK_SYNC, "none") or "none"
-    if mode not in BREAK_SYNC_CHOICES:
-        raise ValueError(f"{ENV_BREAK_SYNC}={mode!r}; allowed: {list(BREAK_SYNC_CHOICES)}")
-    return mode
-
-
-def _swap_eh(weights):
-    for name, t in weights:
-        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
-            import torch
-
-            h = t.shape[1] // 2
-            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
-        yield name, t
+    return parse_break_sync(os.environ.get(ENV_BREAK_SYNC))[0]
 
 
 def _base():
@@ -66,7 +53,7 @@ class H200MTPColocateWorkerExtension(_base()):
 
     def _update_weights(self, weights, peft_config, base_sync_done):
         if _break_sync() == "swap-eh":
-            weights = list(_swap_eh(weights))
+            weights = list(swap_eh(weights))
         return super()._update_weights(weights, peft_config, base_sync_done)
 
     def update_weights_from_ipc(self, *args, **kwargs):

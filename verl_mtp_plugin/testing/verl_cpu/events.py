@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync"]
+__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync", "swap_eh"]
 
 ENV_EVENTS = "VERL_CPU_EVENTS"
 ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
@@ -42,3 +42,15 @@ def event(kind: str, **fields) -> None:
     line = json.dumps({"event": kind, "pid": os.getpid(), "time": time.time(), **fields}, default=str)
     with open(path, "a") as f:
         f.write(line + "\n")
+
+
+def swap_eh(weights):
+    """``swap-eh``: the MTP ``eh_proj`` weight's two input halves trade places in a weight stream (names,
+    shapes and checksums stay valid; only generation can tell)."""
+    for name, t in weights:
+        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
+            import torch
+
+            h = t.shape[1] // 2
+            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
+        yield name, t

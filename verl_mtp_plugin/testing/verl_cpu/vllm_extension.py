@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 
-from verl_mtp_plugin.testing.verl_cpu.events import ENV_BREAK_SYNC, event, parse_break_sync
+from verl_mtp_plugin.testing.verl_cpu.events import ENV_BREAK_SYNC, event, parse_break_sync, swap_eh
 from verl_mtp_plugin.testing.vllm_engine import _register_kernel_overrides, install_engine_workarounds
 
 __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
@@ -45,16 +45,6 @@ def _break_sync() -> str:
     """The break in force for the current weight update ("none" before the ``@N``-th)."""
     mode, first = parse_break_sync(os.environ.get(ENV_BREAK_SYNC))
     return mode if _UPDATES >= first else "none"
-
-
-def _swap_eh(weights):
-    for name, t in weights:
-        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
-            import torch
-
-            h = t.shape[1] // 2
-            t = torch.cat([t[:, h:], t[:, :h]], dim=1)
-        yield name, t
 
 
 def _base():
@@ -78,7 +68,7 @@ class CPUMTPColocateWorkerExtension(_base()):
 
     def _update_weights(self, weights, peft_config, base_sync_done):
         if _break_sync() == "swap-eh":
-            weights = list(_swap_eh(weights))
+            weights = list(swap_eh(weights))
         return super()._update_weights(weights, peft_config, base_sync_done)
 
     def update_weights_from_ipc(self, *args, **kwargs):
