@@ -47,37 +47,61 @@ def _clean_mtp_globals():
 
 
 # --------------------------------------------------------------------------------------------------
-# One `verl-mtp demo` run for the whole session: tests/test_demo.py asserts its story, tests/test_main_ppo.py
-# reads its two runs of verl's trainer (grpo_online, grpo_frozen) and continues them from their checkpoints.
+# The suite's runs of verl's trainer (tests/trainer_runs.py): the ones the collected tests ask for start in the
+# background when the session starts; the tests that read them run last, after the rest of the suite.
 
-#: wall-clock limit of the demo (both modes); a run past it is a hang
-DEMO_TIMEOUT_S = 1500
+#: fixture name -> the run it reads (test modules define fixtures of these names on top of ``trainer_runs``)
+RUN_FIXTURES = {
+    "demo_run": "demo",
+    "online": "demo",
+    "frozen": "demo",
+    "assets": "assets",
+    "online_resumed": "online_resumed",
+    "frozen_resumed": "frozen_resumed",
+    "joint": "joint",
+    "ppo_frozen": "ppo_frozen",
+    "ppo_online": "ppo_online",
+}
+
+
+def _runs_needed(item) -> set[str]:
+    return {RUN_FIXTURES[f] for f in getattr(item, "fixturenames", ()) if f in RUN_FIXTURES}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that read a run of verl's trainer go last (stable order otherwise), so that the runs, started at the
+    session's start, overlap the rest of the suite."""
+    reading = [it for it in items if _runs_needed(it)]
+    rest = [it for it in items if not _runs_needed(it)]
+    items[:] = rest + reading
+    config._verl_mtp_runs = sorted(set().union(*(_runs_needed(it) for it in reading))) if reading else []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trainer_runs(request, tmp_path_factory):
+    """The background runs (:class:`trainer_runs.Runs`), started before the session's first test."""
+    names = getattr(request.config, "_verl_mtp_runs", [])
+    if not names:
+        yield None
+        return
+    from trainer_runs import Runs
+
+    runs = Runs(tmp_path_factory.mktemp("trainer_runs"), names)
+    request.config._verl_mtp_runs_obj = runs
+    try:
+        yield runs
+    finally:
+        runs.stop()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Which runs of verl's trainer the session started, how many at once, and their wall times."""
+    runs = getattr(config, "_verl_mtp_runs_obj", None)
+    if runs is not None:
+        terminalreporter.write_line(f"runs of verl's trainer ({runs.slots} at once): wall s {runs.walls()}")
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
+def demo_run(trainer_runs):
     """``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (default modes and steps)."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    from types import SimpleNamespace
-
-    out = tmp_path_factory.mktemp("demo")
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
-    cmd = [sys.executable, "-m", "verl_mtp_plugin", "demo", "--out", str(out)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=DEMO_TIMEOUT_S)
-    except BaseException:
-        # a hang (or pytest-timeout): the demo stops the run of verl's trainer it is in on SIGTERM
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return SimpleNamespace(out=out, rc=proc.returncode, stdout=stdout, stderr=stderr, cmd=cmd,
-                           wall_s=time.perf_counter() - t0)
+    return trainer_runs.result("demo")

@@ -8,12 +8,13 @@ agent loop, the weight sync through the plugin's worker extension, reward, GRPO 
 update with the MTP loss, checkpoint save and resume. The CPU platform, the named stand-ins in the
 trainer workers and the test-only vLLM worker extension are :mod:`verl_mtp_plugin.testing.verl_cpu`.
 
-Each start of verl's trainer costs 2-3 min on 2 cores, almost all start-up, so every run below is read
-by several tests (module- or session-scoped fixtures), and one run carries several checks where the
-behaviour under test is the same. Five starts here, two more in the demo:
+Each start of verl's trainer costs 2-3 min on 2 cores, almost all start-up and waiting between processes, so
+every run below is read by several tests, one run carries several checks where the behaviour under test is the
+same, and the runs start in the background when the session starts, several at a time, while the rest of the
+suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, two more in the demo:
 
-* ``online`` / ``frozen``: the demo's runs of grpo_online and grpo_frozen (``demo_run`` in
-  ``conftest.py``: ``verl-mtp demo`` as a user runs it, a checkpoint saved at its last step N).
+* ``online`` / ``frozen``: the demo's runs of grpo_online and grpo_frozen (``demo_run``:
+  ``verl-mtp demo`` as a user runs it, a checkpoint saved at its last step N).
 * ``online_resumed``: verl's own entry point resumes the demo's online run for steps N+1 and N+2 with a
   zero-advantage reward and no KL loss, so the only loss with a gradient is the MTP loss: at step N+1
   megatron's norm of every non-MTP gradient (``actor/grad_norm``) must be exactly 0 (isolation; the
@@ -36,95 +37,57 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
-NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
-GUARD_FAIL = ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"]
-#: the seed the demo runs with by default (conftest's demo_run passes none)
-DEMO_SEED = 0
-#: a test's limit: the demo (both modes) if no earlier test ran it, plus one run of verl's trainer
-RUN_TIMEOUT_S = 2400
+from trainer_runs import RUN_TIMEOUT_S as _ONE_RUN_S, demo_result  # noqa: E402
+
+#: a test's limit: waiting for its runs (started with the session, see tests/trainer_runs.py), the demo first
+RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
 
 
 # --------------------------------------------------------------------------------------------------
-# runs
+# runs (started in the background with the session: tests/trainer_runs.py)
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("main_ppo")
-
-
-@pytest.fixture(scope="module")
-def assets(demo_run):
+def assets(trainer_runs):
     """The demo's checkpoint, tokenizer and data: every run here starts from them."""
-    from verl_mtp_plugin.testing.verl_cpu.assets import Assets
-
-    a = Assets(demo_run.out / "assets")
-    assert a.ready(), f"the demo built no assets in {a.root}"
+    a = trainer_runs.result("assets")
+    assert a.ready(), f"no assets in {a.root}"
     return a
-
-
-def _demo_result(demo_run, mode):
-    from verl_mtp_plugin.demo import mode_overrides
-    from verl_mtp_plugin.testing.verl_cpu import load_result
-
-    recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
-    for path in sorted((demo_run.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
-        if ".resume." in path.name:
-            continue
-        steps = int(path.name.split(".step")[1].split(".")[0])
-        return load_result(demo_run.out / mode, recipe, steps=steps).check()
-    raise AssertionError(f"the demo left no {mode} run in {demo_run.out} (rc {demo_run.rc}):\n{demo_run.stderr[-3000:]}")
-
-
-def _run(recipe, workdir, assets, **kwargs):
-    from verl_mtp_plugin.testing.verl_cpu import run_recipe
-
-    return run_recipe(recipe, workdir, assets=assets, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def online(demo_run):
-    return _demo_result(demo_run, "online")
+    return demo_result(demo_run, "online")
 
 
 @pytest.fixture(scope="module")
 def frozen(demo_run):
-    return _demo_result(demo_run, "frozen")
+    return demo_result(demo_run, "frozen")
 
 
 @pytest.fixture(scope="module")
-def online_resumed(online, assets):
-    from verl_mtp_plugin.demo import mode_overrides
-
-    recipe, extra = mode_overrides("online", seed=DEMO_SEED)
-    n = max(online.metrics)
-    return _run(recipe, online.workdir, assets, entry="verl", steps=n + 2, resume=True, reward="zero_score",
-                break_sync="swap-eh@2", extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL])
+def online_resumed(trainer_runs):
+    return trainer_runs.result("online_resumed")
 
 
 @pytest.fixture(scope="module")
-def frozen_resumed(frozen, assets):
-    from verl_mtp_plugin.demo import mode_overrides
-
-    recipe, extra = mode_overrides("frozen", seed=DEMO_SEED)
-    return _run(recipe, frozen.workdir, assets, steps=max(frozen.metrics) + 1, resume=True, extra_overrides=extra,
-                check=True)
+def frozen_resumed(trainer_runs):
+    return trainer_runs.result("frozen_resumed")
 
 
 @pytest.fixture(scope="module")
-def joint(root, assets):
-    return _run("grpo_joint", root / "joint", assets, steps=2, reward="zero_score", extra_overrides=[NO_KL],
-                check=True)
+def joint(trainer_runs):
+    return trainer_runs.result("joint")
 
 
 @pytest.fixture(scope="module")
-def ppo_frozen(root, assets):
-    return _run("ppo_frozen", root / "ppo_frozen", assets, steps=2, check=True)
+def ppo_frozen(trainer_runs):
+    return trainer_runs.result("ppo_frozen")
 
 
 @pytest.fixture(scope="module")
-def ppo_online(root, assets):
-    return _run("ppo_online", root / "ppo_online", assets, steps=2, check=True)
+def ppo_online(trainer_runs):
+    return trainer_runs.result("ppo_online")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, demo.png and each run's log")
     d.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    d.add_argument("--sequential", action="store_true",
+                   help="run the modes one after the other (default: side by side, each its own Ray cluster; "
+                        "about 5 GiB of memory per run)")
     d.add_argument("--break-sync", default="none", choices=["none", "skip-drafter", "swap-eh"],
                    help="break the drafter sync on purpose: the desync guard must stop the run (exit 2)")
     d.set_defaults(fn=_cmd_demo)

