@@ -65,6 +65,10 @@ MODES = {
                             "actor_rollout_ref.model.mtp.enable_rollout=false"], "none"),
     "break": ("grpo_online", ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"],
               "swap-eh"),
+    # grpo_online for --steps healthy steps, then one more whose drafter sync is broken (swap-eh from that
+    # step's weight update on); the guard set to fail must stop verl's trainer there and nowhere before
+    "online-break": ("grpo_online", ["verl_mtp_plugin.mtp_guard.action=fail",
+                                     "verl_mtp_plugin.mtp_guard.patience=1"], "swap-eh@{last}"),
 }
 FATAL = (
     re.compile(r"Error executing job with overrides"),
@@ -270,23 +274,12 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
-    recipe, extra, brk = MODES[mode]
-    workdir = pathlib.Path(a.workdir) / mode
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    metrics_path, events_path = workdir / "metrics.jsonl", workdir / "events.jsonl"
-    steps = a.break_steps if mode == "break" else a.steps
-    ns = argparse.Namespace(**{**vars(a), "steps": steps})
-    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path", str(RECIPE_DIR), "--config-name", recipe,
-           *overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
-    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")
+def run_env() -> dict:
+    """The environment of every run (and of the import check): the stand-ins module, vLLM's V2 runner, NVLink
+    multicast off, offline Hugging Face, the benchmark's ``pythonpath`` and this checkout first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
     env.update({
         "VERL_USE_EXTERNAL_MODULES": "verl_h200_standins",
-        "VERL_FILE_LOGGER_PATH": str(metrics_path),
-        "VERL_CPU_EVENTS": str(events_path),
-        "VERL_CPU_BREAK_SYNC": brk,
         "VLLM_USE_V2_MODEL_RUNNER": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
@@ -294,8 +287,30 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
         "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
         "TRITON_CACHE_AUTOTUNING": "1",
         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
+    })
+    return env
+
+
+def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
+    recipe, extra, brk = MODES[mode]
+    workdir = pathlib.Path(a.workdir) / mode
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    metrics_path, events_path = workdir / "metrics.jsonl", workdir / "events.jsonl"
+    steps = a.break_steps if mode == "break" else a.steps + 1 if mode == "online-break" else a.steps
+    brk = brk.format(last=steps)  # weight update N precedes step N's rollout (update 1 at start-up)
+    ns = argparse.Namespace(**{**vars(a), "steps": steps})
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path", str(RECIPE_DIR), "--config-name", recipe,
+           *overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
+    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")
+    env = run_env()
+    env.update({
+        "VERL_FILE_LOGGER_PATH": str(metrics_path),
+        "VERL_CPU_EVENTS": str(events_path),
+        "VERL_CPU_BREAK_SYNC": brk,
+        "RAY_TMPDIR": ray_tmp,
     })
     env.pop("RAY_ADDRESS", None)
     log_path = out / f"{mode}.log"
@@ -370,14 +385,11 @@ def step_table(metrics: dict, events: list[dict], seqs: int) -> list[dict]:
     rows = []
     for i, (step, m) in enumerate(sorted(metrics.items())):
         row = {"step": step}
-        for key in ("rollout/spec_accept_rate_pos_0", "rollout/spec_accept_rate_pos_1", "rollout/spec_accept_rate",
-                    "rollout/spec_accept_length", "actor/mtp_argmax_draft_accept_rate",
-                    "actor/mtp_expected_accept_rate", "actor/mtp_losses/mtp_1_loss", "critic/score/mean",
-                    "response_length/mean", "mtp_guard/fired"):
+        for key in ("critic/score/mean", "response_length/mean", "actor/grad_norm", "actor/pg_loss"):
             if key in m:
                 row[key] = m[key]
         for key, v in m.items():
-            if key.startswith("timing_s/") or key.startswith("perf/") or key.startswith("mtp_guard/"):
+            if key.startswith(("timing_s/", "perf/", "mtp_guard/", "rollout/spec_", "actor/mtp_")):
                 row[key] = v
         gen = m.get("timing_s/gen")
         if gen and "response_length/mean" in m:
@@ -402,6 +414,8 @@ def digest_check(events: list[dict]) -> dict:
     syncs = sorted((e for e in events if e.get("event") == "sync"), key=lambda e: e.get("update", 0))
     pairs = []
     for prev, cur in zip(syncs, syncs[1:]):
+        if (prev.get("post") or {}).get("digest") is None:  # no drafter (speculation off): nothing to compare
+            continue
         pairs.append({"update": cur.get("update"), "prev_post": (prev.get("post") or {}).get("digest"),
                       "pre": (cur.get("pre") or {}).get("digest"),
                       "equal": (prev.get("post") or {}).get("digest") == (cur.get("pre") or {}).get("digest")})
@@ -420,6 +434,14 @@ def cmd_run(a) -> int:
                                                 "--format=csv,noheader"], capture_output=True, text=True).stdout
     except OSError:
         pass
+    if a.import_check:
+        rc = subprocess.run([sys.executable, str(HERE / "import_check.py"), "--no-walk", "--json",
+                             str(out / "import_check.json")], env=run_env(), timeout=300).returncode
+        summary["import_check_rc"] = rc
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        if rc != 0:
+            print("=== import check failed: no run started (import_check.json lists what is missing)", flush=True)
+            return 1
     for mode in a.modes.split(","):
         left = a.budget - (time.perf_counter() - t_start)
         if left < a.min_run_s:
@@ -457,6 +479,54 @@ def print_tables(summary: dict) -> None:
             print(f"{row['step']:>4} " + " ".join(vals))
 
 
+#: the markdown table of ``run.py table``: (header, row key, format)
+MD_COLS = [
+    ("gen s", "timing_s/gen", "{:.2f}"), ("sync s", "timing_s/update_weights", "{:.3f}"),
+    ("logp s", "timing_s/old_log_prob", "{:.2f}"), ("ref s", "timing_s/ref", "{:.2f}"),
+    ("update s", "timing_s/update_actor", "{:.2f}"), ("step s", "timing_s/step", "{:.2f}"),
+    ("gen tok/s", "gen_tokens_per_s", "{:.0f}"),
+    ("vLLM acc pos 0", "rollout/spec_accept_rate_pos_0", "{:.3f}"),
+    ("vLLM acc pos 1", "rollout/spec_accept_rate_pos_1", "{:.3f}"),
+    ("vLLM accept len", "rollout/spec_accept_length", "{:.2f}"),
+    ("trainer est. (argmax draft)", "actor/mtp_argmax_draft_accept_rate", "{:.3f}"),
+    ("trainer est. (overlap)", "actor/mtp_expected_accept_rate", "{:.3f}"),
+    ("trainer E[len] k=2", "actor/mtp_expected_accept_length_k2", "{:.2f}"),
+    ("guard", "mtp_guard/desync", "{:.0f}"),
+    ("drafter bytes", "sync/bytes_drafter", "{:.0f}"), ("drafter load s", "sync/drafter_seconds", "{:.4f}"),
+    ("vLLM update s", "sync/update_wall_s", "{:.3f}"),
+    ("drafter digest after wake", "drafter_pre", "{}"), ("after sync", "drafter_post", "{}"),
+    ("score", "critic/score/mean", "{:.3f}"),
+]
+
+
+def cmd_table(a) -> int:
+    """Markdown per-step tables from ``summary.json`` files (``run.py table SUMMARY [SUMMARY ...]``)."""
+    for path in a.summaries:
+        summary = json.loads(pathlib.Path(path).read_text())
+        for mode, r in summary["runs"].items():
+            if "table" not in r:
+                print(f"**{mode}** ({path}): {r}\n")
+                continue
+            d = digest_check(r.get("events", []))
+            print(f"**{mode}** ({path}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
+                  f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
+                  f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
+                  f"sync's: {d.get('all_equal')}\n")
+            if not r["table"]:
+                continue
+            cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
+            print("| step | " + " | ".join(c[0] for c in cols) + " |")
+            print("|---|" + "---|" * len(cols))
+            for row in r["table"]:
+                vals = []
+                for _, key, fmt in cols:
+                    v = row.get(key)
+                    vals.append("-" if v is None else fmt.format(v))
+                print(f"| {row['step']} | " + " | ".join(vals) + " |")
+            print()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -490,7 +560,13 @@ def main(argv=None) -> int:
     r.add_argument("--override", action="append", help="one more Hydra override (repeatable)")
     r.add_argument("--silence-s", type=float, default=200.0, help="stop a run that prints nothing this long")
     r.add_argument("--echo", action="store_true")
+    r.add_argument("--import-check", action="store_true",
+                   help="run import_check.py first (report in <out>/import_check.json); no run if a module is missing")
+    t = sub.add_parser("table", help="markdown per-step tables from summary.json files")
+    t.add_argument("summaries", nargs="+")
     a = ap.parse_args(argv)
+    if a.cmd == "table":
+        return cmd_table(a)
     if a.cmd == "assets":
         print(json.dumps(build_assets(pathlib.Path(a.dir), answer_len=a.answer_len, warmup_steps=a.warmup_steps,
                                       lr=a.lr, device=a.device), indent=1))

@@ -7,7 +7,7 @@
 #        Megatron-Bridge 0.6.2, TransferQueue 0.1.11, ray 2.60.0, transformers 5.10.4),
 #        WORK (download/build folder, default ~/.cache/h200-main-ppo)
 # Writes:
-#   CHECKOUT/.stage/h1 .. h3  three parts (<= 58 MiB each, so part + checkout <= 64 MiB) of one byte stream:
+#   CHECKOUT/.stage/h1 .. h3  three parts (h1, h2: 59 MiB, h3 the rest; part + checkout <= 64 MiB) of one byte stream:
 #       vllm-slim.tar.xz (vLLM 0.26.0, from ../shared/tools/h200-vllm/prepare_stage.sh)
 #     + ray-slim.tar.xz  (ray 2.60.0 without jars, dashboard client, rllib, tests)
 #     + deps.tar.xz      (verl, megatron-core, Megatron-Bridge, TransferQueue, hydra/omegaconf, datasets,
@@ -17,8 +17,8 @@
 #                         model_hosting_container_standards), transformers 5.10.4 + tokenizers 0.22.2 (verl <5.11, Bridge <=5.12.1;
 #                         the image has 5.17), jsonschema (ray), mamba_ssm 2.3.2.post1 built pure-Python,
 #                         and the 20 wheels vLLM 0.26 imports that the image lacks)
-#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, src/ (this
-#                          worktree's verl_mtp_plugin, recipes, benchmarks/h200_main_ppo), assets/
+#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, assets/, and src/ (this
+#                          worktree's verl_mtp_plugin, recipes, benchmarks/h200_main_ppo) when CHECKOUT is another one
 # On the device: calls 1-3 carry .stage/h1, .stage/h2, .stage/h3 (`mkdir -p /tmp/stage && cp .stage/h*/* /tmp/stage/`);
 # then every run call carries .h200 and starts with `bash .h200/device_install.sh` (idempotent).
 set -euo pipefail
@@ -76,18 +76,23 @@ if [ ! -f "$W/deps.tar.xz" ]; then
   (cd "$W/deps" && tar -cf - site wheels | xz -6 -T0 > "$W/deps.tar.xz")
 fi
 
-# 4. one stream, three parts
+# 4. one stream, three parts: h1 and h2 of PART_MIB (59) MiB each (a call carries part + checkout, <= 64 MiB), h3 the
+#    rest, smaller, so that the call carrying h3 also carries .h200 (assets ~6.3 MiB) and can start the runs
+PART_MIB=${PART_MIB:-59}
 rm -rf "$CO/.stage/h1" "$CO/.stage/h2" "$CO/.stage/h3" "$CO/.h200" && mkdir -p "$CO/.stage/h1" "$CO/.stage/h2" "$CO/.stage/h3" "$CO/.h200"
 (cd "$W" && cp "$VW/vllm-slim.tar.xz" . && for f in vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz; do
    echo "$f $(stat -c %s $f) $(sha256sum $f | cut -d' ' -f1)"; done > "$CO/.h200/manifest.txt"
  cat vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz > bundle.bin && rm -f bundle.part* \
- && n=$(stat -c %s bundle.bin) && split -b $(( (n + 2) / 3 )) -a 2 bundle.bin bundle.part && rm bundle.bin vllm-slim.tar.xz)
+ && split -b "${PART_MIB}M" -a 2 bundle.bin bundle.part && rm bundle.bin vllm-slim.tar.xz)
+[ -f "$W/bundle.partad" ] && { echo "bundle needs more than 3 parts of $PART_MIB MiB"; exit 2; }
 mv "$W/bundle.partaa" "$CO/.stage/h1/"; mv "$W/bundle.partab" "$CO/.stage/h2/"; mv "$W/bundle.partac" "$CO/.stage/h3/"
 cp "$HERE/device_install.sh" "$CO/.h200/"
-mkdir -p "$CO/.h200/src/benchmarks"
-cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$CO/.h200/src/"
-cp -r "$HERE" "$CO/.h200/src/benchmarks/"
-find "$CO/.h200/src" -name __pycache__ -prune -exec rm -rf {} +
+if [ "$SRC" != "$CO" ]; then  # staging from another worktree: the calls send CO, so carry this one's source
+  mkdir -p "$CO/.h200/src/benchmarks"
+  cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$CO/.h200/src/"
+  cp -r "$HERE" "$CO/.h200/src/benchmarks/"
+  find "$CO/.h200/src" -name __pycache__ -prune -exec rm -rf {} +
+fi
 [ -n "$ASSETS" ] && cp -r "$ASSETS" "$CO/.h200/assets"
 du -sb "$CO"/.stage/h1 "$CO"/.stage/h2 "$CO"/.stage/h3 "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
 cat "$CO/.h200/manifest.txt"

@@ -81,13 +81,18 @@ class _Placeholder:
         )
 
 
+def _is_private_object(name: str) -> bool:
+    """``_dummy_wgrads``-like names: a private module-level object, neither a class nor a submodule."""
+    return name.startswith("_") and name.lstrip("_")[:1].islower()
+
+
 class _PlaceholderModule(types.ModuleType):
     """``transformer_engine[.x.y]``: unknown attributes are placeholder classes / submodules."""
 
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        if name.startswith("_") and name.lstrip("_")[:1].islower():
+        if _is_private_object(name):
             # a private module-level object (verl's optimizer offload clears TE's ``_dummy_wgrads`` cache under
             # ``except ImportError``, verl/utils/megatron_utils.py:964-970): absent, as without TE
             raise AttributeError(name)
@@ -116,6 +121,10 @@ class _PlaceholderFinder:
 
     @staticmethod
     def find_spec(fullname, path=None, target=None):
+        if _is_private_object(fullname.rpartition(".")[2]):
+            # ``from transformer_engine.x import _dummy_wgrads``: after the attribute lookup fails, Python tries
+            # it as a submodule; finding none makes the statement raise ImportError, as it does without TE
+            return None
         if fullname == "transformer_engine" or fullname.startswith("transformer_engine."):
             return importlib.machinery.ModuleSpec(fullname, _PlaceholderLoader(), is_package=True)
         return None

