@@ -111,7 +111,12 @@ def _assets(root: pathlib.Path, deps):
 def _run(recipe, workdir, assets, **kwargs):
     from verl_mtp_plugin.testing.verl_cpu import run_recipe
 
-    return run_recipe(recipe, workdir, assets=assets, timeout_s=RUN_TIMEOUT_S, base_env=ENV, **kwargs)
+    from verl_mtp_plugin.testing.verl_cpu.harness import private_tmp_prefix
+
+    # runs side by side each get a /tmp of their own (verl's weight-transfer socket is named after the Ray job id,
+    # the same in every fresh cluster: harness.private_tmp_prefix); without one, slots() is 1
+    return run_recipe(recipe, workdir, assets=assets, timeout_s=RUN_TIMEOUT_S, base_env=ENV,
+                      private_tmp=private_tmp_prefix() is not None, **kwargs)
 
 
 def _online_resumed(root, deps):
@@ -198,10 +203,11 @@ class Runs:
                     fn, deps, cost = RUNS[name]
                     if name in self.started or not all(d in self.done for d in deps) or busy + cost > self.slots:
                         continue
-                    failed = [d for d in deps if not self.done[d][0]]
+                    failed = {d: self.done[d][1] for d in deps if not self.done[d][0]}
                     self.started[name] = time.perf_counter()
                     if failed:
-                        self.done[name] = (False, RuntimeError(f"run {name!r} not started: {failed} failed"))
+                        why = "; ".join(f"{d}: {type(e).__name__}: {str(e)[-2000:]}" for d, e in failed.items())
+                        self.done[name] = (False, RuntimeError(f"run {name!r} not started: {why}"))
                         continue
                     busy += cost
                     args = {d: self.done[d][1] for d in deps}

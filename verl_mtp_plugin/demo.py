@@ -218,8 +218,10 @@ def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, 
 
         def run():
             try:
+                # side by side, each run gets a /tmp of its own (verl names its weight-transfer socket after the
+                # Ray job id, the same in every fresh Ray cluster: harness.private_tmp_prefix)
                 box["result"] = run_recipe(recipe, workdir, assets=assets, steps=steps, break_sync=break_sync,
-                                           extra_overrides=extra, timeout_s=timeout_s)
+                                           extra_overrides=extra, timeout_s=timeout_s, private_tmp=parallel)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 box["error"] = e
 
@@ -317,8 +319,9 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
 
         if runs_side_by_side(most=len(modes)) < len(modes):
             parallel = False
-            print(f"not enough free memory to run {len(modes)} trainer runs side by side (~{RUN_MEMORY_GIB:g} GiB "
-                  "each): one after the other", flush=True)
+            print(f"the modes run one after the other: running {len(modes)} of verl's trainer side by side needs "
+                  f"~{RUN_MEMORY_GIB:g} GiB of free memory each and a mount namespace (unshare) for a /tmp of "
+                  "each run's own", flush=True)
         else:
             print(f"{' and '.join(modes)} run side by side (--sequential: one after the other)", flush=True)
     results = _run_modes(modes, parallel=parallel, steps=steps, out=outp, assets=assets, break_sync=break_sync,

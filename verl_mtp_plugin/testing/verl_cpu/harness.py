@@ -31,7 +31,7 @@ from typing import Any
 from verl_mtp_plugin.testing.verl_cpu.assets import RESPONSE_LENGTH, Assets
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
-           "load_result", "run_recipe", "runs_side_by_side", "stop_active_runs"]
+           "load_result", "private_tmp_prefix", "run_recipe", "runs_side_by_side", "stop_active_runs"]
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
@@ -109,7 +109,8 @@ def ensure_assets(root, *, base_env: dict[str, str] | None = None) -> Assets:
     if not assets.ready():
         cmd = [sys.executable, "-m", "verl_mtp_plugin.testing.verl_cpu", "assets", str(assets.root)]
         env = {**(os.environ if base_env is None else base_env), **_base_env()}
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        # ~1 min on 2 quiet cores; the limit only catches a hang (a loaded machine can take 10x)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0 or not assets.ready():
             raise RecipeRunError(f"building assets failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return assets
@@ -172,12 +173,69 @@ def _megatron_cpu(prefix: str) -> list[str]:
 
 
 def runs_side_by_side(reserve_gib: float = 0.0, most: int = 4) -> int:
-    """How many runs of verl's trainer fit in this machine's available memory at once (at least 1), keeping
-    ``reserve_gib`` for everything else."""
+    """How many runs of verl's trainer can run at once here (at least 1): as many as the available memory holds,
+    keeping ``reserve_gib`` for everything else, and only one unless each run can have a ``/tmp`` of its own
+    (:func:`private_tmp_prefix`)."""
     import psutil
 
+    if private_tmp_prefix() is None:
+        return 1
     avail = psutil.virtual_memory().available / 2**30
     return max(1, min(most, int((avail - reserve_gib) // RUN_MEMORY_GIB)))
+
+
+# Two runs of verl's trainer on one host must not share /tmp: verl names the ZMQ socket of its colocated weight
+# transfer after the Ray job id (verl/workers/rollout/vllm_rollout/vllm_rollout.py:139-141, the vLLM side
+# utils.py:420-431: ``/tmp/rl-colocate-zmq-{job_id}-replica-{r}-rank-{k}.sock``), and every fresh Ray cluster's
+# first driver gets the same job id (01000000): two runs updating weights at the same time bind the same socket,
+# and each receiver may read the other run's weights, or wait forever. So a run started next to others gets a
+# mount namespace with a tmpfs on /tmp, in which the folders it shares with the harness (its workdir, the assets,
+# Ray's temp dir) are bound back from the real /tmp.
+_PRIVATE_TMP_SH = r"""
+set -e
+orig="$1"; shift
+mount --bind /tmp "$orig"
+mount -t tmpfs -o mode=1777 verl-mtp-tmp /tmp
+n="$1"; shift
+while [ "$n" -gt 0 ]; do
+  mkdir -p "$1"; mount --bind "$orig${1#/tmp}" "$1"; shift; n=$((n - 1))
+done
+exec "$@"
+"""
+_PRIVATE_TMP: dict[str, list[str] | None] = {}
+
+
+def private_tmp_prefix() -> list[str] | None:
+    """The ``unshare`` command line that runs a command in a mount namespace of its own where it may mount (as
+    root: ``unshare --mount``; otherwise an unprivileged user namespace), or None where neither works."""
+    if "prefix" not in _PRIVATE_TMP:
+        _PRIVATE_TMP["prefix"] = None
+        if shutil.which("unshare") and shutil.which("mount"):
+            rootless = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+            for prefix in ([["unshare", "--mount", "--propagation", "private"]] if os.geteuid() == 0 else []) + [rootless]:
+                probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs verl-mtp-probe /tmp"],
+                                       capture_output=True, timeout=30)
+                if probe.returncode == 0:
+                    _PRIVATE_TMP["prefix"] = prefix
+                    break
+    return _PRIVATE_TMP["prefix"]
+
+
+def _outside_tmp_dir() -> pathlib.Path:
+    """A new empty folder outside /tmp (the mount point of the real /tmp inside a run's namespace)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix="verl-mtp-tmp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/var/tmp"))
+
+
+def _with_private_tmp(cmd: list[str], keep: list[pathlib.Path], orig: pathlib.Path) -> list[str]:
+    """``cmd`` run with a ``/tmp`` of its own, the folders ``keep`` (those under /tmp) bound back from the real one
+    through ``orig`` (an empty folder outside /tmp)."""
+    prefix = private_tmp_prefix()
+    if prefix is None:
+        raise RecipeRunError("no mount namespace here (unshare): runs of verl's trainer cannot run side by side")
+    if str(orig) == "/tmp" or str(orig).startswith("/tmp/"):
+        raise ValueError(f"{orig}: the real /tmp's mount point must lie outside /tmp")
+    binds = sorted({str(p) for p in keep if str(p).startswith("/tmp/")})
+    return [*prefix, "sh", "-c", _PRIVATE_TMP_SH, "verl-mtp-private-tmp", str(orig), str(len(binds)), *binds, *cmd]
 
 
 def ray_cpu_slots(recipe: str) -> int:
@@ -347,6 +405,7 @@ def run_recipe(
     check: bool = False,
     echo: bool = False,
     base_env: dict[str, str] | None = None,
+    private_tmp: bool = False,
 ) -> RecipeResult:
     """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
 
@@ -368,6 +427,8 @@ def run_recipe(
         echo: copy the run's output to this process's stdout as it comes.
         base_env: the environment the run starts from (default: this process's, read now; a caller running
             runs in threads while other code changes ``os.environ`` passes a copy taken before).
+        private_tmp: run in a mount namespace with a ``/tmp`` of its own (runs side by side must: see
+            :func:`private_tmp_prefix`); raises :class:`RecipeRunError` where that is not possible.
 
     Returns:
         RecipeResult
@@ -388,6 +449,10 @@ def run_recipe(
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
     ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
+    orig_tmp = None
+    if private_tmp:
+        orig_tmp = _outside_tmp_dir()
+        cmd = _with_private_tmp(cmd, [workdir, assets.root, pathlib.Path(ray_tmp)], orig_tmp)
     # A run starts like a user's shell: megatron-core sets process-wide NVTE_* attention variables whenever it
     # builds a model (language_module.py:110-140) and asserts they agree with the backend of the next build, so
     # the ones an earlier model build in this process left behind must not reach the run.
@@ -436,6 +501,11 @@ def run_recipe(
             _stop(proc)  # whatever the run left in its process group (Ray's processes)
             _ACTIVE.pop(proc.pid, None)
             shutil.rmtree(ray_tmp, ignore_errors=True)
+            if orig_tmp is not None:
+                try:
+                    orig_tmp.rmdir()  # the mount point of the real /tmp inside the run's namespace (empty here)
+                except OSError:
+                    pass
         if stopped:
             log.write(f"\n[verl_cpu harness] stopped: {stopped}\n")
     wall = time.perf_counter() - t0

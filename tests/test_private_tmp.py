@@ -1,0 +1,51 @@
+"""Runs of verl's trainer side by side get a /tmp of their own (the CPU harness): verl names the ZMQ socket of its
+colocated weight transfer ``/tmp/rl-colocate-zmq-{ray job id}-replica-{r}-rank-{k}.sock`` and every fresh Ray
+cluster's first job id is the same, so two runs sharing /tmp can bind one socket."""
+
+import pathlib
+import subprocess
+
+import pytest
+
+from verl_mtp_plugin.testing.verl_cpu import harness
+
+
+def test_verls_weight_transfer_socket_is_named_after_the_ray_job_id():
+    """What makes the private /tmp necessary, read from the installed verl (the trainer and the vLLM side)."""
+    import inspect
+
+    from verl.workers.rollout.vllm_rollout import utils, vllm_rollout
+
+    assert "rl-colocate-zmq-{job_id}" in inspect.getsource(vllm_rollout)
+    assert "rl-colocate-zmq-{job_id}" in inspect.getsource(utils)
+
+
+def test_runs_side_by_side_each_get_their_own_tmp_and_share_the_kept_folders(tmp_path):
+    if harness.private_tmp_prefix() is None:
+        # no mount namespace here: the harness never runs two of verl's trainers at once
+        assert harness.runs_side_by_side(reserve_gib=-1000) == 1
+        with pytest.raises(harness.RecipeRunError, match="unshare"):
+            harness._with_private_tmp(["true"], [], tmp_path)
+        return
+    keep = tmp_path / "run"  # pytest's tmp_path lies under /tmp: bound back into the namespace
+    keep.mkdir()
+    (keep / "in.txt").write_text("from the harness")
+    sock = "/tmp/rl-colocate-zmq-01000000-replica-0-rank-0.sock"
+    pathlib.Path(sock).unlink(missing_ok=True)
+    script = (f"cat {keep}/in.txt > {keep}/$0.txt; test ! -e {sock}; echo $0 > {sock}; sleep 1; "
+              f"test \"$(cat {sock})\" = \"$0\"")
+    procs, origs = [], []
+    for name in ("a", "b"):
+        orig = harness._outside_tmp_dir()  # the real /tmp's mount point in the namespace
+        origs.append(orig)
+        cmd = harness._with_private_tmp(["sh", "-c", script, name], [keep], orig)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, out  # each saw no socket of the other and kept its own
+    assert (keep / "a.txt").read_text() == (keep / "b.txt").read_text() == "from the harness"
+    assert not pathlib.Path(sock).exists()  # nothing reached the real /tmp
+    for orig in origs:
+        orig.rmdir()  # empty again once the namespace is gone
+    with pytest.raises(ValueError, match="outside /tmp"):
+        harness._with_private_tmp(["true"], [keep], tmp_path)
