@@ -11,6 +11,7 @@ from typing import Any, Mapping
 __all__ = [
     "ARGMAX_DRAFT_METRIC",
     "BACKEND",
+    "CHECKSUM_ENV",
     "DRAFT_METHOD_ESTIMATE_METRIC",
     "EXPECTED_METRIC",
     "GUARD_CONFIG_PATH",
@@ -41,6 +42,9 @@ ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
 #: vLLM ``draft_sample_method`` -> the estimate of what it accepts (greedy: ``p[argmax q]``; probabilistic:
 #: the overlap ``sum min(p, q)``).
 DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
+#: Environment switch of the drafter sync's checksum mode (read in vLLM's workers; set it in
+#: ``ray_kwargs.ray_init.runtime_env.env_vars``).
+CHECKSUM_ENV = "VERL_MTP_SYNC_CHECKSUM"
 #: ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls`` of the plugin's vLLM worker extension.
 WORKER_EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
 

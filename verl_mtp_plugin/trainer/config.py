@@ -47,6 +47,7 @@ from typing import Any, Mapping
 
 from verl_mtp_plugin.config_keys import (
     BACKEND,
+    CHECKSUM_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,
     TRAINER_MODES,
@@ -327,6 +328,29 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{_MTP}.enable_rollout=false"
         )
 
+    quant = _hf_quantization(hf_config)
+    if speculation and extension in PLUGIN_EXTENSIONS and quant:
+        errors.append(
+            f"the checkpoint at {_M}.path is quantized (quantization_config.quant_method={quant!r}) and MTP speculation "
+            f"syncs the trained MTP block into vLLM's drafter ({_VLLM}.worker_extension_cls={extension}): the trainer "
+            "exports bf16 MTP tensors, which a quantized drafter cannot load exactly (the first sync would fail); "
+            f"train and roll out from a bf16 checkpoint, or set {_MTP}.enable_rollout=false"
+        )
+
+    checksum_key = f"{_ENV}.{CHECKSUM_ENV}"
+    checksum = get_key(config, checksum_key)
+    if checksum is None and os.environ.get(CHECKSUM_ENV):
+        checksum, checksum_key = os.environ[CHECKSUM_ENV], f"{CHECKSUM_ENV} (this process's environment)"
+    rollout_tp = int(get_key(config, f"{_RO}.tensor_model_parallel_size", 1) or 1)
+    rollout_ep = int(get_key(config, f"{_RO}.expert_parallel_size", 1) or 1)
+    if speculation and checksum is not None and as_bool(checksum) and (rollout_tp > 1 or rollout_ep > 1):
+        errors.append(
+            f"{checksum_key}={checksum} (the drafter sync's checksum mode) with {_RO}.tensor_model_parallel_size="
+            f"{rollout_tp}, {_RO}.expert_parallel_size={rollout_ep}: checksum mode compares whole tensors and each "
+            f"vLLM rank holds a shard of the drafter, so every update would fail; unset {CHECKSUM_ENV} (every update "
+            "still checks names, shapes and the exact loaded set on each rank, and the desync guard judges generation)"
+        )
+
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
 
     drafter_sync = get_key(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
@@ -493,6 +517,17 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
             "(mtp_use_repeated_layer: true)"
         )
     return out
+
+
+def _hf_quantization(hf_config: Any) -> str | None:
+    """``quantization_config.quant_method`` of a checkpoint's HF config (``"fp8"``, ...), None when unquantized."""
+    if hf_config is None:
+        return None
+    q = hf_config.get("quantization_config") if isinstance(hf_config, Mapping) else getattr(hf_config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, Mapping) else getattr(q, "quant_method", None)
+    return str(method or "unknown")
 
 
 def _critic_in_use(config: Any) -> bool:
