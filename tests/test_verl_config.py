@@ -494,3 +494,71 @@ def test_checksum_mode_on_a_sharded_vllm_rank_is_refused_by_the_drafter_sync():
     sync.vllm_config = vc(1, False)
     sync.verify_checksums = True
     assert sync.verify_checksums is True
+
+
+# --------------------------------------------------------------------------- MTP objective, drafting method
+
+_OBJ = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_OBJECTIVE"
+_DRAFT = "actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config__draft_sample_method"
+
+
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+def test_objective_is_read_from_the_recipe_and_resolved(verl_base, hf_dirs, objective, monkeypatch):
+    monkeypatch.delenv("VERL_MTP_OBJECTIVE", raising=False)
+    assert validate_verl_config(make(verl_base, hf_dirs)).objective == "hard_ce"  # unset: megatron's own loss
+    s = validate_verl_config(make(verl_base, hf_dirs, **{_OBJ: objective.upper()}))
+    assert s.objective == objective and s.mode is MTPMode.ONLINE
+
+
+def test_objective_errors_name_the_key(verl_base, hf_dirs):
+    key = "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE"
+    msg = errors_of(make(verl_base, hf_dirs, **{_OBJ: "kl"}))
+    assert f"{key}='kl'; allowed: hard_ce, soft_ce, tv" in msg
+    frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "tv"})
+    assert f"{key}=tv trains the MTP block, but mode 'frozen' never trains it" in errors_of(frozen)
+    validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "hard_ce"}))
+    greedy = make(verl_base, hf_dirs, actor_rollout_ref__rollout__temperature=0.0, **{_OBJ: "soft_ce"})
+    assert f"{key}=soft_ce matches the policy's distribution at the rollout temperature" in errors_of(greedy)
+    assert "actor_rollout_ref.rollout.temperature=0.0" in errors_of(greedy)
+
+
+def test_engine_reads_the_objective_from_its_environment(hf_dirs, monkeypatch):
+    """Every worker gets the recipe's Ray environment: the actor's engine trains with it; verl's reference model
+    (MTP off) shares the environment and just runs without MTP; a bad value fails the engine naming the key."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
+
+    monkeypatch.setenv("VERL_MTP_OBJECTIVE", "tv")
+    online = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False,
+                           mtp=MtpConfig(enable=True, enable_train=True, detach_encoder=True))
+    assert resolve_engine_settings(online, McoreEngineConfig()).objective == "tv"
+    ref = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=MtpConfig(enable=False))
+    s = resolve_engine_settings(ref, McoreEngineConfig(forward_only=True))
+    assert s.mode is MTPMode.OFF and s.objective == "hard_ce"
+    monkeypatch.setenv("VERL_MTP_OBJECTIVE", "l2")
+    with pytest.raises(MTPConfigError, match="VERL_MTP_OBJECTIVE='l2'"):
+        resolve_engine_settings(online, McoreEngineConfig())
+
+
+def test_drafting_method_is_validated_and_its_memory_named(verl_base, hf_dirs):
+    s = validate_verl_config(make(verl_base, hf_dirs))
+    assert s.draft_sample_method == "greedy" and "token ids only" in s.draft_memory  # vLLM's default
+    s = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__rollout__max_num_seqs=64,
+                                  **{_DRAFT: "probabilistic"}))
+    assert s.draft_sample_method == "probabilistic" and s.speculative_config["draft_sample_method"] == "probabilistic"
+    assert s.draft_memory == "draft probabilities max_num_seqs 64 x k 2 x vocab 128 x 4 B (float32) = 0.1 MiB per decode step"
+    msg = errors_of(make(verl_base, hf_dirs, **{_DRAFT: "typical"}))
+    assert ("actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method='typical': allowed "
+            "values are greedy, probabilistic") in msg
+    off = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_rollout=False)
+    assert validate_verl_config(off).draft_sample_method is None
+
+
+def test_allowed_drafting_methods_are_vllms():
+    import typing
+
+    from vllm.config.speculative import DraftSampleMethod, SpeculativeConfig
+
+    from verl_mtp_plugin.config_keys import DRAFT_METHOD_ESTIMATE_METRIC
+
+    assert set(typing.get_args(DraftSampleMethod)) == set(DRAFT_METHOD_ESTIMATE_METRIC)
+    assert SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default == "greedy"
