@@ -21,6 +21,18 @@ def test_check_accepts_a_shipped_recipe_and_prints_its_table(capsys):
     assert "OK" in out and "frozen        skip  skip" in out and "engine_selected: True" in out
 
 
+def test_check_shows_the_objective_and_the_drafting_method_with_its_memory(capsys):
+    assert main(["check", f"{RECIPES}/grpo_online.yaml",
+                 "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE=soft_ce",
+                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method=probabilistic"]) == 0
+    out = capsys.readouterr().out
+    assert "objective: soft_ce" in out and "draft_sample_method: probabilistic" in out
+    assert "draft_memory: draft probabilities max_num_seqs 256 x k 2 x vocab" in out
+    assert main(["check", f"{RECIPES}/grpo_frozen.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "objective: hard_ce" in out and "draft_sample_method: greedy" in out
+
+
 def test_check_rejects_a_contradiction_naming_the_keys(capsys):
     rc = main(["check", f"{RECIPES}/grpo_online.yaml", "actor_rollout_ref.model.mtp.enable=false",
                "actor_rollout_ref.model.mtp.enable_train=false"])

@@ -40,6 +40,7 @@ CORE = (
     "verl_mtp_plugin.acceptance.probe",
     "verl_mtp_plugin.loss_mask",
     "verl_mtp_plugin.metrics",
+    "verl_mtp_plugin.objective",
     "verl_mtp_plugin.config_keys",
 )
 #: Edge sub-package -> the other edge sub-packages it may import (verl's trainer drives its workers).

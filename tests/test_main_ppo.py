@@ -16,7 +16,8 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
 * ``online`` / ``frozen``: the demo's runs of grpo_online and grpo_frozen (``demo_run``:
   ``verl-mtp demo`` as a user runs it, a checkpoint saved at its last step N).
 * ``online_resumed``: verl's own entry point resumes the demo's online run for steps N+1 and N+2 with a
-  zero-advantage reward and no KL loss, so the only loss with a gradient is the MTP loss: at step N+1
+  zero-advantage reward, no KL loss and the ``tv`` MTP objective (``VERL_MTP_OBJECTIVE`` in the recipe's Ray
+  environment; the demo trained with ``hard_ce``), so the only loss with a gradient is the MTP loss: at step N+1
   megatron's norm of every non-MTP gradient (``actor/grad_norm``) must be exactly 0 (isolation; the
   resumed Adam momentum still moves the trunk, so weights are not compared there; the joint run shows the
   trunk moving when the MTP loss does reach it). From the run's second weight update on the drafter sync
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
-from trainer_runs import RUN_TIMEOUT_S as _ONE_RUN_S, demo_result  # noqa: E402
+from trainer_runs import RESUMED_OBJECTIVE, RUN_TIMEOUT_S as _ONE_RUN_S, demo_result  # noqa: E402
 
 #: a test's limit: waiting for its runs (started with the session, see tests/trainer_runs.py), the demo first
 RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
@@ -178,6 +179,8 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
         assert m["actor/mtp_grad_norm"] > 0
         assert m["actor/grad_norm"] > 0
         assert m["actor/mtp_losses/mtp_1_loss"] > 0 and "actor/mtp_losses/mtp_2_loss" in m
+        # the recipes' default objective is megatron's own loss: its value is mtp_losses'
+        assert m["actor/mtp_objective/mtp_1_hard_ce"] == pytest.approx(m["actor/mtp_losses/mtp_1_loss"])
         assert m["mtp_guard/desync"] == 0.0
         # the guard's drafting-method advice reads the engine's two estimates from verl's step metrics
         assert m["mtp_guard/draft_method_gain"] == pytest.approx(
@@ -200,9 +203,13 @@ def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(on
     mtp_n1, trunk_n1 = _split(after)
     m = online_resumed.metrics[n + 1]
     assert m["critic/advantages/max"] == 0.0 and m["critic/advantages/min"] == 0.0
-    # the MTP loss sent the trunk, embedding and output layer no gradient at all (exactly 0.0), while
-    # the MTP block got one and was trained
+    # the MTP loss (objective tv) sent the trunk, embedding and output layer no gradient at all (exactly
+    # 0.0), while the MTP block got one and was trained
     assert m["actor/grad_norm"] == 0.0 and m["actor/mtp_grad_norm"] > 0
+    # the objective's value per depth beside verl's mtp_losses (still the hard cross-entropy)
+    assert 0.0 < m[f"actor/mtp_objective/mtp_1_{RESUMED_OBJECTIVE}"] <= 1.0
+    assert 0.0 < m[f"actor/mtp_objective/mtp_2_{RESUMED_OBJECTIVE}"] <= 1.0
+    assert "actor/mtp_objective/mtp_1_hard_ce" not in m and m["actor/mtp_losses/mtp_1_loss"] > 0
     assert set(_matrices(mtp_n)) <= set(_changed(mtp_n, mtp_n1))
     assert set(trunk_n1) == set(trunk_n)
     assert m["mtp_guard/desync"] == 0.0  # the healthy step of the run: the guard stayed quiet

@@ -434,3 +434,131 @@ def test_critic_on_an_mtp_checkpoint_must_clear_the_bridge_mtp_pattern(verl_base
         )
     )
     assert "critic.megatron.virtual_pipeline_model_parallel_size=2" in msg and "critic.model.mtp.enable=true" in msg
+
+
+def test_quantized_checkpoint_with_the_plugins_drafter_sync_is_refused(verl_base, hf_dirs, tmp_path):
+    """An FP8 (or any quantized) checkpoint: the sync exports bf16 MTP tensors into a quantized drafter."""
+    import json
+    import pathlib
+
+    fp8 = pathlib.Path(write_hf_dir(tmp_path / "fp8", 1))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    dirs = {**hf_dirs, "fp8": str(fp8)}
+    msg = errors_of(make(verl_base, dirs, hf="fp8"))
+    assert "actor_rollout_ref.model.path is quantized (quantization_config.quant_method='fp8')" in msg
+    assert "actor_rollout_ref.model.mtp.enable_rollout=false" in msg
+    validate_verl_config(make(verl_base, dirs, hf="fp8", actor_rollout_ref__model__mtp__enable_rollout=False))
+    validate_verl_config(make(verl_base, hf_dirs))  # the bf16 checkpoint: accepted
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_checksum_mode_with_a_sharded_rollout_is_refused_at_start_up(verl_base, hf_dirs, monkeypatch, tp, ep):
+    """Checksum mode compares whole tensors; at vLLM TP/EP > 1 each rank holds a shard of the drafter."""
+    env = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_SYNC_CHECKSUM"
+    monkeypatch.delenv("VERL_MTP_SYNC_CHECKSUM", raising=False)
+    sharded = {"actor_rollout_ref__rollout__tensor_model_parallel_size": tp,
+               "actor_rollout_ref__rollout__expert_parallel_size": ep}
+    msg = errors_of(make(verl_base, hf_dirs, **{env: "1"}, **sharded))
+    assert "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_SYNC_CHECKSUM=1" in msg
+    assert (f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}, "
+            f"actor_rollout_ref.rollout.expert_parallel_size={ep}") in msg
+    whole = {"actor_rollout_ref__rollout__tensor_model_parallel_size": 1,
+             "actor_rollout_ref__rollout__expert_parallel_size": 1}
+    validate_verl_config(make(verl_base, hf_dirs, **{env: "1"}, **whole))  # TP=EP=1: whole tensors, accepted
+    validate_verl_config(make(verl_base, hf_dirs, **{env: "0"}, **sharded))  # off: accepted
+    # set in the driver's own environment (Ray hands it to the workers) counts too
+    monkeypatch.setenv("VERL_MTP_SYNC_CHECKSUM", "true")
+    assert "VERL_MTP_SYNC_CHECKSUM (this process's environment)=true" in errors_of(make(verl_base, hf_dirs, **sharded))
+
+
+def test_checksum_mode_on_a_sharded_vllm_rank_is_refused_by_the_drafter_sync():
+    """The worker side refuses too (the check verl's start-up cannot make for a hand-set extension option)."""
+    from types import SimpleNamespace
+
+    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync, MTPSyncError, sharded_drafter
+
+    def vc(tp, ep):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_expert_parallel=ep))
+
+    assert sharded_drafter(vc(1, False)) is None and sharded_drafter(None) is None
+    assert sharded_drafter(vc(2, True)) == "tensor_parallel_size=2, enable_expert_parallel=true"
+    sync = MTPDrafterSync.__new__(MTPDrafterSync)  # the property alone: no drafter needed
+    sync.vllm_config = vc(2, False)
+    with pytest.raises(MTPSyncError, match="VERL_MTP_SYNC_CHECKSUM=1 .*shard of the drafter .*tensor_parallel_size=2") as e:
+        sync.verify_checksums = True
+    assert e.value.phase == "config"
+    sync.verify_checksums = False
+    assert sync.verify_checksums is False
+    sync.vllm_config = vc(1, False)
+    sync.verify_checksums = True
+    assert sync.verify_checksums is True
+
+
+# --------------------------------------------------------------------------- MTP objective, drafting method
+
+_OBJ = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_OBJECTIVE"
+_DRAFT = "actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config__draft_sample_method"
+
+
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+def test_objective_is_read_from_the_recipe_and_resolved(verl_base, hf_dirs, objective, monkeypatch):
+    monkeypatch.delenv("VERL_MTP_OBJECTIVE", raising=False)
+    assert validate_verl_config(make(verl_base, hf_dirs)).objective == "hard_ce"  # unset: megatron's own loss
+    s = validate_verl_config(make(verl_base, hf_dirs, **{_OBJ: objective.upper()}))
+    assert s.objective == objective and s.mode is MTPMode.ONLINE
+
+
+def test_objective_errors_name_the_key(verl_base, hf_dirs):
+    key = "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE"
+    msg = errors_of(make(verl_base, hf_dirs, **{_OBJ: "kl"}))
+    assert f"{key}='kl'; allowed: hard_ce, soft_ce, tv" in msg
+    frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "tv"})
+    assert f"{key}=tv trains the MTP block, but mode 'frozen' never trains it" in errors_of(frozen)
+    validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "hard_ce"}))
+    greedy = make(verl_base, hf_dirs, actor_rollout_ref__rollout__temperature=0.0, **{_OBJ: "soft_ce"})
+    assert f"{key}=soft_ce matches the policy's distribution at the rollout temperature" in errors_of(greedy)
+    assert "actor_rollout_ref.rollout.temperature=0.0" in errors_of(greedy)
+
+
+def test_engine_reads_the_objective_from_its_environment(hf_dirs, monkeypatch):
+    """Every worker gets the recipe's Ray environment: the actor's engine trains with it; verl's reference model
+    (MTP off) shares the environment and just runs without MTP; a bad value fails the engine naming the key."""
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
+
+    monkeypatch.setenv("VERL_MTP_OBJECTIVE", "tv")
+    online = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False,
+                           mtp=MtpConfig(enable=True, enable_train=True, detach_encoder=True))
+    assert resolve_engine_settings(online, McoreEngineConfig()).objective == "tv"
+    ref = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=MtpConfig(enable=False))
+    s = resolve_engine_settings(ref, McoreEngineConfig(forward_only=True))
+    assert s.mode is MTPMode.OFF and s.objective == "hard_ce"
+    monkeypatch.setenv("VERL_MTP_OBJECTIVE", "l2")
+    with pytest.raises(MTPConfigError, match="VERL_MTP_OBJECTIVE='l2'"):
+        resolve_engine_settings(online, McoreEngineConfig())
+
+
+def test_drafting_method_is_validated_and_its_memory_named(verl_base, hf_dirs):
+    s = validate_verl_config(make(verl_base, hf_dirs))
+    assert s.draft_sample_method == "greedy" and "token ids only" in s.draft_memory  # vLLM's default
+    s = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__rollout__max_num_seqs=64,
+                                  **{_DRAFT: "probabilistic"}))
+    assert s.draft_sample_method == "probabilistic" and s.speculative_config["draft_sample_method"] == "probabilistic"
+    assert s.draft_memory == "draft probabilities max_num_seqs 64 x k 2 x vocab 128 x 4 B (float32) = 0.1 MiB per decode step"
+    msg = errors_of(make(verl_base, hf_dirs, **{_DRAFT: "typical"}))
+    assert ("actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method='typical': allowed "
+            "values are greedy, probabilistic") in msg
+    off = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_rollout=False)
+    assert validate_verl_config(off).draft_sample_method is None
+
+
+def test_allowed_drafting_methods_are_vllms():
+    import typing
+
+    from vllm.config.speculative import DraftSampleMethod, SpeculativeConfig
+
+    from verl_mtp_plugin.config_keys import DRAFT_METHOD_ESTIMATE_METRIC
+
+    assert set(typing.get_args(DraftSampleMethod)) == set(DRAFT_METHOD_ESTIMATE_METRIC)
+    assert SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default == "greedy"

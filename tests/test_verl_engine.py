@@ -77,12 +77,25 @@ def ppo_loss_fn():
     return partial(ppo_loss, config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
 
 
-def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_only=False, packed=False):
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
-    from verl.workers.engine import EngineRegistry
+def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_only=False, packed=False, objective=None):
+    from verl.workers.config import MtpConfig
+
+    from verl_mtp_plugin.config_keys import OBJECTIVE_ENV
 
     mtp = MtpConfig(enable=enable, enable_train=enable_train, detach_encoder=detach)
+    with pytest.MonkeyPatch.context() as mp:  # the engine reads the objective from its worker's environment
+        if objective is None:
+            mp.delenv(OBJECTIVE_ENV, raising=False)
+        else:
+            mp.setenv(OBJECTIVE_ENV, objective)
+        return _new_engine(hf_dir, mtp, forward_only=forward_only, packed=packed)
+
+
+def _new_engine(hf_dir, mtp, *, forward_only, packed):
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig
+    from verl.workers.engine import EngineRegistry
+
     model_config = HFModelConfig(path=hf_dir, load_tokenizer=False, mtp=mtp)
     engine_config = McoreEngineConfig(use_remove_padding=packed, use_dynamic_bsz=False, forward_only=forward_only)
     return EngineRegistry.new(
@@ -396,8 +409,9 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     from verl_mtp_plugin.engine.megatron import ACCEPTANCE_METRICS
 
     assert set(k for k in metrics if k.startswith("mtp_")) == {
-        "mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1", *ACCEPTANCE_METRICS
+        "mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1", "mtp_objective/mtp_1_hard_ce", *ACCEPTANCE_METRICS
     }
+    assert metrics["mtp_objective/mtp_1_hard_ce"] == metrics["mtp_losses/mtp_1_loss"]  # megatron's own loss
     # the in-trainer acceptance estimate (first micro-batch), logged as actor/mtp_expected_accept_rate
     rate = metrics["mtp_expected_accept_rate"][0]
     assert 0.0 <= rate <= 1.0 and 0.0 <= metrics["mtp_greedy_accept_rate"][0] <= 1.0
@@ -418,6 +432,54 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     g = grads(ddp)
     assert not torch.allclose(g["output_layer.weight"], reference["output_layer.weight"])
     assert not torch.allclose(g["decoder.final_norm.weight"], reference["decoder.final_norm.weight"])
+
+
+@pytest.mark.parametrize("objective", ["soft_ce", "tv"])
+def test_online_objective_trains_mtp_isolated_and_logs_its_value(megatron_env, registered, hf_dir, ppo_loss_fn,
+                                                                 objective):
+    """actor_rollout_ref.model.mtp.objective through the engine: the trunk, embedding and output layer get
+    exactly the policy-loss gradient (as with hard_ce), the MTP block a different gradient than hard_ce's,
+    mtp_losses keeps the hard cross-entropy and mtp_objective/mtp_1_<objective> logs the objective."""
+    ddp = tiny_ddp(detach=True)
+    run_pass(attach(new_engine(hf_dir, enable=True, enable_train=False), ddp), ppo_loss_fn, forward_only=False)
+    reference = grads(ddp)  # policy-loss gradients only (frozen: no MTP forward)
+    results = {}
+    for obj in ("hard_ce", objective):
+        ddp.zero_grad_buffer()
+        engine = attach(new_engine(hf_dir, objective=obj), ddp)
+        assert engine.mtp_settings.objective == obj
+        output, _, _ = run_pass(engine, ppo_loss_fn, forward_only=False)
+        results[obj] = (output["metrics"], grads(ddp))
+    (hard_m, hard_g), (obj_m, obj_g) = results["hard_ce"], results[objective]
+    for n in obj_g:
+        if not n.startswith("mtp."):
+            torch.testing.assert_close(obj_g[n], reference[n], rtol=1e-5, atol=1e-7, msg=n)  # trunk untouched
+    mtp_names = [n for n in obj_g if n.startswith("mtp.") and "expert_bias" not in n]
+    assert all(float(obj_g[n].abs().sum()) > 0 for n in mtp_names)
+    assert not torch.allclose(obj_g["mtp.layers.0.eh_proj.weight"], hard_g["mtp.layers.0.eh_proj.weight"])
+    # the value megatron tracks stays the hard cross-entropy (same weights, same batch)
+    assert obj_m["mtp_losses/mtp_1_loss"][0] == pytest.approx(hard_m["mtp_losses/mtp_1_loss"][0], rel=1e-6)
+    value = obj_m[f"mtp_objective/mtp_1_{objective}"][0]
+    assert f"mtp_objective/mtp_1_hard_ce" not in obj_m
+    assert 0.0 < value < (1.0 if objective == "tv" else 10.0)
+    if objective == "tv":  # 1 - the overlap; the estimate is the overlap on the first micro-batch only
+        assert abs((1.0 - value) - obj_m["mtp_expected_accept_rate"][0]) < 0.25
+
+
+def test_packed_thd_objective_matches_the_padded_pass(megatron_env, registered, hf_dir, ppo_loss_fn):
+    """soft_ce under THD packing (per-sequence roll of the mask, target at t+1 inside each packed sequence)
+    gives the padded pass's objective value and gradients."""
+    results = {}
+    for packed in (False, True):
+        ddp = tiny_ddp(seed=11, detach=True, pattern="-E/-E")
+        engine = attach(new_engine(hf_dir, packed=packed, objective="soft_ce"), ddp)
+        output, _, _ = run_pass(engine, ppo_loss_fn, forward_only=False)
+        results[packed] = (output["metrics"], grads(ddp))
+    (pad_m, pad_g), (thd_m, thd_g) = results[False], results[True]
+    assert thd_m["mtp_objective/mtp_1_soft_ce"][0] == pytest.approx(pad_m["mtp_objective/mtp_1_soft_ce"][0], rel=1e-5)
+    assert pad_m["mtp_objective/mtp_1_soft_ce"][0] > 0
+    for n in pad_g:
+        torch.testing.assert_close(thd_g[n], pad_g[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_logprob_and_ref_passes_never_run_mtp(megatron_env, registered, hf_dir, ppo_loss_fn):

@@ -29,10 +29,14 @@ import threading
 import time
 from types import SimpleNamespace
 
+from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
+
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
 GUARD_FAIL = ("verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1")
 #: the seed the demo runs with by default (the demo run passes none)
 DEMO_SEED = 0
+#: the resumed online run trains the MTP block with a non-default objective (the demo's run used hard_ce)
+RESUMED_OBJECTIVE = "tv"
 #: wall-clock limit of the demo (both modes, side by side); a run past it is a hang
 DEMO_TIMEOUT_S = 2400
 #: wall-clock limit of one 2-step run of verl's trainer while others share the cores; past it, a hang
@@ -126,7 +130,7 @@ def _online_resumed(root, deps):
     recipe, extra = mode_overrides("online", seed=DEMO_SEED)
     return _run(recipe, online.workdir, deps["assets"], entry="verl", steps=max(online.metrics) + 2, resume=True,
                 reward="zero_score", break_sync="swap-eh@2",
-                extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL])
+                extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL, f"{OBJECTIVE_CONFIG_KEY}={RESUMED_OBJECTIVE}"])
 
 
 def _frozen_resumed(root, deps):

@@ -16,6 +16,7 @@ from verl_mtp_plugin._version import __version__
 from verl_mtp_plugin.policy import (
     MTPConfigError,
     MTPMode,
+    MTPObjective,
     Phase,
     mode_from_verl_mtp,
     rollout_may_speculate,
@@ -35,6 +36,7 @@ _LAZY = {
     "UnsupportedMTPModelError": "verl_mtp_plugin.control",
     "collect_mtp_metrics": "verl_mtp_plugin.metrics",
     "reset_mtp_metrics": "verl_mtp_plugin.metrics",
+    "mtp_objective_scope": "verl_mtp_plugin.objective",
     "export_mtp_weights": "verl_mtp_plugin.export",
     "expected_hf_mtp_keys": "verl_mtp_plugin.export",
     "MTPExportError": "verl_mtp_plugin.export",
@@ -49,6 +51,7 @@ _LAZY = {
 __all__ = [
     "MTPConfigError",
     "MTPMode",
+    "MTPObjective",
     "Phase",
     "__version__",
     "mode_from_verl_mtp",

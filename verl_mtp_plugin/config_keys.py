@@ -11,10 +11,14 @@ from typing import Any, Mapping
 __all__ = [
     "ARGMAX_DRAFT_METRIC",
     "BACKEND",
+    "CHECKSUM_ENV",
     "DRAFT_METHOD_ESTIMATE_METRIC",
     "EXPECTED_METRIC",
     "GUARD_CONFIG_PATH",
+    "DRAFT_SAMPLE_METHOD_KEY",
     "MODEL_TYPE",
+    "OBJECTIVE_CONFIG_KEY",
+    "OBJECTIVE_ENV",
     "PLUGIN_LIB",
     "TRAINER_MODES",
     "WORKER_EXTENSION_CLS",
@@ -41,6 +45,19 @@ ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
 #: vLLM ``draft_sample_method`` -> the estimate of what it accepts (greedy: ``p[argmax q]``; probabilistic:
 #: the overlap ``sum min(p, q)``).
 DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
+#: Environment switch of the drafter sync's checksum mode (read in vLLM's workers; set it in
+#: ``ray_kwargs.ray_init.runtime_env.env_vars``).
+CHECKSUM_ENV = "VERL_MTP_SYNC_CHECKSUM"
+#: Where a recipe chooses vLLM's drafting method (verl merges ``speculative_config`` into the MTP speculative
+#: config it gives vLLM); the allowed values are the keys of :data:`DRAFT_METHOD_ESTIMATE_METRIC`.
+DRAFT_SAMPLE_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
+#: The MTP objective of online / joint (:mod:`verl_mtp_plugin.objective`): an environment variable of every Ray
+#: worker, set in the recipe's ``ray_kwargs.ray_init.runtime_env.env_vars`` (:data:`OBJECTIVE_CONFIG_KEY`). verl 0.9.1
+#: cannot carry it in ``actor_rollout_ref.model.mtp``: its vLLM server builds the model config by merging into
+#: the structured ``HFModelConfig`` (``omega_conf_to_dataclass(..., dataclass_type=HFModelConfig)``), whose
+#: ``MtpConfig`` node refuses any key verl does not define.
+OBJECTIVE_ENV = "VERL_MTP_OBJECTIVE"
+OBJECTIVE_CONFIG_KEY = f"ray_kwargs.ray_init.runtime_env.env_vars.{OBJECTIVE_ENV}"
 #: ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls`` of the plugin's vLLM worker extension.
 WORKER_EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
 

@@ -23,6 +23,7 @@ import enum
 __all__ = [
     "MTPConfigError",
     "MTPMode",
+    "MTPObjective",
     "Phase",
     "RUN_MTP_FORWARD",
     "format_table",
@@ -75,6 +76,15 @@ class MTPMode(_StrEnum):
     FROZEN = "frozen"  # loaded, checkpointed, synced to the drafter; never trained
     ONLINE = "online"  # MTP loss on rollout tokens, isolated from trunk/embedding/output
     JOINT = "joint"  # MTP loss also trains the trunk (library default; opt-in)
+
+
+class MTPObjective(_StrEnum):
+    """What the MTP block is trained to match in online and joint modes
+    (``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE``; :mod:`verl_mtp_plugin.objective` has the math)."""
+
+    HARD_CE = "hard_ce"  # Megatron's own cross-entropy on the sampled token (default)
+    SOFT_CE = "soft_ce"  # forward KL to the policy's detached distribution at the rollout temperature
+    TV = "tv"  # 1 - sum min(p, q): one minus the acceptance of probabilistic drafting
 
 
 _N, _Y = False, True

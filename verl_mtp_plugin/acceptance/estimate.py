@@ -36,6 +36,7 @@ __all__ = [
     "rows_at",
     "select_positions",
     "speculative_overlap",
+    "vocab_parallel_log_softmax",
 ]
 
 #: Mean speculative-sampling acceptance probability (depth 1). verl logs it as ``actor/<key>``.
@@ -91,17 +92,45 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _probs(logits: torch.Tensor, temperature: float, group) -> torch.Tensor:
-    """``softmax(logits / T)`` in float32; with ``group`` the last dim is a vocabulary shard."""
+def _shifted_exp(logits: torch.Tensor, temperature: float, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x - m, exp(x - m), z)`` for ``x = logits / T`` in float32, ``m`` the row max and ``z`` the row sum of
+    ``exp(x - m)`` over the whole (possibly vocab-sharded, reduced over ``group``) vocabulary."""
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature
+    m = x.amax(dim=-1, keepdim=True)
+    if group_size(group) > 1:
+        m = _all_reduce(m, torch.distributed.ReduceOp.MAX, group)
+    x = x - m
+    e = torch.exp(x)
+    z = e.sum(dim=-1, keepdim=True)
+    if group_size(group) > 1:
+        z = _all_reduce(z, torch.distributed.ReduceOp.SUM, group)
+    return x, e, z
+
+
+def _probs(logits: torch.Tensor, temperature: float, group) -> torch.Tensor:
+    """``softmax(logits / T)`` in float32; with ``group`` the last dim is a vocabulary shard."""
     if group_size(group) == 1:
-        return torch.softmax(x, dim=-1)
-    m = _all_reduce(x.amax(dim=-1, keepdim=True), torch.distributed.ReduceOp.MAX, group)
-    e = torch.exp(x - m)
-    z = _all_reduce(e.sum(dim=-1, keepdim=True), torch.distributed.ReduceOp.SUM, group)
+        x = logits.float()
+        return torch.softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+    _, e, z = _shifted_exp(logits, temperature, group)
     return e / z
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor, temperature: float, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_softmax(logits / T), softmax(logits / T))`` in float32 over a possibly vocab-sharded last dim.
+
+    Args:
+        logits (Tensor): ``[..., V]`` or this rank's shard ``[..., V/tp]`` (megatron's contiguous split).
+        temperature (float): ``T > 0``.
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
+
+    Returns:
+        tuple[Tensor, Tensor]: both ``[..., V/tp]`` float32, normalised over the whole vocabulary.
+    """
+    x, e, z = _shifted_exp(logits, temperature, group)
+    return x - torch.log(z), e / z
 
 
 def _argmax(logits: torch.Tensor, group) -> torch.Tensor:

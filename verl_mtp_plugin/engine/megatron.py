@@ -20,7 +20,10 @@ export, micro-batching, loss post-processing) from verl:
   samples.
 * **Metrics**: after a pass that ran MTP, ``mtp_losses/mtp_{k}_loss`` and ``mtp_accuracy/mtp_{k}_top1``
   (averaged over data-parallel ranks) are added to the engine's metrics; verl logs them as
-  ``actor/mtp_losses/...`` and ``actor/mtp_accuracy/...``. After each optimizer step the MTP block's
+  ``actor/mtp_losses/...`` and ``actor/mtp_accuracy/...``. ``mtp_losses`` is the hard cross-entropy on the
+  sampled token whatever the objective; ``mtp_objective/mtp_{k}_{objective}`` is the value of the objective the
+  MTP block trains with (``VERL_MTP_OBJECTIVE``, :mod:`verl_mtp_plugin.objective`; for
+  ``hard_ce`` the same number as ``mtp_losses``). After each optimizer step the MTP block's
   own gradient norm is added as ``mtp_grad_norm`` (verl logs ``actor/mtp_grad_norm``) beside verl's
   ``grad_norm``: with ``mtp_detach_heads`` (online) megatron tags the MTP parameters
   ``grad_norm_group='mtp'``, clips them by their own norm and leaves them out of ``grad_norm``
@@ -57,7 +60,13 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
-from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+from verl_mtp_plugin.metrics import LOSS_KEY, collect_mtp_metrics, reset_mtp_metrics
+from verl_mtp_plugin.objective import (
+    OBJECTIVE_KEY,
+    collect_objective_metrics,
+    mtp_objective_scope,
+    reset_objective_metrics,
+)
 
 #: In-trainer acceptance metrics the engine logs (verl prefixes ``actor/``).
 ACCEPTANCE_METRICS = (
@@ -74,7 +83,7 @@ def _first_float(value) -> float:
     if isinstance(value, torch.Tensor):
         return float(value.reshape(-1)[0]) if value.numel() else 1.0
     return float(value)
-from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, run_mtp_forward
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, run_mtp_forward
 from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, resolve_engine_settings, strategy_error
 
 __all__ = [
@@ -187,6 +196,7 @@ def hybrid_forward_micro_batch(
     forced_max_seqlen: int | None = None,
     acceptance: dict | None = None,
     acceptance_temperature: float = 1.0,
+    objective: str = "hard_ce",
 ):
     """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
 
@@ -210,7 +220,9 @@ def hybrid_forward_micro_batch(
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
             (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`, at most 128 response positions under
             no_grad) of this micro-batch is written into it.
-        acceptance_temperature (float): the rollout temperature the estimate assumes.
+        acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv``
+            objective) assumes.
+        objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
 
     Returns:
         dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
@@ -246,7 +258,11 @@ def hybrid_forward_micro_batch(
         kwargs: dict[str, Any] = {"packed_seq_params": psp}
         if mtp_here:
             kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
-        with _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature):
+        with (
+            _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature),
+            mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
+                                loss_mask=kwargs.get("loss_mask"), packed_seq_params=psp),
+        ):
             output = hybrid_forward(
                 model, ids.contiguous(), position_ids, None, run_mtp_forward=bool(run_mtp_forward), **kwargs
             )
@@ -276,7 +292,11 @@ def hybrid_forward_micro_batch(
     kwargs = {}
     if mtp_here:
         kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
-    with _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature):
+    with (
+        _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature),
+        mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
+                            loss_mask=kwargs.get("loss_mask")),
+    ):
         output = hybrid_forward(
             model,
             ids,
@@ -315,6 +335,7 @@ def forward_micro_batch(
     pad_to_length_bucket: int | None = None,
     acceptance: dict | None = None,
     acceptance_temperature: float = 1.0,
+    objective: str = "hard_ce",
 ):
     """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
 
@@ -325,7 +346,7 @@ def forward_micro_batch(
         phase: ``train``, ``logprob`` or ``ref``.
         mode: ``off``, ``frozen``, ``online`` or ``joint``.
         logits_processor, logits_processor_args, data_format, pad_to_length_bucket, acceptance,
-            acceptance_temperature: see :func:`hybrid_forward_micro_batch`.
+            acceptance_temperature, objective: see :func:`hybrid_forward_micro_batch`.
 
     Returns:
         what :func:`hybrid_forward_micro_batch` returns.
@@ -343,6 +364,7 @@ def forward_micro_batch(
         forced_max_seqlen=tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None),
         acceptance=acceptance,
         acceptance_temperature=acceptance_temperature,
+        objective=objective,
     )
 
 
@@ -477,6 +499,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         runs = run_mtp_forward(self.mtp_mode, phase)
         if runs:
             reset_mtp_metrics()
+            reset_objective_metrics()
         self._mtp_phase = phase
         # the in-trainer acceptance estimate: first micro-batch of a pass that runs MTP (cost budget)
         self._mtp_acceptance = {} if runs else None
@@ -487,8 +510,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
 
     def add_mtp_metrics(self, output: dict, data: TensorDict, phase: "Phase | str") -> dict[str, float]:
         """After a pass: reduce megatron's MTP tracker over data-parallel ranks and add
-        ``mtp_losses/mtp_{k}_loss`` and ``mtp_accuracy/mtp_{k}_top1`` to ``output["metrics"]`` (on the
-        rank verl collects from). Runs on every rank of the last pipeline stage (collectives).
+        ``mtp_losses/mtp_{k}_loss``, ``mtp_accuracy/mtp_{k}_top1`` and ``mtp_objective/mtp_{k}_{objective}`` to
+        ``output["metrics"]`` (on the rank verl collects from). Runs on every rank of the last pipeline stage (collectives).
 
         Returns:
             dict[str, float]: the metrics (empty when this phase did not run MTP).
@@ -500,6 +523,15 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             raise RuntimeError("num_micro_batch missing from the batch (set by verl's forward_backward_batch)")
         # every rank of the stage joins the reduction (collect_mtp_metrics reduces before deciding)
         metrics = collect_mtp_metrics(int(n_micro), reset=True)
+        objective = self.mtp_settings.objective
+        if objective is MTPObjective.HARD_CE:  # the objective is megatron's own loss
+            k = 1
+            while LOSS_KEY.format(k=k) in metrics:
+                metrics[OBJECTIVE_KEY.format(k=k, objective=objective)] = metrics[LOSS_KEY.format(k=k)]
+                k += 1
+        else:
+            metrics.update(collect_objective_metrics(
+                objective, int(n_micro), group=mpu.get_data_parallel_group(with_context_parallel=True)))
         acc = getattr(self, "_mtp_acceptance", None) or {}
         metrics.update({k: v for k, v in acc.items() if k in ACCEPTANCE_METRICS})
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
@@ -591,6 +623,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             pad_to_length_bucket=pad_to_length_bucket,
             acceptance=self._next_acceptance_sink(),
             acceptance_temperature=_first_float(batch["temperature"]),
+            objective=self.mtp_settings.objective,
         )
         return output, partial(postprocess_micro_batch_func, data=batch)
 

@@ -9,10 +9,19 @@ engine constructor); :func:`apply_mtp_overrides` writes the mode's Megatron fiel
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
-from verl_mtp_plugin.config_keys import BACKEND, MODEL_TYPE, as_bool, get_key, to_plain
-from verl_mtp_plugin.policy import MTPConfigError, MTPMode, mode_from_verl_mtp
+from verl_mtp_plugin.config_keys import (
+    BACKEND,
+    MODEL_TYPE,
+    OBJECTIVE_CONFIG_KEY,
+    OBJECTIVE_ENV,
+    as_bool,
+    get_key,
+    to_plain,
+)
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, mode_from_verl_mtp
 
 __all__ = [
     "BRIDGE_NO_MTP_OVERRIDES",
@@ -22,6 +31,7 @@ __all__ = [
     "hf_mtp_num_layers",
     "is_hybrid_hf_config",
     "model_lora_rank",
+    "objective_errors",
     "resolve_engine_settings",
     "strategy_error",
 ]
@@ -70,11 +80,36 @@ class EngineMTPSettings:
             in verl's ``check_mtp_config``), None for mode ``off``.
         set_scaling_factor: whether the plugin must write ``mtp_loss_scaling_factor`` into the
             overrides (False when the user already set it there).
+        objective: the MTP block's training objective (:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`;
+            :mod:`verl_mtp_plugin.objective`), ``hard_ce`` when unset.
     """
 
     mode: MTPMode
     mtp_loss_scaling_factor: float | None
     set_scaling_factor: bool
+    objective: MTPObjective = MTPObjective.HARD_CE
+
+
+def objective_errors(value: Any, mode: MTPMode | None, errors: list[str], *, check_mode: bool = True) -> MTPObjective:
+    """The MTP objective (:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`), checked; appends each problem
+    to ``errors``. Unset: ``hard_ce``. Another value trains the MTP block and so needs mode online or joint:
+    an error at start-up (``check_mode``); an engine whose mode trains no MTP (verl's reference model, which
+    shares the workers' environment) just gets ``hard_ce``."""
+    if value is None or str(value).strip() == "":
+        return MTPObjective.HARD_CE
+    try:
+        objective = MTPObjective.parse(value, OBJECTIVE_CONFIG_KEY)
+    except MTPConfigError as e:
+        errors.append(str(e))
+        return MTPObjective.HARD_CE
+    if objective is not MTPObjective.HARD_CE and mode in (MTPMode.OFF, MTPMode.FROZEN):
+        if not check_mode:
+            return MTPObjective.HARD_CE
+        errors.append(
+            f"{OBJECTIVE_CONFIG_KEY}={objective} trains the MTP block, but mode '{mode}' never trains it; set it to hard_ce "
+            f"(or drop it) or {_MTP}.enable_train=true (online: detach_encoder=true)"
+        )
+    return objective
 
 
 def engine_errors(
@@ -90,6 +125,8 @@ def engine_errors(
     lora_rank: int,
     errors: list[str],
     virtual_pipeline_model_parallel_size: Any = None,
+    objective: Any = None,
+    check_objective_mode: bool = True,
 ) -> EngineMTPSettings | None:
     """The engine-level checks on already-read settings; appends each problem to ``errors``.
 
@@ -136,6 +173,7 @@ def engine_errors(
 
     if mode is None:
         return None
+    objective = objective_errors(objective, mode, errors, check_mode=check_objective_mode)
 
     hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
     if mode is not MTPMode.OFF and hf_layers == 0:
@@ -147,7 +185,7 @@ def engine_errors(
     scale = get_key(mtp, "mtp_loss_scaling_factor", 0.1)
     over_scale = overrides.get("mtp_loss_scaling_factor")
     if mode is MTPMode.OFF:
-        return EngineMTPSettings(mode, None, False)
+        return EngineMTPSettings(mode, None, False, objective)
     if int(lora_rank or 0) > 0 and mode in (MTPMode.ONLINE, MTPMode.JOINT):
         errors.append(
             f"{_M}.lora.rank={lora_rank} with MTP training ({_MTP}.enable_train=true): LoRA freezes every base "
@@ -180,7 +218,7 @@ def engine_errors(
     effective = float(over_scale if over_scale is not None else scale)
     if effective < 0:
         errors.append(f"{_MTP}.mtp_loss_scaling_factor={effective} must be >= 0")
-    return EngineMTPSettings(mode, effective, over_scale is None)
+    return EngineMTPSettings(mode, effective, over_scale is None, objective)
 
 
 def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPSettings:
@@ -213,6 +251,8 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         lora_rank=model_lora_rank(model_config),
         errors=errors,
         virtual_pipeline_model_parallel_size=get_key(engine_config, "virtual_pipeline_model_parallel_size"),
+        objective=os.environ.get(OBJECTIVE_ENV),
+        check_objective_mode=False,
     )
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))

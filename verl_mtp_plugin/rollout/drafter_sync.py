@@ -45,6 +45,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from verl_mtp_plugin.config_keys import CHECKSUM_ENV
+
 import torch
 
 from verl_mtp_plugin.export.drafter import canonical_drafter_name, hf_mtp_digests, tensor_digest
@@ -70,7 +72,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENV_MODE = "VERL_MTP_DRAFTER_SYNC"
-ENV_CHECKSUM = "VERL_MTP_SYNC_CHECKSUM"
+ENV_CHECKSUM = CHECKSUM_ENV
 ENV_STAGE = "VERL_MTP_SYNC_STAGE"
 STAGE_PLACES = ("device", "host")
 DRAFTER_MODES = ("online", "frozen")
@@ -92,6 +94,21 @@ class MTPSyncError(RuntimeError):
     def __init__(self, message: str, *, phase: str = "verify"):
         super().__init__(message)
         self.phase = phase
+
+
+def sharded_drafter(vllm_config: Any) -> str | None:
+    """Why this vLLM rank holds only a shard of the drafter's parameters (``tensor_parallel_size=2``, expert
+    parallel), or None when it holds whole tensors (what checksum mode compares)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        return None
+    why = []
+    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        why.append(f"tensor_parallel_size={tp}")
+    if getattr(pc, "enable_expert_parallel", False):
+        why.append("enable_expert_parallel=true")
+    return ", ".join(why) or None
 
 
 def cause_text(error: BaseException) -> str:
@@ -320,7 +337,7 @@ class MTPDrafterSync:
         self.vllm_config = vllm_config
         self.mode = mode
         self.drafter_loaded = bool(drafter_loaded)
-        self.verify_checksums = bool(verify_checksums)
+        self.verify_checksums = verify_checksums
         self.expected_mtp_keys = frozenset(expected_hf_mtp_keys(text_config(draft_model_config)))
         if not self.expected_mtp_keys:
             raise MTPSyncError("the drafter's config declares no MTP layers (num_nextn_predict_layers=0)")
@@ -329,6 +346,23 @@ class MTPDrafterSync:
         self.last_metrics: dict[str, float] = {}
         self._active = False
         self._pending: WeightList = []
+
+    @property
+    def verify_checksums(self) -> bool:
+        """Checksum mode (:data:`ENV_CHECKSUM`): compare a digest of every drafter tensor after each load."""
+        return self._verify_checksums
+
+    @verify_checksums.setter
+    def verify_checksums(self, on: bool) -> None:
+        why = sharded_drafter(self.vllm_config) if on else None
+        if why:
+            raise MTPSyncError(
+                f"{ENV_CHECKSUM}=1 (checksum mode) compares whole tensors, but this vLLM rank holds a shard of the "
+                f"drafter ({why}): every update would fail; unset {ENV_CHECKSUM} (every update still checks names, "
+                "shapes and the exact loaded set, and the desync guard judges generation)",
+                phase="config",
+            )
+        self._verify_checksums = bool(on)
 
     # ---------------------------------------------------------------- structure
     def drafter_structure(self) -> tuple[set[str], set[str], dict[str, str]]:
@@ -558,7 +592,7 @@ class MTPDrafterSync:
             if got.split(":")[0] != expected[name].split(":")[0]:
                 problems.append(
                     f"{name}: {actual[name].numel()} elements, sent {expected[name].split(':')[0]} "
-                    "(checksum mode compares unsharded tensors: TP=EP=1 only)"
+                    "(a shard? checksum mode compares whole tensors)"
                 )
             elif got != expected[name]:
                 problems.append(f"{name}: digest {got} != sent {expected[name]}")

@@ -28,7 +28,10 @@ verl keys read (verl 0.9.1 names):
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
   ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.desync_guard.MTPGuardConfig`)
 * ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
-  ``online`` reloads the drafter on every sync, ``frozen`` once)
+  ``online`` reloads the drafter on every sync, ``frozen`` once) and ``...env_vars.VERL_MTP_OBJECTIVE`` (the
+  MTP objective, :mod:`verl_mtp_plugin.objective`; read by the plugin engine in every worker)
+* ``actor_rollout_ref.rollout.{temperature,max_num_seqs}`` and
+  ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (vLLM's drafting method)
 
 verl 0.9.1 has no sleep-level key: ``vLLMHttpServer._resolve_sleep_level`` picks level 1 when
 ``mtp.enable and mtp.enable_rollout`` and level 2 otherwise (when ``rollout.free_cache_engine`` and
@@ -47,6 +50,11 @@ from typing import Any, Mapping
 
 from verl_mtp_plugin.config_keys import (
     BACKEND,
+    CHECKSUM_ENV,
+    DRAFT_METHOD_ESTIMATE_METRIC,
+    DRAFT_SAMPLE_METHOD_KEY,
+    OBJECTIVE_CONFIG_KEY,
+    OBJECTIVE_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,
     TRAINER_MODES,
@@ -63,7 +71,7 @@ from verl_mtp_plugin.engine.settings import (
     model_lora_rank,
     strategy_error,
 )
-from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_verl_mtp, run_mtp_forward
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
 from verl_mtp_plugin.rollout.desync_guard import MTPGuardConfig
 
 __all__ = [
@@ -72,6 +80,7 @@ __all__ = [
     "ResolvedMTPSettings",
     "compose_ppo_trainer",
     "compose_recipe",
+    "draft_memory",
     "main",
     "rollout_speed_warnings",
     "validate_verl_config",
@@ -137,6 +146,12 @@ class ResolvedMTPSettings:
             speculation on).
         warnings: rollout settings that run but silently cost speed (:func:`rollout_speed_warnings`),
             each naming its keys; logged at start-up, printed by ``verl-mtp check``.
+        objective: the MTP block's training objective (``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE``;
+            only online and joint train with it).
+        draft_sample_method: vLLM's drafting method (``...speculative_config.draft_sample_method``; vLLM's
+            default ``greedy`` when unset), None without speculation.
+        draft_memory: what the drafting method costs in vLLM memory (:func:`draft_memory`), None without
+            speculation.
     """
 
     model_type: str
@@ -158,6 +173,24 @@ class ResolvedMTPSettings:
     trainer_mode: str | None = None
     rollout_metrics: bool = False
     warnings: tuple[str, ...] = ()
+    objective: MTPObjective = MTPObjective.HARD_CE
+    draft_sample_method: str | None = None
+    draft_memory: str | None = None
+
+
+def draft_memory(method: str, *, max_num_seqs: int, k: int, vocab_size: int | None) -> str:
+    """The vLLM memory a drafting method costs, in words.
+
+    ``probabilistic`` keeps the draft distributions of a decode step for the rejection sampler: float32
+    probabilities ``[max_num_seqs, k, vocab]`` (vLLM 0.31 ``llm_base_proposer``: ``softmax(dtype=float32)``,
+    viewed ``[-1, k, V]``), beside the draft logits themselves; ``greedy`` keeps only the argmax token ids.
+    """
+    if method != "probabilistic":
+        return "draft token ids only (greedy: argmax of the draft logits)"
+    shape = f"max_num_seqs {max_num_seqs} x k {k} x vocab {vocab_size if vocab_size else 'V'} x 4 B (float32)"
+    if not vocab_size:
+        return f"draft probabilities {shape} per decode step"
+    return f"draft probabilities {shape} = {max_num_seqs * k * vocab_size * 4 / 2**20:.1f} MiB per decode step"
 
 
 def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
@@ -231,6 +264,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             lora_rank=model_lora_rank(get_key(config, _M)),
             errors=errors,
             virtual_pipeline_model_parallel_size=get_key(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
+            objective=get_key(config, OBJECTIVE_CONFIG_KEY, os.environ.get(OBJECTIVE_ENV)),
         )
         mode = settings.mode if settings is not None else None
     else:
@@ -327,6 +361,44 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{_MTP}.enable_rollout=false"
         )
 
+    quant = _hf_quantization(hf_config)
+    if speculation and extension in PLUGIN_EXTENSIONS and quant:
+        errors.append(
+            f"the checkpoint at {_M}.path is quantized (quantization_config.quant_method={quant!r}) and MTP speculation "
+            f"syncs the trained MTP block into vLLM's drafter ({_VLLM}.worker_extension_cls={extension}): the trainer "
+            "exports bf16 MTP tensors, which a quantized drafter cannot load exactly (the first sync would fail); "
+            f"train and roll out from a bf16 checkpoint, or set {_MTP}.enable_rollout=false"
+        )
+
+    checksum_key = f"{_ENV}.{CHECKSUM_ENV}"
+    checksum = get_key(config, checksum_key)
+    if checksum is None and os.environ.get(CHECKSUM_ENV):
+        checksum, checksum_key = os.environ[CHECKSUM_ENV], f"{CHECKSUM_ENV} (this process's environment)"
+    rollout_tp = int(get_key(config, f"{_RO}.tensor_model_parallel_size", 1) or 1)
+    rollout_ep = int(get_key(config, f"{_RO}.expert_parallel_size", 1) or 1)
+    if speculation and checksum is not None and as_bool(checksum) and (rollout_tp > 1 or rollout_ep > 1):
+        errors.append(
+            f"{checksum_key}={checksum} (the drafter sync's checksum mode) with {_RO}.tensor_model_parallel_size="
+            f"{rollout_tp}, {_RO}.expert_parallel_size={rollout_ep}: checksum mode compares whole tensors and each "
+            f"vLLM rank holds a shard of the drafter, so every update would fail; unset {CHECKSUM_ENV} (every update "
+            "still checks names, shapes and the exact loaded set on each rank, and the desync guard judges generation)"
+        )
+
+    draft_method = (user_spec or {}).get("draft_sample_method") if isinstance(user_spec, Mapping) else None
+    if draft_method is not None and str(draft_method) not in DRAFT_METHOD_ESTIMATE_METRIC:
+        errors.append(
+            f"{DRAFT_SAMPLE_METHOD_KEY}={draft_method!r}: allowed values are {', '.join(DRAFT_METHOD_ESTIMATE_METRIC)} "
+            "(vLLM's SpeculativeConfig.draft_sample_method)"
+        )
+    objective = settings.objective if settings is not None else MTPObjective.HARD_CE
+    temperature = get_key(config, f"{_RO}.temperature", 1.0)
+    if objective is not MTPObjective.HARD_CE and temperature is not None and float(temperature) <= 0:
+        errors.append(
+            f"{OBJECTIVE_CONFIG_KEY}={objective} matches the policy's distribution at the rollout temperature, but "
+            f"{_RO}.temperature={temperature} (greedy rollout has no distribution to match); use hard_ce or a "
+            "temperature > 0"
+        )
+
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
 
     drafter_sync = get_key(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
@@ -412,6 +484,14 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         trainer_mode=trainer_mode,
         rollout_metrics=bool(speculation and trainer_mode in TRAINER_MODES),
         warnings=warnings,
+        objective=objective,
+        draft_sample_method=str(spec.get("draft_sample_method") or "greedy") if spec else None,
+        draft_memory=draft_memory(
+            str(spec.get("draft_sample_method") or "greedy"),
+            max_num_seqs=int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256),
+            k=int(spec["num_speculative_tokens"] or 1),
+            vocab_size=getattr(hf_config, "vocab_size", None),
+        ) if spec else None,
     )
 
 
@@ -493,6 +573,17 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
             "(mtp_use_repeated_layer: true)"
         )
     return out
+
+
+def _hf_quantization(hf_config: Any) -> str | None:
+    """``quantization_config.quant_method`` of a checkpoint's HF config (``"fp8"``, ...), None when unquantized."""
+    if hf_config is None:
+        return None
+    q = hf_config.get("quantization_config") if isinstance(hf_config, Mapping) else getattr(hf_config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, Mapping) else getattr(q, "quant_method", None)
+    return str(method or "unknown")
 
 
 def _critic_in_use(config: Any) -> bool:

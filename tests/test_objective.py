@@ -1,0 +1,291 @@
+"""The MTP objectives (``VERL_MTP_OBJECTIVE``): their math, the position each depth
+targets, tensor-parallel exactness, the repeated MTP block, and the trunk's isolation on a real tiny
+megatron-core HybridModel (CPU, fp32). The engine-level checks (verl's pass, THD packing) are in
+``test_verl_engine.py``; verl's real trainer runs ``tv`` in ``test_main_ppo.py`` (``online_resumed``)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from verl_mtp_plugin.objective import (
+    OBJECTIVE_KEY,
+    collect_objective_metrics,
+    mtp_objective_scope,
+    objective_per_token,
+    reset_objective_metrics,
+    soft_ce_per_token,
+    tv_per_token,
+)
+from verl_mtp_plugin.policy import MTPConfigError, MTPObjective
+
+S, P = 16, 6  # sequence length, prompt length
+
+
+def _dense(objective, q_logits, p_logits, t):
+    """The textbook formulas on the full vocabulary, differentiated by autograd."""
+    log_q, log_p = torch.log_softmax(q_logits / t, -1), torch.log_softmax(p_logits / t, -1)
+    if objective == "soft_ce":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    return 1.0 - torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the math
+
+
+@pytest.mark.parametrize("objective", ["soft_ce", "tv"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_values_and_gradients_match_the_formulas(objective, temperature):
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(6, 4, 19, generator=g) * 2).requires_grad_()
+    p = torch.randn(6, 4, 19, generator=g) * 2
+    w = torch.randn(6, 4, generator=g)
+    got = objective_per_token(objective, q, p, temperature)
+    (got * w).sum().backward()
+    q_ref = q.detach().clone().requires_grad_()
+    want = _dense(objective, q_ref, p, temperature)
+    (want * w).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(q.grad, q_ref.grad, rtol=1e-5, atol=1e-7)
+    assert float(q.grad.abs().sum()) > 0
+
+
+def test_edge_cases_and_target_is_detached():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, generator=g)
+    assert float(soft_ce_per_token(q, q).abs().max()) < 1e-6  # the drafter is the policy
+    assert float(tv_per_token(q, q).abs().max()) < 1e-6
+    p = torch.full((1, 8), -1e4)
+    p[0, 0] = 0.0
+    d = torch.full((1, 8), -1e4)
+    d[0, 7] = 0.0
+    assert float(tv_per_token(d, p)) == pytest.approx(1.0)  # disjoint: nothing accepted
+    # only q gets a gradient: the policy's distribution is a detached target
+    p_req = torch.randn(3, 8, generator=g).requires_grad_()
+    q_req = torch.randn(3, 8, generator=g).requires_grad_()
+    soft_ce_per_token(q_req, p_req).sum().backward()
+    assert p_req.grad is None and q_req.grad is not None
+    # gradient of soft CE is (q - p) / T
+    torch.testing.assert_close(q_req.grad, torch.softmax(q_req, -1) - torch.softmax(p_req, -1), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        tv_per_token(q, q, 0.0)
+    with pytest.raises(ValueError, match="same shape"):
+        soft_ce_per_token(q, q[:, :4])
+    with pytest.raises(MTPConfigError, match="VERL_MTP_OBJECTIVE='kl'; allowed: hard_ce, soft_ce, tv"):
+        objective_per_token("kl", q, q)
+
+
+_TP2_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def work(rank, init_method):
+        os.environ.update(RANK=str(rank), WORLD_SIZE="2", VERL_MTP_TEST_INIT_METHOD=init_method)
+        from verl_mtp_plugin.objective import objective_per_token, mtp_objective_scope, collect_objective_metrics
+        from verl_mtp_plugin.objective import reset_objective_metrics
+
+        # 1. the functions: vocabulary shards (TP=2) against the whole vocabulary (TP=1), values and gradients
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 7, 10, generator=g) * 3
+        p = torch.randn(2, 7, 10, generator=g) * 3
+        p[0, 1] = q[0, 1]                                    # identical row
+        p[0, 2, :5] = -1e4; q[0, 2, 5:] = -1e4               # supports on different shards
+        w = torch.randn(2, 7, generator=g)
+        sl = slice(rank * 5, rank * 5 + 5)
+        for objective in ("soft_ce", "tv"):
+            for t in (1.0, 0.7):
+                full = q.clone().requires_grad_()
+                ref = objective_per_token(objective, full, p, t)
+                (ref * w).sum().backward()
+                shard = q[..., sl].clone().requires_grad_()
+                got = objective_per_token(objective, shard, p[..., sl], t, group=dist.group.WORLD)
+                (got * w).sum().backward()
+                assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
+                assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
+        dist.destroy_process_group()
+
+        # 2. the tiny HybridModel at TP=2: the objective of the forward equals the TP=1 formula on the
+        #    gathered main and MTP logits (depth 1 at t against the main head at t+1)
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from verl_mtp_plugin.acceptance import AcceptanceProbe
+        from verl_mtp_plugin.control import hybrid_forward
+        from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
+
+        init_megatron(seed=5, tp=2)
+        reset_mtp_globals()
+        model = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
+                                  config_overrides=dict(tensor_model_parallel_size=2))
+        batch = make_batch(batch=2, seq=16, vocab=128, prompt_len=6, seed=1)
+        mask = batch["response_mask"]
+        for objective in ("soft_ce", "tv"):
+            reset_objective_metrics()
+            model.zero_grad(set_to_none=True)
+            with AcceptanceProbe(model) as probe, mtp_objective_scope(model, objective, temperature=0.8, loss_mask=mask):
+                out = hybrid_forward(model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                     run_mtp_forward=True, loss_mask=mask)
+                q_full = gather_from_tensor_model_parallel_region(probe.mtp_logits(1), group=model.tp_group)
+            (out * 0).sum().backward()
+            got = collect_objective_metrics(objective)[f"mtp_objective/mtp_1_{objective}"]
+            main = gather_from_tensor_model_parallel_region(out.detach(), group=model.tp_group)
+            per = objective_per_token(objective, q_full[:, :-1], main[:, 1:], 0.8)      # [b, s-1]
+            m = torch.zeros_like(mask); m[:, :-2] = mask[:, 2:]                        # token t+2 is a response token
+            want = float((per * m[:, :-1]).sum() / m.sum())
+            assert abs(got - want) < 1e-5, (objective, got, want)
+            grads = [p.grad for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None]
+            assert grads and all(torch.isfinite(x).all() for x in grads)
+            both = [None, None]
+            dist.all_gather_object(both, got)
+            assert both[0] == both[1], both  # every TP rank computes the same value
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(work, args=(sys.argv[1],), nprocs=2, join=True)
+        print("TP2_OK")
+    """
+)
+
+
+def test_tensor_parallel_two_ranks_equal_one(tmp_path):
+    """TP=2 (gloo, 2 processes): values and gradients on vocabulary shards equal the whole-vocabulary ones;
+    the objective of a TP=2 HybridModel forward equals the TP=1 formula on its gathered logits."""
+    from verl_mtp_plugin.testing import rendezvous
+
+    script = tmp_path / "tp2_objective.py"
+    script.write_text(_TP2_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), rendezvous()], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 and "TP2_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# on the tiny HybridModel
+
+
+@pytest.fixture
+def batch():
+    from verl_mtp_plugin.testing import make_batch
+
+    return make_batch(batch=2, seq=S, vocab=128, prompt_len=P, seed=3)
+
+
+def _forward(model, batch, objective, temperature=1.0, probe=None):
+    from verl_mtp_plugin.control import hybrid_forward
+
+    mask = batch["response_mask"]
+    with mtp_objective_scope(model, objective, temperature=temperature, loss_mask=mask):
+        return hybrid_forward(model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                              run_mtp_forward=True, loss_mask=mask)
+
+
+def _mtp_only_grads(model, batch, objective, temperature=1.0):
+    """Backward of 0 x the main logits: every gradient comes from the MTP loss alone."""
+    from verl_mtp_plugin.testing import reset_mtp_globals
+
+    reset_mtp_globals()
+    reset_objective_metrics()
+    model.zero_grad(set_to_none=True)
+    out = _forward(model, batch, objective, temperature)
+    (out * 0).sum().backward()
+    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("repeated", [False, True], ids=["two_mtp_layers", "repeated_mtp_block"])
+@pytest.mark.parametrize("objective", ["soft_ce", "tv"])
+def test_depth_d_targets_the_main_head_for_the_same_token(batch, objective, repeated):
+    """Depth d at position t predicts token t+1+d; its target is the main head at position t+d (which
+    predicts the same token), counted where token t+1+d is a response token; not t+d-1, not t+d+1."""
+    from verl_mtp_plugin.acceptance import AcceptanceProbe
+    from verl_mtp_plugin.testing import build_tiny_hybrid, reset_mtp_globals
+
+    torch.manual_seed(1)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=repeated, mtp_detach_heads=True)
+    if repeated:
+        assert len(model.mtp.layers) == 1 and model.config.mtp_num_layers == 2  # one block applied twice
+    reset_mtp_globals()
+    reset_objective_metrics()
+    t = 0.7
+    with AcceptanceProbe(model) as probe:
+        out = _forward(model, batch, objective, t)
+        q = {d: probe.mtp_logits(d) for d in (1, 2)}
+    got = collect_objective_metrics(objective)
+    assert set(got) == {OBJECTIVE_KEY.format(k=d, objective=objective) for d in (1, 2)}
+    mask = batch["response_mask"]
+    for d in (1, 2):
+        m = torch.zeros_like(mask)
+        m[:, : S - 1 - d] = mask[:, 1 + d :]  # token t+1+d is a response token
+
+        def mean_with_main_at(shift):
+            per = torch.zeros(2, S)
+            n = S - shift
+            per[:, :n] = objective_per_token(objective, q[d][:, :n], out.detach()[:, shift:], t)
+            return float((per * m).sum() / m.sum())
+
+        value = got[f"mtp_objective/mtp_{d}_{objective}"]
+        assert value == pytest.approx(mean_with_main_at(d), rel=1e-5, abs=1e-6)
+        for wrong in (d - 1, d + 1):
+            assert value != pytest.approx(mean_with_main_at(wrong), rel=1e-3)
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+def test_online_every_objective_leaves_trunk_embedding_and_output_layer_untouched(batch, objective):
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True, mtp_detach_heads=True)
+    grads = _mtp_only_grads(model, batch, objective)
+    base = {n: g for n, g in grads.items() if not n.startswith("mtp.")}
+    assert "embedding.word_embeddings.weight" in base and "output_layer.weight" in base
+    touched = [n for n, g in base.items() if g is not None and float(g.abs().sum()) != 0.0]
+    assert touched == []
+    mtp = {n: g for n, g in grads.items() if n.startswith("mtp.") and "expert_bias" not in n}
+    assert mtp and all(g is not None and float(g.abs().sum()) > 0 for g in mtp.values())
+    if objective != "hard_ce":  # a different gradient from megatron's own loss
+        hard = _mtp_only_grads(model, batch, "hard_ce")
+        assert not torch.allclose(grads["mtp.layers.0.eh_proj.weight"], hard["mtp.layers.0.eh_proj.weight"])
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("objective", ["soft_ce", "tv"])
+def test_joint_objective_reaches_the_trunk_and_output_layer(batch, objective):
+    """The same check fails where it should: joint (no mtp_detach_heads) sends the objective's gradient into
+    the trunk and output layer (through q; the policy's target stays detached)."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(mtp_detach_heads=False)
+    grads = _mtp_only_grads(model, batch, objective)
+    for name in ("output_layer.weight", "embedding.word_embeddings.weight", "decoder.final_norm.weight"):
+        assert grads[name] is not None and float(grads[name].abs().sum()) > 0, name
+
+
+@pytest.mark.usefixtures("megatron_env")
+def test_megatron_tracker_keeps_the_hard_cross_entropy_and_the_scope_leaves_no_trace(batch):
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from verl_mtp_plugin.testing import build_tiny_hybrid, reset_mtp_globals
+
+    torch.manual_seed(2)
+    model = build_tiny_hybrid(mtp_detach_heads=True)
+    losses = {}
+    for objective in ("hard_ce", "soft_ce", "tv"):
+        reset_mtp_globals()
+        with torch.no_grad():
+            _forward(model, batch, objective)
+        losses[objective] = MTPLossLoggingHelper.tracker["loss_values"].clone()
+        assert "compute_language_model_loss" not in model.__dict__  # the instance attribute is gone
+        assert not model.mtp._forward_hooks  # and so is the hook
+    torch.testing.assert_close(losses["soft_ce"], losses["hard_ce"])
+    torch.testing.assert_close(losses["tv"], losses["hard_ce"])
+    with pytest.raises(ValueError, match="temperature > 0"):
+        with mtp_objective_scope(model, "tv", temperature=0.0, loss_mask=None):
+            pass
+    assert "compute_language_model_loss" not in model.__dict__
+    assert MTPObjective.parse("TV") is MTPObjective.TV

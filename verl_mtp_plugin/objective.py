@@ -1,0 +1,288 @@
+"""The MTP block's training objective in online and joint modes.
+
+Chosen in the recipe with ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE: hard_ce | soft_ce | tv``
+(:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`; checked at start-up, read by the plugin engine in every
+worker; why not under ``actor_rollout_ref.model.mtp``: see :data:`~verl_mtp_plugin.config_keys.OBJECTIVE_ENV`).
+
+Alignment (megatron-core 0.19.2, as in :mod:`verl_mtp_plugin.acceptance`): MTP depth ``d`` (1-based) at
+position ``t`` predicts token ``t+1+d``; the main head at position ``t+d`` predicts that same token. So
+depth ``d``'s target at position ``t`` is the policy's distribution ``p = softmax(z_main[t+d] / T)``,
+detached, from the same train forward, and the drafter's is ``q = softmax(z_mtp_d[t] / T)``, with ``T``
+the rollout temperature (vLLM's probabilistic drafting applies it to both). Positions count exactly where
+megatron's own MTP loss counts them: the predicted token ``t+1+d`` is a response token (megatron rolls
+the token-coordinate loss mask ``d+1`` times, within each packed sequence under THD).
+
+Objectives, per counted position:
+
+* ``hard_ce``: megatron's own ``-log q_1[x_{t+1+d}]`` on the sampled token (untouched: no code of this
+  module runs).
+* ``soft_ce``: forward ``KL(p || q) = sum_v p_v (log p_v - log q_v)``; its gradient is that of the soft
+  cross-entropy ``-sum_v p_v log q_v``: ``dL/dz_mtp = (q - p) / T``. The logged value is the KL (0 for a
+  drafter that matches the policy), not the cross-entropy (which adds the policy's entropy).
+* ``tv``: ``1 - sum_v min(p_v, q_v)``, one minus the acceptance probability of probabilistic drafting
+  (:func:`verl_mtp_plugin.acceptance.speculative_overlap`); ``dL/dz_mtp_w = (q_w / T) (S - [q_w < p_w])``
+  with ``S = sum_v q_v [q_v < p_v]``.
+
+Both are exact under tensor parallelism: the softmaxes and the sums over the vocabulary are reduced over
+the tensor-parallel group (vocabulary shards, megatron's contiguous split), and each rank's gradient is
+that of the full-vocabulary loss with respect to its own shard.
+
+How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
+``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
+masks the result and attaches its gradient through ``MTPLossAutoScaler``. :func:`mtp_objective_scope`
+shadows that method on the model instance for one forward and returns ``objective + (hard_ce -
+objective).detach()``: the gradient is the objective's, the value megatron's tracker records stays the
+hard cross-entropy, so ``mtp_losses/mtp_{k}_loss`` keeps verl's meaning for every objective; the
+objective's own value is logged as ``mtp_objective/mtp_{k}_{objective}`` (:data:`OBJECTIVE_KEY`). The
+target logits cost one extra output-layer product of the main hidden states per micro-batch, under
+``no_grad`` with the output weight detached: the policy's target never sends a gradient anywhere, so what
+the MTP gradient reaches is what megatron's own loss reaches (online: the MTP block only, with
+``mtp_detach_heads``; joint: the trunk and output layer too, through ``q``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from verl_mtp_plugin.acceptance.estimate import _all_reduce, _probs, check_temperature, group_size, vocab_parallel_log_softmax
+from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
+from verl_mtp_plugin.policy import MTPObjective
+
+__all__ = [
+    "OBJECTIVE_KEY",
+    "collect_objective_metrics",
+    "mtp_objective_scope",
+    "objective_per_token",
+    "reset_objective_metrics",
+    "soft_ce_per_token",
+    "tv_per_token",
+]
+
+#: The objective's value at depth ``k`` (verl logs it as ``actor/mtp_objective/mtp_{k}_{objective}``).
+OBJECTIVE_KEY = "mtp_objective/mtp_{k}_{objective}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the math on logits
+
+
+def _sum_vocab(x: torch.Tensor, group) -> torch.Tensor:
+    s = x.sum(dim=-1)
+    return _all_reduce(s, torch.distributed.ReduceOp.SUM, group) if group_size(group) > 1 else s
+
+
+class _SoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_logits, p_logits, temperature, group):
+        log_q, q = vocab_parallel_log_softmax(q_logits, temperature, group)
+        log_p, p = vocab_parallel_log_softmax(p_logits, temperature, group)
+        kl = _sum_vocab(torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)), group)
+        ctx.save_for_backward(q.sub_(p).div_(temperature))
+        ctx.dtype = q_logits.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        (g,) = ctx.saved_tensors
+        return (g * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+class _TV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_logits, p_logits, temperature, group):
+        q = _probs(q_logits, temperature, group)
+        p = _probs(p_logits, temperature, group)
+        below = q < p
+        overlap = _sum_vocab(torch.minimum(p, q), group)
+        s = _sum_vocab(q * below, group)
+        ctx.save_for_backward(q.mul_(s.unsqueeze(-1) - below.float()).div_(temperature))
+        ctx.dtype = q_logits.dtype
+        return (1.0 - overlap).clamp_(0.0, 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (g,) = ctx.saved_tensors
+        return (g * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -> float:
+    if q_logits.shape != p_logits.shape:
+        raise ValueError(
+            f"MTP logits {tuple(q_logits.shape)} and the policy's target logits {tuple(p_logits.shape)} must have the "
+            "same shape [..., V] (align them first: q at t, p at t+d)"
+        )
+    t = check_temperature(temperature)
+    if t == 0.0:
+        raise ValueError(f"{OBJECTIVE_CONFIG_KEY} soft_ce / tv need a rollout temperature > 0 (got 0: greedy rollout)")
+    return t
+
+
+def soft_ce_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0, *, group=None):
+    """Forward ``KL(p || q)`` per row, differentiable in ``q_logits`` only (``p`` is the detached target).
+
+    Args:
+        q_logits (Tensor): ``[..., V]`` (or the vocab shard ``[..., V/tp]``) MTP logits.
+        p_logits (Tensor): same shape, the policy's (main head's) logits for the same tokens.
+        temperature (float): ``T > 0`` for both distributions.
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
+
+    Returns:
+        Tensor: ``[...]`` float32, ``>= 0``; backward gives ``(q - p) / T`` per logit.
+    """
+    return _SoftCE.apply(q_logits, p_logits.detach(), _check(q_logits, p_logits, temperature), group)
+
+
+def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0, *, group=None):
+    """``1 - sum_v min(p_v, q_v)`` per row (one minus the probabilistic-drafting acceptance), differentiable in
+    ``q_logits`` only. Args as :func:`soft_ce_per_token`.
+
+    Returns:
+        Tensor: ``[...]`` float32 in ``[0, 1]``.
+    """
+    return _TV.apply(q_logits, p_logits.detach(), _check(q_logits, p_logits, temperature), group)
+
+
+_PER_TOKEN = {MTPObjective.SOFT_CE: soft_ce_per_token, MTPObjective.TV: tv_per_token}
+
+
+def objective_per_token(objective, q_logits, p_logits, temperature: float = 1.0, *, group=None) -> torch.Tensor:
+    """The ``soft_ce`` or ``tv`` objective per row (``hard_ce`` is megatron's own and has no target)."""
+    objective = MTPObjective.parse(objective, OBJECTIVE_CONFIG_KEY)
+    if objective not in _PER_TOKEN:
+        raise ValueError(f"{objective} is megatron's own loss: it has no per-token target form here")
+    return _PER_TOKEN[objective](q_logits, p_logits, temperature, group=group)
+
+
+# --------------------------------------------------------------------------------------------------
+# the objective's value per depth, accumulated over the micro-batches of one pass
+
+_TRACKER: dict[str, torch.Tensor] = {}
+
+
+def reset_objective_metrics() -> None:
+    """Forget the values accumulated so far (start of a pass)."""
+    _TRACKER.clear()
+
+
+def _track(depth: int, num_depths: int, value: torch.Tensor) -> None:
+    values = _TRACKER.get("values")
+    if values is None or values.numel() != num_depths:
+        values = _TRACKER["values"] = torch.zeros(num_depths, dtype=torch.float64, device=value.device)
+    values[depth - 1] += value.detach().to(torch.float64)
+
+
+def collect_objective_metrics(objective, num_microbatches: int = 1, *, group=None, reset: bool = True) -> dict[str, float]:
+    """``mtp_objective/mtp_{k}_{objective}``: the mean over micro-batches of each micro-batch's masked mean,
+    averaged over ``group`` (the data-parallel group; every rank of it must call), like megatron's MTP loss.
+
+    Returns:
+        dict[str, float]: empty when nothing was tracked since the last reset.
+    """
+    objective = MTPObjective.parse(objective, OBJECTIVE_CONFIG_KEY)
+    values = _TRACKER.get("values")
+    if reset:
+        reset_objective_metrics()
+    if values is None:
+        return {}
+    if group_size(group) > 1:
+        values = _all_reduce(values.clone(), torch.distributed.ReduceOp.SUM, group) / group_size(group)
+    n = max(int(num_microbatches), 1)
+    return {OBJECTIVE_KEY.format(k=i + 1, objective=objective.value): float(v) / n for i, v in enumerate(values)}
+
+
+# --------------------------------------------------------------------------------------------------
+# one forward of the model
+
+
+def _target_logits(inner, main_hidden: torch.Tensor) -> torch.Tensor:
+    """The main head's logits ``[s, b, V/tp]`` from the main hidden states, exactly as HybridModel's forward
+    computes them (output layer, shared weight when tied, ``_scale_logits``), detached."""
+    weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else None
+    with torch.no_grad():
+        logits, _ = inner.output_layer(main_hidden.detach(), weight=None if weight is None else weight.detach())
+        return inner._scale_logits(logits)
+
+
+@contextlib.contextmanager
+def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torch.Tensor | None,
+                        packed_seq_params=None):
+    """Within the block, ``model``'s MTP loss is ``objective`` (``hard_ce``: nothing changes).
+
+    Args:
+        model: a HybridModel (possibly DDP/Float16Module-wrapped) about to run one forward with its MTP block.
+        objective (MTPObjective | str): ``hard_ce``, ``soft_ce`` or ``tv``.
+        temperature (float): the rollout temperature ``T > 0`` (both distributions).
+        loss_mask (Tensor | None): the token-coordinate MTP loss mask the forward receives (``[b, s]``;
+            ``[1, T]`` packed); used only to log the objective's masked mean per depth.
+        packed_seq_params (PackedSeqParams | None): the forward's THD packing (megatron rolls the mask within
+            each packed sequence; so does the logged mean).
+
+    Yields:
+        the model. The instance attribute is removed and the hook detached on exit, exception or not.
+    """
+    from verl_mtp_plugin.control import unwrap_model
+
+    objective = MTPObjective.parse(objective, OBJECTIVE_CONFIG_KEY)
+    inner = unwrap_model(model)
+    mtp = getattr(inner, "mtp", None)
+    if objective is MTPObjective.HARD_CE or mtp is None or not getattr(inner, "post_process", True):
+        yield model
+        return
+    t = check_temperature(temperature)
+    if t == 0.0:
+        raise ValueError(f"{OBJECTIVE_CONFIG_KEY}={objective} needs a rollout temperature > 0 (got 0: greedy rollout)")
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    num_depths = int(inner.config.mtp_num_layers)
+    tp_group = getattr(inner, "tp_group", None)
+    cp_group = getattr(getattr(inner, "pg_collection", None), "cp", None)
+    hard_ce = inner.compute_language_model_loss  # the bound method (what megatron would call)
+    state: dict = {}
+
+    def on_mtp_output(module, args, output):  # [(1+D)*s, b, h]: main hidden states first
+        state.clear()
+        state["main"] = output.detach().chunk(1 + num_depths, dim=0)[0]
+        state["depth"] = 0
+        state["mask"] = loss_mask
+
+    def objective_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # labels [b, s] (token t+1+d at t); logits [s, b, V/tp] of depth d = number of calls so far
+        if "main" not in state:
+            raise RuntimeError("the MTP loss ran without the MTP block's output (HybridModel forward order changed?)")
+        d = state["depth"] = state["depth"] + 1
+        if "target" not in state:
+            state["target"] = _target_logits(inner, state["main"])
+        target = state["target"]
+        if target.shape != logits.shape:
+            raise RuntimeError(f"MTP logits {tuple(logits.shape)} vs main logits {tuple(target.shape)}: gathered "
+                               "(runtime_gather_output) MTP logits are not supported by soft_ce / tv")
+        s = logits.shape[0]
+        group = tp_group if group_size(tp_group) > 1 else None
+        value = logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [s, b]
+        if s > d:  # q at t, p at t+d (the same token t+1+d); the last d rows are masked by megatron
+            value = torch.cat([objective_per_token(objective, logits[: s - d], target[d:], t, group=group),
+                               value[s - d:]], dim=0)
+        value = value.transpose(0, 1)  # [b, s]
+        # after the objective: megatron's vocab-parallel cross-entropy rewrites fp32 logits in place
+        # (exp(x - max)); what megatron reads from them afterwards (the top-1 count) is argmax-invariant
+        with torch.no_grad():
+            ce = hard_ce(labels, logits)  # [b, s]
+        if inner.training and state["mask"] is not None:
+            mask = state["mask"]
+            for _ in range(2 if d == 1 else 1):  # megatron: once for the derived labels, then once per depth
+                mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+            state["mask"] = mask
+            n = mask.sum()
+            _track(d, num_depths, (value.detach() * mask).sum() * (n > 0) / n.clamp(min=1))
+        return value + (ce.to(value.dtype) - value).detach()
+
+    handle = mtp.register_forward_hook(on_mtp_output)
+    inner.compute_language_model_loss = objective_loss
+    try:
+        yield model
+    finally:
+        handle.remove()
+        inner.__dict__.pop("compute_language_model_loss", None)
+        state.clear()
