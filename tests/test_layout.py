@@ -41,6 +41,7 @@ CORE = (
     "verl_mtp_plugin.loss_mask",
     "verl_mtp_plugin.metrics",
     "verl_mtp_plugin.config_keys",
+    "verl_mtp_plugin.recipe_paths",
 )
 #: Edge sub-package -> the other edge sub-packages it may import (verl's trainer drives its workers).
 EDGES = {

@@ -29,13 +29,12 @@ import time
 from typing import Any
 
 from verl_mtp_plugin.cpu.assets import RESPONSE_LENGTH, Assets
+from verl_mtp_plugin.recipe_paths import CONFIG_DIR, RECIPES
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
            "load_result", "run_recipe", "runs_side_by_side", "stop_active_runs"]
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
-RECIPES = ("grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online")
+RECIPE_DIR = CONFIG_DIR  # the shipped recipes, found through the package
 #: the CPU platform's entry for VERL_USE_EXTERNAL_MODULES (a top-level module in PYTHONPATH_DIR, see there)
 PLATFORM_MODULE = "verl_cpu_platform"
 PYTHONPATH_DIR = pathlib.Path(__file__).resolve().parent / "pythonpath"
