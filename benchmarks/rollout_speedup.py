@@ -26,7 +26,7 @@ at each of ``--batches``; the stale drafter is the same engine after ``mtp_confi
    speculation ``{"method": "mtp", "num_speculative_tokens": k}``, vLLM's default greedy drafting),
    ``load_format="dummy"``, bf16, colocated with the trainer in the same process and on the same device
    (``--gpu-memory-utilization``). Every update goes through the plugin's update path: the weights of a
-   policy version are routed by :class:`verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` (the class the worker
+   policy version are routed by :class:`verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` (the class the worker
    extension runs: ``mtp.*`` names to the drafter only, the rest to the target), the target part is
    loaded as verl's extension loads it (``load_weights`` per bucket, then vLLM's
    ``process_weights_after_loading``; on a CPU through vLLM's layerwise reload, see ``--target-load``),
@@ -356,7 +356,7 @@ def shutdown_engine(llm) -> None:
 class EngineSync:
     """One policy update into a running engine through the plugin's update path.
 
-    The drafter: :class:`verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` (routing, one verified drafter
+    The drafter: :class:`verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` (routing, one verified drafter
     ``load_weights`` inside vLLM's layerwise reload; ``frozen`` loads it once). The target, as the worker
     extension (verl's ``update_weights_from_ipc``) does it: ``load_weights`` of each bucket's non-MTP part,
     then vLLM's ``process_weights_after_loading`` once (``target_load="verl"``); or inside vLLM's layerwise
@@ -366,7 +366,7 @@ class EngineSync:
     """
 
     def __init__(self, llm, *, mode: str, target_load: str, bucket_tensors: int, stage: str = "device"):
-        from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+        from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
         w = vllm_worker(llm)
         self.runner = w.model_runner
@@ -387,7 +387,7 @@ class EngineSync:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from verl_mtp_plugin.rollout.drafter_sync import is_mtp_name
+        from verl_mtp_plugin.rollout.worker.drafter_sync import is_mtp_name
 
         vc = self.runner.vllm_config
         dev = next(self.target.parameters()).device
@@ -448,7 +448,7 @@ class EngineSync:
 
 def spec_counts(llm):
     """Cumulative spec-decode counters of this engine (plugin's ``spec_metrics`` over ``LLM.get_metrics()``)."""
-    from verl_mtp_plugin.rollout.spec_metrics import counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
 
     return total_counts(counts_from_vllm_metrics(llm.get_metrics()).values())
 
@@ -457,7 +457,7 @@ def measure(llm, prompts: list[list[int]], *, temperature: float, args) -> dict:
     """Warm-up call, then ``args.reps`` timed ``generate`` calls; tokens/s (median) and acceptance."""
     from vllm import SamplingParams
 
-    from verl_mtp_plugin.rollout.spec_metrics import spec_metrics_from_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts
 
     sp = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                         ignore_eos=True, detokenize=False)

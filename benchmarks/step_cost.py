@@ -154,7 +154,7 @@ def count_params(cfg: dict) -> dict:
 
 
 def _worker_models(worker) -> dict:
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model, runner_kind
 
     runner = worker.model_runner
     out = {"target": runner.get_model() if hasattr(runner, "get_model") else runner.model}
@@ -279,7 +279,7 @@ def build(model_dir: str, k: int, args):
 
 
 def spec_drafts(llm) -> int:
-    from verl_mtp_plugin.rollout.spec_metrics import counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
 
     series = counts_from_vllm_metrics(llm.get_metrics())
     return total_counts(series.values()).num_drafts if series else 0

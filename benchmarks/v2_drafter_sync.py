@@ -25,7 +25,7 @@ the trainer predicts:
 4. **Per policy version:** where the drafter was found (``mtp_drafter_place``); the drafter's tensors
    (RPC ``mtp_drafter_digests``) against the trainer's export (``export.hf_mtp_digests`` of the MTP part);
    greedy acceptance measured by vLLM's spec-decode counters (``SpecStepReader`` ->
-   ``rollout.spec_metrics``) against the trainer-side prediction on the same sequences (vLLM's greedy k=1
+   ``rollout.monitor.spec_metrics``) against the trainer-side prediction on the same sequences (vLLM's greedy k=1
    draft schedule replayed with megatron's MTP argmax: ``tests/test_vllm_rollout.py::_predicted_greedy_k1``,
    the function the CPU test uses); greedy output with speculation against greedy output without; T=1
    sampled acceptance against the in-trainer estimate ``p_main[argmax q]`` (``AcceptanceProbe``); the
@@ -150,8 +150,8 @@ def install_verl_import_path_without_ray(workdir: str) -> str | None:
 def drafter_runtime(worker) -> dict:
     """Runs inside the vLLM worker (``collective_rpc`` with a function): the drafter's parameter storage
     (``data_ptr``, shared with the target or not), the runner's CUDA-graph mode and captured graphs."""
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model
-    from verl_mtp_plugin.rollout.drafter_sync import drafter_shared_param_names
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model
+    from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_shared_param_names
 
     runner = worker.model_runner
     drafter, place = find_drafter_model(runner)
@@ -409,14 +409,14 @@ class RunnerProof:
 
     @staticmethod
     def guard():
-        from verl_mtp_plugin.rollout.desync_guard import MTPDesyncGuard
+        from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncGuard
 
         return MTPDesyncGuard({"action": "fail", "threshold": 0.7, "patience": 1, "zero_patience": 1,
                                "min_drafts": 20, "min_speedup": 1e-3}, num_speculative_tokens=K)
 
     @staticmethod
     def judge(guard, measured: dict, predicted: float, step: int) -> dict:
-        from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
+        from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError
 
         try:
             m = guard.observe({**measured, "actor/mtp_argmax_draft_accept_rate": predicted}, step=step)

@@ -275,7 +275,7 @@ def test_bridge_export_names_equal_expected_keys_and_the_vllm_drafter(online_act
 
 def test_strict_check_accepts_the_bridge_stream_and_rejects_one_changed_name(online_actor, drafter_models):
     from verl_mtp_plugin.cpu.vllm_drafter import make_syncer
-    from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
     stream = list(online_actor.engine.bridge.export_hf_weights(online_actor.module))
     sync = make_syncer(drafter_models)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
@@ -166,8 +166,8 @@ def test_verls_own_drafter_checks_use_the_plugins_lookup_on_a_v2_runner():
     ``_use_mtp_drafter_weight_sync`` and ``_iter_all_models`` include it; verl's own lookup does not."""
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model, runner_kind
+    from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
 
     target, drafter = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     spec = SimpleNamespace(method="mtp", draft_model_config=None)

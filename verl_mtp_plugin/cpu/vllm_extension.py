@@ -48,7 +48,7 @@ def _break_sync() -> str:
 
 
 def _base():
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+    from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
 
     return MTPColocateWorkerExtension
 

@@ -34,7 +34,7 @@ Each RL step walks the phases with the plugin's code:
             isolated from trunk/embedding/output (checked bit-for-bit on the first step); the
             returned logits must equal the logprob pass's; the in-trainer acceptance estimate for the
             policy version that generated this rollout
-7. guard    the drafter-desync guard (:mod:`verl_mtp_plugin.rollout.desync_guard`, action ``fail``) judges the
+7. guard    the drafter-desync guard (:mod:`verl_mtp_plugin.rollout.monitor.desync_guard`, action ``fail``) judges the
             measured acceptance against that estimate; ``--break-sync`` breaks the sync on purpose and
             the demo stops with the guard's message
 
@@ -272,7 +272,7 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
     from verl.workers.config import ActorConfig
 
     from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, hybrid_forward, validate_model_for_mode
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import causal_mask, init_megatron
 
@@ -445,7 +445,7 @@ def _finish(history, out, log, rollout, ok: bool) -> None:
 def _sync_failure(error: BaseException) -> str:
     """The demo's line for a failed weight update: verification (the data arrived and is wrong: names,
     loaded set, checksums) vs loading or transport (vLLM raised, the stream stopped) vs set-up."""
-    from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
     phase = getattr(error, "phase", None) if isinstance(error, MTPSyncError) else None
     what = {
@@ -471,7 +471,7 @@ def _make_guard(mode, rollout):
     drafter measures 0.85-1.0 x here; the broken syncs 0.2-0.6 x)."""
     if mode is MTPMode.OFF or not getattr(rollout, "num_speculative_tokens", 0):
         return None
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncGuard
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncGuard
 
     return MTPDesyncGuard(
         {"action": "fail", "threshold": 0.7, "patience": 2, "zero_patience": 2, "min_drafts": 20},

@@ -26,7 +26,7 @@ verl keys read (verl 0.9.1 names):
   checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`)
 * ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
-  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.desync_guard.MTPGuardConfig`)
+  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.monitor.desync_guard.MTPGuardConfig`)
 * ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
   ``online`` reloads the drafter on every sync, ``frozen`` once)
 
@@ -45,8 +45,19 @@ import logging
 import os
 from typing import Any, Mapping
 
+from verl_mtp_plugin.config_keys import ACTOR as _ACTOR
+from verl_mtp_plugin.config_keys import ACTOR_MEGATRON as _MEG
+from verl_mtp_plugin.config_keys import CRITIC as _CRITIC
+from verl_mtp_plugin.config_keys import CRITIC_MEGATRON as _CRITIC_MEG
+from verl_mtp_plugin.config_keys import MODEL as _M
+from verl_mtp_plugin.config_keys import MTP as _MTP
+from verl_mtp_plugin.config_keys import RAY_ENV_VARS as _ENV
+from verl_mtp_plugin.config_keys import ROLLOUT as _RO
+from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
     BACKEND,
+    ENV_DRAFTER_SYNC,
+    ENV_SYNC_STAGE,
     MODEL_TYPE,
     PLUGIN_LIB,
     TRAINER_MODES,
@@ -64,7 +75,7 @@ from verl_mtp_plugin.engine.settings import (
     strategy_error,
 )
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, Phase, mode_from_verl_mtp, run_mtp_forward
-from verl_mtp_plugin.rollout.desync_guard import MTPGuardConfig
+from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
 __all__ = [
     "DRAFTER_SYNC_ENV",
@@ -79,18 +90,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_M = "actor_rollout_ref.model"
-_MTP = "actor_rollout_ref.model.mtp"
-_ACTOR = "actor_rollout_ref.actor"
-_MEG = "actor_rollout_ref.actor.megatron"
-_RO = "actor_rollout_ref.rollout"
-_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
-_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: Environment variable read by :mod:`verl_mtp_plugin.rollout.worker_extension` in the vLLM workers.
-DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
-SYNC_STAGE_ENV = "VERL_MTP_SYNC_STAGE"
-_CRITIC = "critic"
-_CRITIC_MEG = "critic.megatron"
+DRAFTER_SYNC_ENV = ENV_DRAFTER_SYNC
+SYNC_STAGE_ENV = ENV_SYNC_STAGE
 #: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
 PLUGIN_EXTENSIONS = (WORKER_EXTENSION_CLS,)
 

@@ -35,7 +35,7 @@ def _break_from() -> int:
 
 
 def _base():
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+    from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
 
     return MTPColocateWorkerExtension
 
@@ -50,7 +50,7 @@ class H200MTPColocateWorkerExtension(_base()):
             return {"error": f"{type(e).__name__}: {e}"}
         if drafter is None:
             return {"drafter": None}
-        from verl_mtp_plugin.rollout.drafter_sync import drafter_digests
+        from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_digests
 
         d = drafter_digests(drafter, self.model_runner.model)
         h = hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(d.items())).encode()).hexdigest()[:16]

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from verl_mtp_plugin.config_keys import ENV_DRAFTER_SYNC, ENV_SYNC_CHECKSUM, ENV_SYNC_STAGE
 from verl_mtp_plugin.export.drafter import canonical_drafter_name, hf_mtp_digests, tensor_digest
 from verl_mtp_plugin.export.names import expected_hf_mtp_keys
 
@@ -69,9 +70,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_MODE = "VERL_MTP_DRAFTER_SYNC"
-ENV_CHECKSUM = "VERL_MTP_SYNC_CHECKSUM"
-ENV_STAGE = "VERL_MTP_SYNC_STAGE"
+ENV_MODE = ENV_DRAFTER_SYNC
+ENV_CHECKSUM = ENV_SYNC_CHECKSUM
+ENV_STAGE = ENV_SYNC_STAGE
 STAGE_PLACES = ("device", "host")
 DRAFTER_MODES = ("online", "frozen")
 
