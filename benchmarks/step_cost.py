@@ -96,7 +96,7 @@ TINY = dict(hidden_size=128, hybrid_override_pattern="M*-M-", num_attention_head
 
 def hf_config(shape: dict) -> dict:
     """A Nemotron-H ``config.json`` for ``shape``: the plugin's tiny-model config
-    (``testing.vllm_drafter.hf_config_for_tiny``: one MTP block, ``*E`` unless the shape says) with the
+    (``cpu.vllm_drafter.hf_config_for_tiny``: one MTP block, ``*E`` unless the shape says) with the
     shape's dimensions over it, bf16."""
     import torch
 

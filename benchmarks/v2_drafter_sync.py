@@ -11,7 +11,7 @@ the trainer predicts:
    fp32), warmed up on the demo's count-on task (``verl_mtp_plugin.testing.rl_loop._warmup`` on ``DemoTask``, MTP
    trained with the model), snapshotted after each of ``--versions`` cumulative warm-up steps: one
    policy version per snapshot, each changing every weight, the MTP block included.
-2. **Engines.** Per runner, two real ``vllm.LLM`` engines built by ``testing.vllm_engine.build_engine``
+2. **Engines.** Per runner, two real ``vllm.LLM`` engines built by ``cpu.vllm_engine.build_engine``
    with the plugin's worker extension (``MTPColocateWorkerExtension``): MTP speculation k=1 (checksum mode,
    ``VERL_MTP_SYNC_CHECKSUM=1``) and a no-speculation baseline, ``load_format="dummy"``, bf16, CUDA graphs
    as vLLM builds them by default (``--graphs``). The engine core runs in its own process
@@ -33,7 +33,7 @@ the trainer predicts:
    (``data_ptr``) before the first and after the last sync: an in-place reload keeps CUDA graphs valid.
 5. **Broken syncs:** *stale* (drafter loaded at the first version, then ``mtp_configure_sync(mode="frozen")``
    and the last version synced: target moves, drafter stays) and *corrupt* (the last version with the
-   MTP ``eh_proj`` input halves swapped, ``demo._swap_eh``: loaded exactly, wired wrongly; names, shapes
+   MTP ``eh_proj`` input halves swapped, ``cpu.events.swap_eh``: loaded exactly, wired wrongly; names, shapes
    and checksums pass); each measured, judged by a fresh guard after a synced step, then repaired.
 
 Outputs (``--out``, default ``benchmarks/results``): ``v2_drafter_sync_<tag>_<runner>.json`` per runner,
@@ -483,12 +483,12 @@ class RunnerProof:
         self.save()
 
     def corrupt(self) -> None:
-        from verl_mtp_plugin.testing.rl_loop import _swap_eh
+        from verl_mtp_plugin.cpu.events import swap_eh as _swap_eh
         from verl_mtp_plugin.export import hf_mtp_digests
 
         last = len(self.tr.snapshots) - 1
         s_last = self.tr.stream(last)
-        swapped = _swap_eh(s_last)
+        swapped = list(_swap_eh(s_last))
         ph: dict = {"sync_swapped": self.sync(swapped, baseline=False)}
         got = self.eng.rpc("mtp_drafter_digests")
         ph["drafter_is_swapped_export"] = compare_digests(got, hf_mtp_digests(mtp_part(swapped)))["equal"]
