@@ -1,12 +1,14 @@
 """The built wheel: the product with its recipes and CPU runtime, without what only the tests use.
 
-Builds the wheel from the checkout (``pip wheel --no-deps --no-build-isolation``, seconds) and reads its file
-list; nothing is installed and no trainer runs.
+Builds the wheel from a copy of the package sources (``pip wheel --no-deps --no-build-isolation``, seconds: a
+copy, so that no ``build/`` folder of an earlier build adds stale files) and reads its file list; nothing is
+installed and no trainer runs.
 """
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,8 +24,11 @@ REPO = PKG_DIR.parent
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory) -> list[str]:
-    out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)]
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    shutil.copytree(PKG_DIR, src / PKG_DIR.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     (whl,) = out.glob("verl_mtp_plugin-*.whl")
