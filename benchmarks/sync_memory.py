@@ -1,7 +1,7 @@
 """Peak memory one online drafter sync adds on a rollout worker: before vs after, side by side (CPU).
 
 A rollout worker receives one weight update as buckets and hands each to
-``MTPDrafterSync.route`` (``rollout/drafter_sync.py``), then ``finish`` loads the MTP part into vLLM's real
+``MTPDrafterSync.route`` (``rollout/worker/drafter_sync.py``), then ``finish`` loads the MTP part into vLLM's real
 ``NemotronHMTP`` drafter (layerwise reload). ``MTPDrafterSync.sync`` does the same from a stream.
 Two implementations are measured, each in a fresh process, on the same model and stream:
 
@@ -74,7 +74,7 @@ def _old_sync_class():
     """The previous MTPDrafterSync behaviour (whole stream listed; staged tensors kept through the load)."""
     import itertools  # noqa: F401
 
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     class BeforeSync(MTPDrafterSync):
         def sync(self, weights, *, load_target=None, bucket_tensors=None):
@@ -110,8 +110,8 @@ def child(variant: str, path: str, args) -> dict:
 
     from verl_mtp_plugin.export import export_mtp_weights
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, init_megatron
-    from verl_mtp_plugin.testing.vllm_drafter import build_drafter_for_spec
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+    from verl_mtp_plugin.cpu.vllm_drafter import build_drafter_for_spec
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     init_megatron(seed=0)
     spec = TinyHybridSpec(

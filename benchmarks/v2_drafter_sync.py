@@ -11,7 +11,7 @@ the trainer predicts:
    fp32), warmed up on the demo's count-on task (``verl_mtp_plugin.testing.rl_loop._warmup`` on ``DemoTask``, MTP
    trained with the model), snapshotted after each of ``--versions`` cumulative warm-up steps: one
    policy version per snapshot, each changing every weight, the MTP block included.
-2. **Engines.** Per runner, two real ``vllm.LLM`` engines built by ``testing.vllm_engine.build_engine``
+2. **Engines.** Per runner, two real ``vllm.LLM`` engines built by ``cpu.vllm_engine.build_engine``
    with the plugin's worker extension (``MTPColocateWorkerExtension``): MTP speculation k=1 (checksum mode,
    ``VERL_MTP_SYNC_CHECKSUM=1``) and a no-speculation baseline, ``load_format="dummy"``, bf16, CUDA graphs
    as vLLM builds them by default (``--graphs``). The engine core runs in its own process
@@ -25,7 +25,7 @@ the trainer predicts:
 4. **Per policy version:** where the drafter was found (``mtp_drafter_place``); the drafter's tensors
    (RPC ``mtp_drafter_digests``) against the trainer's export (``export.hf_mtp_digests`` of the MTP part);
    greedy acceptance measured by vLLM's spec-decode counters (``SpecStepReader`` ->
-   ``rollout.spec_metrics``) against the trainer-side prediction on the same sequences (vLLM's greedy k=1
+   ``rollout.monitor.spec_metrics``) against the trainer-side prediction on the same sequences (vLLM's greedy k=1
    draft schedule replayed with megatron's MTP argmax: ``tests/test_vllm_rollout.py::_predicted_greedy_k1``,
    the function the CPU test uses); greedy output with speculation against greedy output without; T=1
    sampled acceptance against the in-trainer estimate ``p_main[argmax q]`` (``AcceptanceProbe``); the
@@ -33,7 +33,7 @@ the trainer predicts:
    (``data_ptr``) before the first and after the last sync: an in-place reload keeps CUDA graphs valid.
 5. **Broken syncs:** *stale* (drafter loaded at the first version, then ``mtp_configure_sync(mode="frozen")``
    and the last version synced: target moves, drafter stays) and *corrupt* (the last version with the
-   MTP ``eh_proj`` input halves swapped, ``demo._swap_eh``: loaded exactly, wired wrongly; names, shapes
+   MTP ``eh_proj`` input halves swapped, ``cpu.events.swap_eh``: loaded exactly, wired wrongly; names, shapes
    and checksums pass); each measured, judged by a fresh guard after a synced step, then repaired.
 
 Outputs (``--out``, default ``benchmarks/results``): ``v2_drafter_sync_<tag>_<runner>.json`` per runner,
@@ -150,8 +150,8 @@ def install_verl_import_path_without_ray(workdir: str) -> str | None:
 def drafter_runtime(worker) -> dict:
     """Runs inside the vLLM worker (``collective_rpc`` with a function): the drafter's parameter storage
     (``data_ptr``, shared with the target or not), the runner's CUDA-graph mode and captured graphs."""
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model
-    from verl_mtp_plugin.rollout.drafter_sync import drafter_shared_param_names
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model
+    from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_shared_param_names
 
     runner = worker.model_runner
     drafter, place = find_drafter_model(runner)
@@ -254,7 +254,7 @@ class Trainer:
 
         from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
         from verl_mtp_plugin.testing import init_megatron
-        from verl_mtp_plugin.testing.vllm_engine import dense_spec
+        from verl_mtp_plugin.cpu.vllm_engine import dense_spec
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
         init_megatron(seed=1234)
@@ -290,7 +290,7 @@ class Trainer:
         self.current = version
 
     def stream(self, version: int):
-        from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
         self.use(version)
         return list(rollout_weights(self.model, self.spec, "bfloat16"))
@@ -323,7 +323,7 @@ class RunnerProof:
 
     # ----------------------------------------------------------------- engines
     def build(self) -> None:
-        from verl_mtp_plugin.testing.vllm_engine import SpecStepReader, build_engine
+        from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine
 
         a = self.args
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.runner == "v2" else "0"
@@ -409,14 +409,14 @@ class RunnerProof:
 
     @staticmethod
     def guard():
-        from verl_mtp_plugin.rollout.desync_guard import MTPDesyncGuard
+        from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncGuard
 
         return MTPDesyncGuard({"action": "fail", "threshold": 0.7, "patience": 1, "zero_patience": 1,
                                "min_drafts": 20, "min_speedup": 1e-3}, num_speculative_tokens=K)
 
     @staticmethod
     def judge(guard, measured: dict, predicted: float, step: int) -> dict:
-        from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
+        from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError
 
         try:
             m = guard.observe({**measured, "actor/mtp_argmax_draft_accept_rate": predicted}, step=step)
@@ -483,12 +483,12 @@ class RunnerProof:
         self.save()
 
     def corrupt(self) -> None:
-        from verl_mtp_plugin.testing.rl_loop import _swap_eh
+        from verl_mtp_plugin.cpu.events import swap_eh as _swap_eh
         from verl_mtp_plugin.export import hf_mtp_digests
 
         last = len(self.tr.snapshots) - 1
         s_last = self.tr.stream(last)
-        swapped = _swap_eh(s_last)
+        swapped = list(_swap_eh(s_last))
         ph: dict = {"sync_swapped": self.sync(swapped, baseline=False)}
         got = self.eng.rpc("mtp_drafter_digests")
         ph["drafter_is_swapped_export"] = compare_digests(got, hf_mtp_digests(mtp_part(swapped)))["equal"]
@@ -541,7 +541,7 @@ def warm_engines(args) -> None:
     from vllm.inputs import TokensPrompt
 
     from verl_mtp_plugin.testing.rl_loop import DemoTask
-    from verl_mtp_plugin.testing.vllm_engine import dense_spec, write_model_dir
+    from verl_mtp_plugin.cpu.vllm_engine import dense_spec, write_model_dir
 
     spec = dense_spec(vocab_size=DemoTask().vocab_size, mtp_loss_scaling_factor=0.3)
     for runner in args.runners:
@@ -659,7 +659,7 @@ def main(argv=None) -> int:
         + (f"; verl import hook (no ray here): {hook}" if hook else ""))
     # the plugin first, then verl (a bare `import verl_mtp_plugin` stays light; see verl_mtp_plugin/__init__)
     import verl_mtp_plugin.rollout.worker_extension  # noqa: F401
-    import verl_mtp_plugin.testing.vllm_engine  # noqa: F401
+    import verl_mtp_plugin.cpu.vllm_engine  # noqa: F401
 
     trainer = Trainer(args)
     summary = {}

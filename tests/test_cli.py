@@ -70,6 +70,29 @@ def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
     assert "ray init kwargs" not in out.stdout  # verl's run_ppo was never reached
 
 
+def test_main_ppo_finds_the_shipped_recipes_through_the_package(tmp_path, monkeypatch):
+    """No --config-path: a shipped recipe name reads the package's folder; the documented relative
+    --config-path means the shipped folder from any working directory; verl's own relative paths keep
+    meaning verl/trainer/<path>."""
+    import os
+
+    import verl.trainer.main_ppo as verl_main
+
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.main_ppo import verl_relative_config_path
+
+    monkeypatch.chdir(tmp_path)  # outside the checkout
+    assert verl_relative_config_path(["--config-name", "grpo_online", "x=1"]) == [
+        "--config-path", str(CONFIG_DIR), "--config-name", "grpo_online", "x=1"]
+    assert verl_relative_config_path(["--config-name=ppo_trainer"]) == ["--config-name=ppo_trainer"]
+    documented = verl_relative_config_path(["--config-path", "recipes/nemotron3_super_mtp/config", "-cn", "grpo_online"])
+    assert documented == ["--config-path", str(CONFIG_DIR), "-cn", "grpo_online"]
+    verl_dir = os.path.dirname(os.path.abspath(verl_main.__file__))
+    assert verl_relative_config_path(["--config-path=config"]) == [f"--config-path={os.path.join(verl_dir, 'config')}"]
+    (tmp_path / "mine").mkdir()  # a folder of the user's own, relative to the working directory
+    assert verl_relative_config_path(["-cp", "mine"]) == ["-cp", str(tmp_path / "mine")]
+
+
 SHIPPED = ["grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online"]
 SUPER = "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
 # (recipe, overrides, keys the error must name): what would fail at model build or be silently dropped

@@ -1,6 +1,6 @@
-"""Drafter-desync guard (verl_mtp_plugin.rollout.desync_guard): triggering and non-triggering cases, the fail
+"""Drafter-desync guard (verl_mtp_plugin.rollout.monitor.desync_guard): triggering and non-triggering cases, the fail
 action, counter resets, the slow-speculation arithmetic, and its config block on verl 0.9.1's real
-composed trainer config. Step metrics are produced by verl_mtp_plugin.rollout.spec_metrics (from vLLM's real
+composed trainer config. Step metrics are produced by verl_mtp_plugin.rollout.monitor.spec_metrics (from vLLM's real
 SpecDecodingStats / Prometheus counters in the end-to-end test); estimates by verl_mtp_plugin.acceptance.
 """
 
@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from verl_mtp_plugin.rollout.desync_guard import (
+from verl_mtp_plugin.rollout.monitor.desync_guard import (
     ARGMAX_DRAFT_METRIC,
     DEFAULT_DRAFT_COST,
     EXPECTED_METRIC,
@@ -29,7 +29,7 @@ from verl_mtp_plugin.rollout.desync_guard import (
     speedup_from_accept_length,
 )
 from verl_mtp_plugin.policy import MTPConfigError
-from verl_mtp_plugin.rollout.spec_metrics import (
+from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     SpecDecodeCounterTracker,
     SpecDecodeCounts,
     counts_from_vllm_metrics,
@@ -101,7 +101,7 @@ def test_healthy_run_does_not_warn():
 def test_ratio_rule_fires_after_patience_and_names_causes(caplog):
     guard = MTPDesyncGuard(num_speculative_tokens=2)  # threshold 0.5, patience 3
     low = step([0.2, 0.05], expected=0.8, argmax=0.7)
-    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.desync_guard"):
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.monitor.desync_guard"):
         outs, rec = run(guard, [low] * 7)
     desync = of(rec, MTPDesyncWarning)
     # exactly at steps 3 and 6 (first crossing, then every `patience` steps while it persists)
@@ -441,7 +441,7 @@ def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base, c
 
     assert "enable_sleep_mode" in {f.name for f in dataclasses.fields(RolloutConfig)}  # a field, not in the YAML
 
-    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.desync_guard"):
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.monitor.desync_guard"):
         guard = guard_from_verl_config(verl_base)  # verl's default disable_log_stats=true
     assert "actor_rollout_ref.rollout.disable_log_stats=true" in caplog.text
     assert (guard.config.threshold, guard.config.action, guard.num_speculative_tokens) == (0.3, "fail", 2)
@@ -461,7 +461,7 @@ def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base, c
     cfg = copy.deepcopy(verl_base)
     cfg.actor_rollout_ref.rollout.disable_log_stats = False
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.desync_guard"):
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.rollout.monitor.desync_guard"):
         guard_from_verl_config(cfg)
     assert "disable_log_stats" not in caplog.text
     cfg.actor_rollout_ref.model.mtp.enable_rollout = False

@@ -1,4 +1,4 @@
-"""Rollout speculative-decoding metrics (verl_mtp_plugin.rollout.spec_metrics) on vLLM 0.31.0's real objects.
+"""Rollout speculative-decoding metrics (verl_mtp_plugin.rollout.monitor.spec_metrics) on vLLM 0.31.0's real objects.
 
 Real objects used (all CPU-buildable): ``vllm.config.SpeculativeConfig`` (method ``ngram``: the MTP
 method needs a target model config, and vLLM's counters read only ``num_speculative_tokens``),
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from verl_mtp_plugin.rollout.spec_metrics import (
+from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     ACCEPT_LENGTH_KEY,
     ACCEPT_RATE_KEY,
     ACCEPT_RATE_POS_KEY,
@@ -195,7 +195,7 @@ def test_prometheus_text_and_http_scrape_match_the_snapshot(prom, caplog):
     assert scraped == {(("server", addr),) + key: c for key, c in snap.items()}
 
     # the server is gone: skipped with a warning by default, an error with strict=True
-    with caplog.at_level("WARNING", logger="verl_mtp_plugin.rollout.spec_metrics"):
+    with caplog.at_level("WARNING", logger="verl_mtp_plugin.rollout.monitor.spec_metrics"):
         assert scrape_spec_counters([addr], timeout=2.0) == {}
     assert addr in caplog.text
     with pytest.raises(RuntimeError, match=addr):
@@ -444,7 +444,7 @@ def test_bad_counts_are_rejected():
 def test_modules_import_without_heavy_dependencies():
     heavy = ("torch", "vllm", "verl", "megatron", "prometheus_client", "omegaconf")
     code = (
-        "import sys, verl_mtp_plugin.rollout.spec_metrics, verl_mtp_plugin.rollout.desync_guard, verl_mtp_plugin.rollout.monitor;"
+        "import sys, verl_mtp_plugin.rollout.monitor.spec_metrics, verl_mtp_plugin.rollout.monitor.desync_guard, verl_mtp_plugin.rollout.monitor.spec_monitor;"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

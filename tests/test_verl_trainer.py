@@ -331,7 +331,7 @@ def test_verls_per_request_metrics_are_kept_and_counters_add_positions(cluster):
 
 
 def test_desync_guard_warns_in_the_loop_when_acceptance_collapses(cluster, caplog):
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncWarning
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncWarning
 
     rng = random.Random(2)
     trainer = _trainer(cluster, min_drafts=1, zero_patience=2, patience=3)
@@ -356,7 +356,7 @@ def test_desync_guard_warns_in_the_loop_when_acceptance_collapses(cluster, caplo
 
 
 def test_fail_action_stops_after_the_step_is_logged(cluster):
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError
 
     rng = random.Random(3)
     trainer = _trainer(cluster, min_drafts=1, zero_patience=1, action="fail")

@@ -3,7 +3,7 @@
 One in-process ``vllm.LLM`` per module (Nemotron-H ``M*-M-`` + MTP ``*``, bf16, MTP speculation k=1,
 the plugin's worker extension with checksum verification), updated exactly as verl updates it
 (``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender``; see
-``verl_mtp_plugin.testing.vllm_engine``), from a megatron-core ``HybridModel`` warmed up on the demo's
+``verl_mtp_plugin.cpu.vllm_engine``), from a megatron-core ``HybridModel`` warmed up on the demo's
 count-on task (fp32 trainer, bf16 stream).
 """
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError, MTPDesyncGuard
+from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError, MTPDesyncGuard
 from verl_mtp_plugin.export import drafter_layout
 from verl_mtp_plugin.testing import causal_mask
 
@@ -22,7 +22,7 @@ K = 1  # draft tokens: greedy k=1 acceptance has an exact trainer-side predictio
 
 
 def _conv_paths():
-    from verl_mtp_plugin.testing.vllm_engine import conv_paths
+    from verl_mtp_plugin.cpu.vllm_engine import conv_paths
 
     return conv_paths()
 
@@ -34,7 +34,7 @@ def _conv_paths():
 def env(megatron_env, tmp_path_factory, request):
     from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.testing.vllm_engine import SpecStepReader, build_engine, dense_spec
+    from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, dense_spec
 
     task = DemoTask()
     spec = dense_spec(vocab_size=task.vocab_size)
@@ -50,7 +50,7 @@ def env(megatron_env, tmp_path_factory, request):
 
 
 def _stream(env):
-    from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
     return list(rollout_weights(env.model, env.spec, env.eng.dtype))
 
@@ -71,7 +71,7 @@ def _swap_eh(stream):
 
 
 def _drafter_now(env):
-    from verl_mtp_plugin.rollout.drafter_sync import drafter_tensors
+    from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_tensors
 
     return drafter_tensors(env.eng.drafter, env.eng.target)
 

@@ -5,7 +5,7 @@ vocab 128 padded by Megatron to 144 rows) is exported to HF names and loaded thr
 sync code into vLLM's own ``NemotronHForCausalLM`` target and ``NemotronHMTP`` drafter, built for the
 same config through vLLM's ``get_model`` (drafter: ``get_draft_load_config``) and wired to the
 target's embedding/lm_head by vLLM's own proposer methods. CPU workarounds:
-:mod:`verl_mtp_plugin.testing.vllm_drafter`. Models are built once per module.
+:mod:`verl_mtp_plugin.cpu.vllm_drafter`. Models are built once per module.
 """
 
 import re
@@ -18,7 +18,7 @@ import torch
 
 from verl_mtp_plugin.export import canonical_drafter_name, export_mtp_weights, hf_mtp_digests
 from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, make_batch
-from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync, MTPSyncError, drafter_digests, drafter_tensors
+from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync, MTPSyncError, drafter_digests, drafter_tensors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
@@ -30,8 +30,8 @@ E = SPEC.num_experts
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
     """megatron model + vLLM target and drafter (wired) for the same tiny config, in one process."""
-    from verl_mtp_plugin.testing.vllm_drafter import build_vllm_models, hf_config_for_tiny, init_vllm_distributed
-    from verl_mtp_plugin.testing.vllm_engine import install_engine_workarounds
+    from verl_mtp_plugin.cpu.vllm_drafter import build_vllm_models, hf_config_for_tiny, init_vllm_distributed
+    from verl_mtp_plugin.cpu.vllm_engine import install_engine_workarounds
 
     install_engine_workarounds()  # incl. CPU linear weights kept in their parameters (verl reloads the target in place)
     init_vllm_distributed()  # reuses megatron's gloo world (size 1) as vLLM's default group
@@ -274,7 +274,7 @@ def test_worker_extension_splits_full_stream(env, monkeypatch):
     target only, and the drafter reads the refreshed shared embedding / lm_head."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension
+    from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
 
     vm = env.vllm
     ext = object.__new__(MTPColocateWorkerExtension)  # no GPU worker: the runner holds the real models
@@ -324,7 +324,7 @@ def test_worker_extension_splits_full_stream(env, monkeypatch):
 def test_drafter_with_own_embedding_and_head_gets_them(env):
     """Routing by module identity: a drafter that does not share the embedding/lm_head with the
     target (vLLM 0.31 before the proposer wires them) also receives them, trimmed to the HF vocab."""
-    from verl_mtp_plugin.testing.vllm_drafter import build_vllm_models
+    from verl_mtp_plugin.cpu.vllm_drafter import build_vllm_models
 
     vm = env.vllm
     lone = build_vllm_models(env.cfg, env.tmp.mktemp("unwired"), build_target=False, wire=False)
@@ -412,7 +412,7 @@ def test_worker_extension_class_contract():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
     from vllm.v1.worker.gpu_worker import Worker
 
-    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension as Ext
+    from verl_mtp_plugin.rollout.worker_extension import MTPColocateWorkerExtension as Ext  # the public path
 
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
@@ -420,12 +420,12 @@ def test_worker_extension_class_contract():
 
     assert issubclass(Ext, vLLMColocateWorkerExtension)
     assert resolve_obj_by_qualname(WORKER_EXTENSION_CLS) is Ext  # how vLLM resolves worker_extension_cls
-    assert Ext.__module__ == "verl_mtp_plugin.rollout.worker_extension" and Ext.__qualname__ == "MTPColocateWorkerExtension"
+    assert Ext.__module__ == "verl_mtp_plugin.rollout.worker.extension" and Ext.__qualname__ == "MTPColocateWorkerExtension"
     assert [a for a in dir(Ext) if not a.startswith("__") and hasattr(Worker, a)] == []
     for rpc in ("mtp_sync_metrics", "mtp_configure_sync", "mtp_drafter_digests", "mtp_mark_drafter_stale"):
         assert callable(getattr(Ext, rpc))
     code = (
-        "import sys, verl_mtp_plugin.rollout.worker_extension, verl_mtp_plugin.rollout.drafter_sync, verl_mtp_plugin.export; "
+        "import sys, verl_mtp_plugin.rollout.worker_extension, verl_mtp_plugin.rollout.worker.drafter_sync, verl_mtp_plugin.export; "
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'verl', 'megatron'}); "
         "assert not heavy, heavy"
     )

@@ -50,7 +50,7 @@ def slots() -> int:
     beside the foreground tests (2 on a 24 GiB machine); ``VERL_MTP_TEST_TRAINER_SLOTS`` overrides it."""
     if os.environ.get("VERL_MTP_TEST_TRAINER_SLOTS"):
         return max(1, int(os.environ["VERL_MTP_TEST_TRAINER_SLOTS"]))
-    from verl_mtp_plugin.testing.verl_cpu.harness import runs_side_by_side
+    from verl_mtp_plugin.cpu.harness import runs_side_by_side
 
     return runs_side_by_side(reserve_gib=FOREGROUND_GIB)
 
@@ -95,7 +95,7 @@ def _stop_demo(proc: subprocess.Popen) -> None:
 def demo_result(demo, mode: str):
     """The demo's run of ``mode`` (checked: exited 0)."""
     from verl_mtp_plugin.demo import mode_overrides
-    from verl_mtp_plugin.testing.verl_cpu import load_result
+    from verl_mtp_plugin.cpu import load_result
 
     recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
     for path in sorted((demo.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
@@ -107,15 +107,15 @@ def demo_result(demo, mode: str):
 
 
 def _assets(root: pathlib.Path, deps):
-    from verl_mtp_plugin.testing.verl_cpu.harness import ensure_assets
+    from verl_mtp_plugin.cpu.harness import ensure_assets
 
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
 def _run(recipe, workdir, assets, **kwargs):
-    from verl_mtp_plugin.testing.verl_cpu import run_recipe
+    from verl_mtp_plugin.cpu import run_recipe
 
-    from verl_mtp_plugin.testing.verl_cpu.harness import private_tmp_prefix
+    from verl_mtp_plugin.cpu.harness import private_tmp_prefix
 
     # runs side by side each get a /tmp of their own (verl's weight-transfer socket is named after the Ray job id,
     # the same in every fresh cluster: harness.private_tmp_prefix); without one, slots() is 1
@@ -247,7 +247,7 @@ class Runs:
 
     def stop(self) -> None:
         """Stop every run still in flight (the session is over)."""
-        from verl_mtp_plugin.testing.verl_cpu.harness import stop_active_runs
+        from verl_mtp_plugin.cpu.harness import stop_active_runs
 
         for proc in list(_PROCS):
             _stop_demo(proc)

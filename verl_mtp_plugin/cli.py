@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="verl's own trainer runs the shipped recipes on a tiny Nemotron-H (CPU)")
     d.add_argument("--mode", default="online,frozen", type=_demo_modes,
                    help="one mode or a comma list of off, frozen, online, joint (default: online,frozen)")
-    d.add_argument("--steps", type=int, default=10)
+    d.add_argument("--steps", type=int, default=10,
+                   help="training steps per mode (default 10); the online-vs-frozen story is checked (exit 2 when "
+                        "broken) only when both modes run >= 6 steps (2 x demo.STORY_WINDOW); shorter runs check "
+                        "that verl's trainer runs and the invariants hold")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, demo.png and each run's log")

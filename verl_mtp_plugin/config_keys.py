@@ -9,18 +9,30 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 __all__ = [
+    "ACTOR",
+    "ACTOR_MEGATRON",
     "ARGMAX_DRAFT_METRIC",
     "BACKEND",
-    "CHECKSUM_ENV",
+    "CRITIC",
+    "CRITIC_MEGATRON",
     "DRAFT_METHOD_ESTIMATE_METRIC",
+    "DRAFT_SAMPLE_METHOD_KEY",
+    "ENV_DRAFTER_SYNC",
+    "ENV_SYNC_CHECKSUM",
+    "ENV_SYNC_RECV_TIMEOUT",
+    "ENV_SYNC_STAGE",
     "EXPECTED_METRIC",
     "GUARD_CONFIG_PATH",
-    "DRAFT_SAMPLE_METHOD_KEY",
+    "MODEL",
     "MODEL_TYPE",
+    "MTP",
     "OBJECTIVE_CONFIG_KEY",
     "OBJECTIVE_ENV",
     "PLUGIN_LIB",
+    "RAY_ENV_VARS",
+    "ROLLOUT",
     "TRAINER_MODES",
+    "VLLM_KWARGS",
     "WORKER_EXTENSION_CLS",
     "as_bool",
     "as_list",
@@ -45,9 +57,6 @@ ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
 #: vLLM ``draft_sample_method`` -> the estimate of what it accepts (greedy: ``p[argmax q]``; probabilistic:
 #: the overlap ``sum min(p, q)``).
 DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}
-#: Environment switch of the drafter sync's checksum mode (read in vLLM's workers; set it in
-#: ``ray_kwargs.ray_init.runtime_env.env_vars``).
-CHECKSUM_ENV = "VERL_MTP_SYNC_CHECKSUM"
 #: Where a recipe chooses vLLM's drafting method (verl merges ``speculative_config`` into the MTP speculative
 #: config it gives vLLM); the allowed values are the keys of :data:`DRAFT_METHOD_ESTIMATE_METRIC`.
 DRAFT_SAMPLE_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
@@ -60,6 +69,24 @@ OBJECTIVE_ENV = "VERL_MTP_OBJECTIVE"
 OBJECTIVE_CONFIG_KEY = f"ray_kwargs.ray_init.runtime_env.env_vars.{OBJECTIVE_ENV}"
 #: ``actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls`` of the plugin's vLLM worker extension.
 WORKER_EXTENSION_CLS = "verl_mtp_plugin.rollout.worker_extension.MTPColocateWorkerExtension"
+
+#: The verl config sections the plugin reads (dotted paths for :func:`get_key` and for error messages).
+MODEL = "actor_rollout_ref.model"
+MTP = "actor_rollout_ref.model.mtp"
+ACTOR = "actor_rollout_ref.actor"
+ACTOR_MEGATRON = "actor_rollout_ref.actor.megatron"
+ROLLOUT = "actor_rollout_ref.rollout"
+VLLM_KWARGS = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+CRITIC = "critic"
+CRITIC_MEGATRON = "critic.megatron"
+#: Where a verl config sets the environment of its Ray workers (the vLLM workers read the variables below).
+RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+#: Environment variables the plugin's vLLM worker extension reads (documented in
+#: :mod:`verl_mtp_plugin.rollout.worker.extension`).
+ENV_DRAFTER_SYNC = "VERL_MTP_DRAFTER_SYNC"
+ENV_SYNC_CHECKSUM = "VERL_MTP_SYNC_CHECKSUM"
+ENV_SYNC_STAGE = "VERL_MTP_SYNC_STAGE"
+ENV_SYNC_RECV_TIMEOUT = "VERL_MTP_SYNC_RECV_TIMEOUT_S"
 
 def get_key(cfg: Any, dotted: str, default: Any = None) -> Any:
     """``cfg.a.b.c`` for DictConfig / dict / dataclass trees; ``default`` when any part is missing."""

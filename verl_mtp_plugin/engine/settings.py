@@ -12,15 +12,11 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from verl_mtp_plugin.config_keys import (
-    BACKEND,
-    MODEL_TYPE,
-    OBJECTIVE_CONFIG_KEY,
-    OBJECTIVE_ENV,
-    as_bool,
-    get_key,
-    to_plain,
-)
+from verl_mtp_plugin.config_keys import ACTOR as _ACTOR
+from verl_mtp_plugin.config_keys import ACTOR_MEGATRON as _MEG
+from verl_mtp_plugin.config_keys import BACKEND, MODEL_TYPE, OBJECTIVE_CONFIG_KEY, OBJECTIVE_ENV, as_bool, get_key, to_plain
+from verl_mtp_plugin.config_keys import MODEL as _M
+from verl_mtp_plugin.config_keys import MTP as _MTP
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, mode_from_verl_mtp
 
 __all__ = [
@@ -36,10 +32,6 @@ __all__ = [
     "strategy_error",
 ]
 
-_M = "actor_rollout_ref.model"
-_MTP = "actor_rollout_ref.model.mtp"
-_ACTOR = "actor_rollout_ref.actor"
-_MEG = "actor_rollout_ref.actor.megatron"
 #: ``override_transformer_config`` entries that make Megatron-Bridge's ``HybridModelProvider`` build
 #: no MTP block (with ``mtp_num_layers=None``, which verl's ``check_mtp_config`` sets when the
 #: engine's MTP is off): ``finalize`` appends ``mtp_hybrid_override_pattern`` to the layer pattern

@@ -34,7 +34,7 @@ Each RL step walks the phases with the plugin's code:
             isolated from trunk/embedding/output (checked bit-for-bit on the first step); the
             returned logits must equal the logprob pass's; the in-trainer acceptance estimate for the
             policy version that generated this rollout
-7. guard    the drafter-desync guard (:mod:`verl_mtp_plugin.rollout.desync_guard`, action ``fail``) judges the
+7. guard    the drafter-desync guard (:mod:`verl_mtp_plugin.rollout.monitor.desync_guard`, action ``fail``) judges the
             measured acceptance against that estimate; ``--break-sync`` breaks the sync on purpose and
             the demo stops with the guard's message
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_mtp_plugin.testing.verl_cpu.events import swap_eh
+from verl_mtp_plugin.cpu.events import swap_eh
 
 from verl_mtp_plugin.policy import MTPMode, Phase, run_mtp_forward
 
@@ -173,7 +173,7 @@ def _mtp_tracker_total() -> float:
 def _build(mode: MTPMode, task: DemoTask, device: str, seed: int):
     """Dense Nemotron-3-shaped model (Mamba, attention, MLP; MTP ``*``); no MTP in mode off."""
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.testing.vllm_engine import dense_spec
+    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
 
     torch.manual_seed(seed)
     pattern = "M*-M-" if mode is MTPMode.OFF else "M*-M-/*"
@@ -272,7 +272,7 @@ def run_demo(mode="online", steps: int = 6, seed: int = 0, device: str = "auto",
     from verl.workers.config import ActorConfig
 
     from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, hybrid_forward, validate_model_for_mode
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import causal_mask, init_megatron
 
@@ -445,7 +445,7 @@ def _finish(history, out, log, rollout, ok: bool) -> None:
 def _sync_failure(error: BaseException) -> str:
     """The demo's line for a failed weight update: verification (the data arrived and is wrong: names,
     loaded set, checksums) vs loading or transport (vLLM raised, the stream stopped) vs set-up."""
-    from verl_mtp_plugin.rollout.drafter_sync import MTPSyncError
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
     phase = getattr(error, "phase", None) if isinstance(error, MTPSyncError) else None
     what = {
@@ -471,7 +471,7 @@ def _make_guard(mode, rollout):
     drafter measures 0.85-1.0 x here; the broken syncs 0.2-0.6 x)."""
     if mode is MTPMode.OFF or not getattr(rollout, "num_speculative_tokens", 0):
         return None
-    from verl_mtp_plugin.rollout.desync_guard import MTPDesyncGuard
+    from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncGuard
 
     return MTPDesyncGuard(
         {"action": "fail", "threshold": 0.7, "patience": 2, "zero_patience": 2, "min_drafts": 20},
@@ -491,11 +491,11 @@ def _make_rollout(model, spec, mode, out, break_sync, k, seed):
 
 
 class _VllmRollout:
-    """Two real vLLM engines (``verl_mtp_plugin.testing.vllm_engine``): MTP speculation with k draft
+    """Two real vLLM engines (``verl_mtp_plugin.cpu.vllm_engine``): MTP speculation with k draft
     tokens, and a no-speculation baseline for tokens/s, both updated through verl's update path."""
 
     def __init__(self, model, spec, mode, out, break_sync, k, seed):
-        from verl_mtp_plugin.testing.vllm_engine import build_engine
+        from verl_mtp_plugin.cpu.vllm_engine import build_engine
 
         self.model, self.spec, self.mode, self.break_sync = model, spec, mode, break_sync
         self.num_speculative_tokens = 0 if mode is MTPMode.OFF else int(k)
@@ -513,7 +513,7 @@ class _VllmRollout:
             model=model if break_sync == "skip-drafter" else None,
             drafter_sync="frozen" if frozen else "online", verify_checksums=True, seed=seed,
         )
-        from verl_mtp_plugin.testing.vllm_engine import SpecStepReader
+        from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader
 
         self.reader = SpecStepReader(self.engine) if self.num_speculative_tokens else None
         self._warm = False
@@ -527,13 +527,13 @@ class _VllmRollout:
                 f"checksum-verified) + a no-speculation baseline, both updated through verl's update_weights_from_ipc{extra}")
 
     def _weights(self):
-        from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
         w = rollout_weights(self.model, self.spec, self.engine.dtype)
         return list(swap_eh(w)) if self.break_sync == "swap-eh" else w
 
     def sync(self, step):
-        from verl_mtp_plugin.testing.vllm_engine import rollout_weights
+        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
 
         try:
             metrics = self.engine.sync(self._weights())
@@ -641,7 +641,7 @@ class _Log:
         print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint")
         print(f"rollout: {rollout}")
         if device == "cpu":
-            from verl_mtp_plugin.testing.vllm_engine import cpu_features
+            from verl_mtp_plugin.cpu.vllm_engine import cpu_features
 
             f = cpu_features(ask_vllm=False)
             print(f"cpu: {f['model']}; avx512_bf16 {'yes' if f['avx512_bf16'] else 'no'}; amx {', '.join(f['amx']) or 'none'}"

@@ -26,7 +26,7 @@ verl keys read (verl 0.9.1 names):
   checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`)
 * ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
-  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.desync_guard.MTPGuardConfig`)
+  ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.monitor.desync_guard.MTPGuardConfig`)
 * ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC`` (the plugin's vLLM extension:
   ``online`` reloads the drafter on every sync, ``frozen`` once) and ``...env_vars.VERL_MTP_OBJECTIVE`` (the
   MTP objective, :mod:`verl_mtp_plugin.objective`; read by the plugin engine in every worker)
@@ -48,11 +48,22 @@ import logging
 import os
 from typing import Any, Mapping
 
+from verl_mtp_plugin.config_keys import ACTOR as _ACTOR
+from verl_mtp_plugin.config_keys import ACTOR_MEGATRON as _MEG
+from verl_mtp_plugin.config_keys import CRITIC as _CRITIC
+from verl_mtp_plugin.config_keys import CRITIC_MEGATRON as _CRITIC_MEG
+from verl_mtp_plugin.config_keys import MODEL as _M
+from verl_mtp_plugin.config_keys import MTP as _MTP
+from verl_mtp_plugin.config_keys import RAY_ENV_VARS as _ENV
+from verl_mtp_plugin.config_keys import ROLLOUT as _RO
+from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
     BACKEND,
-    CHECKSUM_ENV,
     DRAFT_METHOD_ESTIMATE_METRIC,
     DRAFT_SAMPLE_METHOD_KEY,
+    ENV_DRAFTER_SYNC,
+    ENV_SYNC_CHECKSUM,
+    ENV_SYNC_STAGE,
     OBJECTIVE_CONFIG_KEY,
     OBJECTIVE_ENV,
     MODEL_TYPE,
@@ -72,7 +83,7 @@ from verl_mtp_plugin.engine.settings import (
     strategy_error,
 )
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
-from verl_mtp_plugin.rollout.desync_guard import MTPGuardConfig
+from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
 __all__ = [
     "DRAFTER_SYNC_ENV",
@@ -88,18 +99,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_M = "actor_rollout_ref.model"
-_MTP = "actor_rollout_ref.model.mtp"
-_ACTOR = "actor_rollout_ref.actor"
-_MEG = "actor_rollout_ref.actor.megatron"
-_RO = "actor_rollout_ref.rollout"
-_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
-_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: Environment variable read by :mod:`verl_mtp_plugin.rollout.worker_extension` in the vLLM workers.
-DRAFTER_SYNC_ENV = "VERL_MTP_DRAFTER_SYNC"
-SYNC_STAGE_ENV = "VERL_MTP_SYNC_STAGE"
-_CRITIC = "critic"
-_CRITIC_MEG = "critic.megatron"
+DRAFTER_SYNC_ENV = ENV_DRAFTER_SYNC
+SYNC_STAGE_ENV = ENV_SYNC_STAGE
 #: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
 PLUGIN_EXTENSIONS = (WORKER_EXTENSION_CLS,)
 
@@ -370,17 +372,17 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"train and roll out from a bf16 checkpoint, or set {_MTP}.enable_rollout=false"
         )
 
-    checksum_key = f"{_ENV}.{CHECKSUM_ENV}"
+    checksum_key = f"{_ENV}.{ENV_SYNC_CHECKSUM}"
     checksum = get_key(config, checksum_key)
-    if checksum is None and os.environ.get(CHECKSUM_ENV):
-        checksum, checksum_key = os.environ[CHECKSUM_ENV], f"{CHECKSUM_ENV} (this process's environment)"
+    if checksum is None and os.environ.get(ENV_SYNC_CHECKSUM):
+        checksum, checksum_key = os.environ[ENV_SYNC_CHECKSUM], f"{ENV_SYNC_CHECKSUM} (this process's environment)"
     rollout_tp = int(get_key(config, f"{_RO}.tensor_model_parallel_size", 1) or 1)
     rollout_ep = int(get_key(config, f"{_RO}.expert_parallel_size", 1) or 1)
     if speculation and checksum is not None and as_bool(checksum) and (rollout_tp > 1 or rollout_ep > 1):
         errors.append(
             f"{checksum_key}={checksum} (the drafter sync's checksum mode) with {_RO}.tensor_model_parallel_size="
             f"{rollout_tp}, {_RO}.expert_parallel_size={rollout_ep}: checksum mode compares whole tensors and each "
-            f"vLLM rank holds a shard of the drafter, so every update would fail; unset {CHECKSUM_ENV} (every update "
+            f"vLLM rank holds a shard of the drafter, so every update would fail; unset {ENV_SYNC_CHECKSUM} (every update "
             "still checks names, shapes and the exact loaded set on each rank, and the desync guard judges generation)"
         )
 

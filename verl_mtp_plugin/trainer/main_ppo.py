@@ -2,7 +2,8 @@
 
 Takes exactly the arguments of ``python -m verl.trainer.main_ppo`` (same Hydra config, same
 ``--config-path/--config-name``; a relative ``--config-path`` is relative to ``verl/trainer`` as it is
-for verl's entry point) and differs in three ways:
+for verl's entry point, else to the working directory or the package, and a shipped recipe name needs no
+``--config-path``: :func:`verl_relative_config_path`) and differs in three ways:
 
 1. the plugin's start-up check (:func:`verl_mtp_plugin.trainer.config.validate_verl_config`) runs first
    and stops with every problem listed by key;
@@ -87,30 +88,50 @@ def main(config):
 
 
 def verl_relative_config_path(argv: list[str]) -> list[str]:
-    """Hydra resolves a relative ``--config-path`` against the directory of the main module; make it
-    mean what it means for ``python -m verl.trainer.main_ppo`` (relative to ``verl/trainer``)."""
+    """Make ``--config-path``/``--config-name`` mean what users write.
+
+    Hydra resolves a relative ``--config-path`` against the directory of the main module. A relative path
+    means, in this order, the first that exists: ``verl/trainer/<path>`` (what it means for
+    ``python -m verl.trainer.main_ppo``), ``<working directory>/<path>``, ``<package>/<path>`` (the
+    documented ``recipes/nemotron3_super_mtp/config`` is shipped in the package). Without
+    ``--config-path``, a shipped recipe name (``--config-name grpo_online``) reads the shipped folder
+    (:data:`verl_mtp_plugin.recipe_paths.CONFIG_DIR`).
+    """
     import os
 
     import verl.trainer.main_ppo as verl_main
+
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR, PACKAGE_DIR, shipped
 
     base = os.path.dirname(os.path.abspath(verl_main.__file__))
 
     def fix(path: str) -> str:
         if os.path.isabs(path) or "://" in path:
             return path
-        return os.path.normpath(os.path.join(base, path))
+        candidates = [os.path.join(base, path), os.path.abspath(path), os.path.join(PACKAGE_DIR, path)]
+        found = next((c for c in candidates if os.path.isdir(c)), candidates[0])
+        return os.path.normpath(found)
 
-    out, i = [], 0
+    out, i, has_path, name = [], 0, False, None
     while i < len(argv):
         arg = argv[i]
         if arg in ("--config-path", "-cp") and i + 1 < len(argv):
             out += [arg, fix(argv[i + 1])]
+            has_path = True
             i += 2
             continue
+        if arg in ("--config-name", "-cn") and i + 1 < len(argv):
+            name = argv[i + 1]
         for flag in ("--config-path=", "-cp="):
             if arg.startswith(flag):
                 arg = flag + fix(arg[len(flag) :])
+                has_path = True
+        for flag in ("--config-name=", "-cn="):
+            if arg.startswith(flag):
+                name = arg[len(flag) :]
         out.append(arg)
         i += 1
+    if not has_path and name is not None and shipped(name):
+        out = ["--config-path", str(CONFIG_DIR), *out]
     return out
 

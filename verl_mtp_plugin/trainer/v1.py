@@ -3,7 +3,7 @@
 verl 0.9.x computes a step's metrics inside its trainer (``PPOTrainer._compute_metrics``) and offers
 two extension points there: trainer hooks (``on_train_begin``, ``on_validate_begin/end``, ...) and a
 registry of trainer classes keyed by ``trainer.v1.trainer_mode`` (``@register_trainer``). This module
-registers one subclass per verl trainer, each adding :class:`~verl_mtp_plugin.rollout.monitor.RolloutSpecMonitor`
+registers one subclass per verl trainer, each adding :class:`~verl_mtp_plugin.rollout.monitor.spec_monitor.RolloutSpecMonitor`
 to the hooks:
 
 =========================================  ======================  ==================================
@@ -48,8 +48,8 @@ from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
 from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from verl_mtp_plugin.rollout.desync_guard import guard_from_verl_config
-from verl_mtp_plugin.rollout.monitor import RolloutSpecMonitor
+from verl_mtp_plugin.rollout.monitor.desync_guard import guard_from_verl_config
+from verl_mtp_plugin.rollout.monitor.spec_monitor import RolloutSpecMonitor
 from verl_mtp_plugin.config_keys import TRAINER_MODES
 
 __all__ = [
@@ -68,7 +68,7 @@ def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True)
 
     Speculation is on when ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (or a
     speculative config is given under ``engine_kwargs.vllm``); the guard reads
-    ``verl_mtp_plugin.mtp_guard`` (:func:`~verl_mtp_plugin.rollout.desync_guard.guard_from_verl_config`, which
+    ``verl_mtp_plugin.mtp_guard`` (:func:`~verl_mtp_plugin.rollout.monitor.desync_guard.guard_from_verl_config`, which
     also warns when ``actor_rollout_ref.rollout.disable_log_stats`` leaves vLLM without counters).
 
     Raises:

@@ -6,7 +6,7 @@ vLLM's own ``get_model`` (the drafter with ``get_draft_load_config``, the call
 ``SpecDecodeBaseProposer._get_model`` makes), and the drafter is wired to the target's embedding and
 ``lm_head`` by vLLM's own proposer methods (:func:`wire_drafter_to_target`).
 
-CPU workarounds, all test-only, installed by :func:`install_cpu_workarounds` (no-ops on CUDA):
+CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-ops on CUDA):
 
 1. ``moe_platform_proxy``: vLLM's ``FusedMoEConfig`` refuses non-gated (squared-ReLU) experts unless
    the platform is CUDA/ROCm/XPU. ``vllm.model_executor.layers.fused_moe.config`` gets a proxy of
@@ -59,7 +59,7 @@ __all__ = [
 _INSTALLED: set[str] = set()
 
 
-#: The CPU conv-weight path (:func:`verl_mtp_plugin.testing.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
+#: The CPU conv-weight path (:func:`verl_mtp_plugin.cpu.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
 #: (``cpu_conv_weight_unpacked``) or ``"vllm"`` (vLLM's own dispatch, packing where the CPU has the feature).
 CONV_PACK = {"mode": "fix"}
 
@@ -182,7 +182,7 @@ def _split_pattern(pattern: str) -> tuple[str, list[str]]:
 def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     """Nemotron-H ``config.json`` fields for the tiny megatron model of ``spec``.
 
-    Dimensions match :func:`verl_mtp_plugin.testing.build_tiny_hybrid`: ``head_dim = hidden / heads``,
+    Dimensions match :func:`verl_mtp_plugin.cpu.tiny.build_tiny_hybrid`: ``head_dim = hidden / heads``,
     ``num_key_value_heads = num_query_groups``, Mamba ``expand=2`` (megatron's default), experts,
     shared expert and latent size from the spec. The vocab is the unpadded ``spec.vocab_size``.
     A repeated-layer MTP (``mtp_use_repeated_layer``) or a single depth becomes
@@ -195,7 +195,7 @@ def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     Returns:
         dict: ``config.json`` content (``model_type="nemotron_h"``).
     """
-    from verl_mtp_plugin.testing import TinyHybridSpec
+    from verl_mtp_plugin.cpu.tiny import TinyHybridSpec
 
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     main, mtp_parts = _split_pattern(spec.pattern)
@@ -273,7 +273,7 @@ def init_vllm_distributed(vllm_config=None) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from verl_mtp_plugin.testing import rendezvous
+    from verl_mtp_plugin.cpu.tiny import rendezvous
 
     if model_parallel_is_initialized():
         return
@@ -376,9 +376,9 @@ def build_drafter_for_spec(spec=None, *, workdir: str | os.PathLike, dtype: str 
 
 
 def make_syncer(models: VllmModels, *, frozen: bool = False, checksum: bool = False):
-    """The plugin's :class:`~verl_mtp_plugin.rollout.drafter_sync.MTPDrafterSync` for these models (the code the
+    """The plugin's :class:`~verl_mtp_plugin.rollout.worker.drafter_sync.MTPDrafterSync` for these models (the code the
     worker extension runs). ``syncer.sync(export_mtp_weights(model))`` returns the sync metrics."""
-    from verl_mtp_plugin.rollout.drafter_sync import MTPDrafterSync
+    from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     return MTPDrafterSync(
         models.target,

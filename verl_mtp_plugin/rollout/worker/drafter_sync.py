@@ -45,10 +45,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from verl_mtp_plugin.config_keys import CHECKSUM_ENV
-
 import torch
 
+from verl_mtp_plugin.config_keys import ENV_DRAFTER_SYNC, ENV_SYNC_CHECKSUM, ENV_SYNC_STAGE
 from verl_mtp_plugin.export.drafter import canonical_drafter_name, hf_mtp_digests, tensor_digest
 from verl_mtp_plugin.export.names import expected_hf_mtp_keys
 
@@ -71,9 +70,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENV_MODE = "VERL_MTP_DRAFTER_SYNC"
-ENV_CHECKSUM = CHECKSUM_ENV
-ENV_STAGE = "VERL_MTP_SYNC_STAGE"
+ENV_MODE = ENV_DRAFTER_SYNC
+ENV_CHECKSUM = ENV_SYNC_CHECKSUM
+ENV_STAGE = ENV_SYNC_STAGE
 STAGE_PLACES = ("device", "host")
 DRAFTER_MODES = ("online", "frozen")
 

@@ -1,4 +1,4 @@
-"""Harness events: what the test-only vLLM worker extension reports from vLLM's worker process
+"""Harness events: what the CPU-only vLLM worker extension reports from vLLM's worker process
 (one JSON line per weight update in ``$VERL_CPU_EVENTS``), and the switch that breaks the drafter
 sync on purpose (``$VERL_CPU_BREAK_SYNC``). Imports nothing heavy."""
 

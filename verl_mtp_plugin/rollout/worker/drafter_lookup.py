@@ -83,5 +83,5 @@ def not_found_message(model_runner: Any, method: str | None) -> str:
         f"{type(model_runner).__module__}.{type(model_runner).__qualname__} (runner {runner_kind(model_runner)}); "
         f"looked for {', '.join(DRAFTER_PLACES)}. The MTP weights would never reach the drafter, which would "
         "keep its start-up weights; nothing was loaded. This vLLM keeps its drafter somewhere else: the plugin "
-        "needs to learn that place (verl_mtp_plugin.rollout.drafter_lookup.DRAFTER_PLACES)."
+        "needs to learn that place (verl_mtp_plugin.rollout.worker.drafter_lookup.DRAFTER_PLACES)."
     )

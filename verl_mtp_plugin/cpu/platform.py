@@ -1,4 +1,4 @@
-"""A CPU platform for verl 0.9.1, registered through verl's own ``PlatformRegistry`` (test-only).
+"""A CPU platform for verl 0.9.1, registered through verl's own ``PlatformRegistry`` (CPU-only).
 
 verl has no CPU platform: its detection falls back to ``nvidia`` (``verl/plugin/platform/
 platform_manager.py:_detect_platform_name``). verl loads this module in every process that imports
@@ -7,7 +7,7 @@ top-level loader in ``pythonpath/verl_cpu_platform.py`` says why it is not named
 ``VERL_PLATFORM=cpu`` selects the platform registered here (``platform_manager.py:92-95``); it is
 registered only in such processes, so that elsewhere verl's auto-detection (which probes every registered
 platform) is unchanged and :class:`PlatformCPU` can serve as a plain host platform object (the rollout
-harness's weight-transfer platform, ``testing.vllm_engine._verl_platform``). This module imports nothing of
+harness's weight-transfer platform, ``cpu.vllm_engine._verl_platform``). This module imports nothing of
 ``verl_mtp_plugin`` at import time. What the platform answers and why:
 
 * ``ray_resource_name() == "GPU"``: verl's resource pools ask Ray for this resource and count only
@@ -25,7 +25,7 @@ harness's weight-transfer platform, ``testing.vllm_engine._verl_platform``). Thi
 With ``VERL_PLATFORM=cpu`` this module also wraps verl's ``initialize_global_process_group_ray``
 (:func:`_trainer_worker_entry`): verl's trainer workers call it first thing
 (``verl/workers/engine_workers.py:89``), which is where the worker stand-ins of
-:mod:`verl_mtp_plugin.testing.verl_cpu.workers` are installed. Nothing else is changed at import.
+:mod:`verl_mtp_plugin.cpu.workers` are installed. Nothing else is changed at import.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ device_module = types.SimpleNamespace(
 
 
 class PlatformCPU(PlatformBase):
-    """verl platform for a machine without an accelerator (test-only; see the module docstring)."""
+    """verl platform for a machine without an accelerator (CPU-only; see the module docstring)."""
 
     device_name = "cpu"
     vendor_name = "cpu"
@@ -233,7 +233,7 @@ def _trainer_worker_entry():
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         if backend is None:
-            from verl_mtp_plugin.testing.verl_cpu.workers import install_trainer_worker_standins
+            from verl_mtp_plugin.cpu.workers import install_trainer_worker_standins
 
             install_trainer_worker_standins()
             backend = "gloo"

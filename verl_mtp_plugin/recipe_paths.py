@@ -1,0 +1,28 @@
+"""Where the shipped recipes are: package data in ``verl_mtp_plugin/recipes/`` (the repository's ``recipes/``
+links there), so a checkout and an installed wheel find the same files, through the package.
+
+``python -m verl_mtp_plugin.main_ppo --config-name grpo_online`` reads :data:`CONFIG_DIR` when no
+``--config-path`` is given, and the documented ``--config-path recipes/nemotron3_super_mtp/config`` means
+the shipped folder when no such folder exists under verl's ``verl/trainer`` or the working directory
+(:func:`verl_mtp_plugin.trainer.main_ppo.verl_relative_config_path`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+__all__ = ["CONFIG_DIR", "PACKAGE_DIR", "RECIPE_DIR", "RECIPES", "shipped"]
+
+#: the package folder: ``recipes/...`` relative to it is the shipped recipes folder
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+#: the Nemotron 3 Super recipe (verl-recipe layout: ``config/``, ``run_*.sh``, ``REQUIRED_VERL.txt``)
+RECIPE_DIR = PACKAGE_DIR / "recipes" / "nemotron3_super_mtp"
+#: its Hydra config folder (``--config-path``)
+CONFIG_DIR = RECIPE_DIR / "config"
+#: the runnable config names in :data:`CONFIG_DIR` (``super_mtp_common`` is composed into each)
+RECIPES = ("grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online")
+
+
+def shipped(config_name: str) -> bool:
+    """Whether ``config_name`` (``--config-name``, with or without ``.yaml``) is a shipped recipe."""
+    return config_name.removesuffix(".yaml") in RECIPES
