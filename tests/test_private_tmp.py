@@ -25,20 +25,23 @@ def test_runs_side_by_side_each_get_their_own_tmp_and_share_the_kept_folders(tmp
         # no mount namespace here: the harness never runs two of verl's trainers at once
         assert harness.runs_side_by_side(reserve_gib=-1000) == 1
         with pytest.raises(harness.RecipeRunError, match="unshare"):
-            harness._with_private_tmp(["true"], [], tmp_path)
+            harness._with_private_tmp(["true"], tmp_path)
         return
-    keep = tmp_path / "run"  # pytest's tmp_path lies under /tmp: bound back into the namespace
+    keep = tmp_path / "run"  # pytest's tmp_path lies under /tmp: there before the run, so bound back
     keep.mkdir()
     (keep / "in.txt").write_text("from the harness")
     sock = "/tmp/rl-colocate-zmq-01000000-replica-0-rank-0.sock"
     pathlib.Path(sock).unlink(missing_ok=True)
     script = (f"cat {keep}/in.txt > {keep}/$0.txt; test ! -e {sock}; echo $0 > {sock}; sleep 1; "
               f"test \"$(cat {sock})\" = \"$0\"")
+    prog = keep / "prog.sh"  # a program under /tmp (a checkout or venv there) runs inside the namespace too
+    prog.write_text("#!/bin/sh\n" + script.replace("$0", "$1") + "\n")
+    prog.chmod(0o755)
     procs, origs = [], []
     for name in ("a", "b"):
         orig = harness._outside_tmp_dir()  # the real /tmp's mount point in the namespace
         origs.append(orig)
-        cmd = harness._with_private_tmp(["sh", "-c", script, name], [keep], orig)
+        cmd = harness._with_private_tmp([str(prog), name], orig)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for p in procs:
         out, _ = p.communicate(timeout=60)
@@ -48,4 +51,4 @@ def test_runs_side_by_side_each_get_their_own_tmp_and_share_the_kept_folders(tmp
     for orig in origs:
         orig.rmdir()  # empty again once the namespace is gone
     with pytest.raises(ValueError, match="outside /tmp"):
-        harness._with_private_tmp(["true"], [keep], tmp_path)
+        harness._with_private_tmp(["true"], tmp_path)

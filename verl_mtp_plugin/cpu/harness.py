@@ -188,16 +188,20 @@ def runs_side_by_side(reserve_gib: float = 0.0, most: int = 4) -> int:
 # utils.py:420-431: ``/tmp/rl-colocate-zmq-{job_id}-replica-{r}-rank-{k}.sock``), and every fresh Ray cluster's
 # first driver gets the same job id (01000000): two runs updating weights at the same time bind the same socket,
 # and each receiver may read the other run's weights, or wait forever. So a run started next to others gets a
-# mount namespace with a tmpfs on /tmp, in which the folders it shares with the harness (its workdir, the assets,
-# Ray's temp dir) are bound back from the real /tmp.
+# mount namespace with a tmpfs on /tmp into which every folder, file and link that /tmp holds when the run starts
+# is bound back (the checkout, the venv, the run's folders, Ray's temp dir may all lie there): what the run
+# creates at the top of /tmp (the sockets) is its own.
 _PRIVATE_TMP_SH = r"""
 set -e
 orig="$1"; shift
 mount --bind /tmp "$orig"
 mount -t tmpfs -o mode=1777 verl-mtp-tmp /tmp
-n="$1"; shift
-while [ "$n" -gt 0 ]; do
-  mkdir -p "$1"; mount --bind "$orig${1#/tmp}" "$1"; shift; n=$((n - 1))
+for e in "$orig"/* "$orig"/.[!.]* "$orig"/..?*; do
+  n="/tmp/${e##*/}"
+  if [ -L "$e" ]; then cp -P "$e" "$n"
+  elif [ -d "$e" ]; then mkdir "$n"; mount --bind "$e" "$n"
+  elif [ -f "$e" ]; then : > "$n"; mount --bind "$e" "$n"
+  fi
 done
 exec "$@"
 """
@@ -225,16 +229,15 @@ def _outside_tmp_dir() -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix="verl-mtp-tmp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/var/tmp"))
 
 
-def _with_private_tmp(cmd: list[str], keep: list[pathlib.Path], orig: pathlib.Path) -> list[str]:
-    """``cmd`` run with a ``/tmp`` of its own, the folders ``keep`` (those under /tmp) bound back from the real one
-    through ``orig`` (an empty folder outside /tmp)."""
+def _with_private_tmp(cmd: list[str], orig: pathlib.Path) -> list[str]:
+    """``cmd`` run with a ``/tmp`` of its own that holds what the real one holds now (bound back through ``orig``, an
+    empty folder outside /tmp), but not what the real one gets later, nor gives it what the run creates at its top."""
     prefix = private_tmp_prefix()
     if prefix is None:
         raise RecipeRunError("no mount namespace here (unshare): runs of verl's trainer cannot run side by side")
     if str(orig) == "/tmp" or str(orig).startswith("/tmp/"):
         raise ValueError(f"{orig}: the real /tmp's mount point must lie outside /tmp")
-    binds = sorted({str(p) for p in keep if str(p).startswith("/tmp/")})
-    return [*prefix, "sh", "-c", _PRIVATE_TMP_SH, "verl-mtp-private-tmp", str(orig), str(len(binds)), *binds, *cmd]
+    return [*prefix, "sh", "-c", _PRIVATE_TMP_SH, "verl-mtp-private-tmp", str(orig), *cmd]
 
 
 def ray_cpu_slots(recipe: str) -> int:
@@ -451,7 +454,7 @@ def run_recipe(
     orig_tmp = None
     if private_tmp:
         orig_tmp = _outside_tmp_dir()
-        cmd = _with_private_tmp(cmd, [workdir, assets.root, pathlib.Path(ray_tmp)], orig_tmp)
+        cmd = _with_private_tmp(cmd, orig_tmp)
     # A run starts like a user's shell: megatron-core sets process-wide NVTE_* attention variables whenever it
     # builds a model (language_module.py:110-140) and asserts they agree with the backend of the next build, so
     # the ones an earlier model build in this process left behind must not reach the run.
