@@ -193,7 +193,8 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(online, online_resumed, assets):
     n = max(online.metrics)
-    assert online_resumed.cmd[2] == "verl.trainer.main_ppo"
+    cmd = online_resumed.cmd  # [unshare ... (a /tmp of its own),] python -m verl.trainer.main_ppo ...
+    assert cmd[cmd.index("-m") + 1] == "verl.trainer.main_ppo"
     # continued from the saved step N (the run ends at N+2 by the guard: see the guard's test)
     assert min(online_resumed.metrics, default=None) == n + 1, online_resumed.describe_failure()
     assert {n, n + 1} <= set(online_resumed.checkpoints)
