@@ -257,7 +257,7 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def build(model_dir: str, k: int, args):
+def build(model_dir: str, k: int, args, method: str = "greedy"):
     from vllm import LLM
 
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy", seed=0,
@@ -274,7 +274,7 @@ def build(model_dir: str, k: int, args):
         kw["enforce_eager"] = True
         kw["kv_cache_memory_bytes"] = 64 << 20
     if k:
-        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k, "draft_sample_method": method}
     return LLM(**kw), kw
 
 
@@ -285,8 +285,8 @@ def spec_drafts(llm) -> int:
     return total_counts(series.values()).num_drafts if series else 0
 
 
-def step_time(llm, k: int, n: int, vocab: int, args) -> dict:
-    """Median decode-step time (ms) for ``n`` sequences: (t_long - t_short) / (steps_long - steps_short)."""
+def step_timer(llm, k: int, n: int, vocab: int, args):
+    """``run(tokens) -> (wall s, decode steps per request, tokens emitted)`` for ``n`` fixed random prompts."""
     import random
 
     from vllm import SamplingParams
@@ -305,15 +305,27 @@ def step_time(llm, k: int, n: int, vocab: int, args) -> dict:
         steps = (spec_drafts(llm) - d0) / n if k else tokens - 1
         return dt, steps, emitted
 
+    return run
+
+
+def one_rep(run, n: int, args) -> dict:
+    ts, ss, _ = run(args.short)
+    tl, sl, el = run(args.long)
+    return {"ms_per_step": (tl - ts) / max(sl - ss, 1e-9) * 1e3, "steps_long": sl, "steps_short": ss,
+            "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl}
+
+
+def rep_summary(rows: list[dict]) -> dict:
+    ms = [r["ms_per_step"] for r in rows]
+    return {"ms_per_step": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "reps": rows,
+            "tokens_per_step": statistics.median(r["tokens_per_step_long"] for r in rows)}
+
+
+def step_time(llm, k: int, n: int, vocab: int, args) -> dict:
+    """Median decode-step time (ms) for ``n`` sequences: (t_long - t_short) / (steps_long - steps_short)."""
+    run = step_timer(llm, k, n, vocab, args)
     run(args.short)  # warm-up
-    rows = []
-    for _ in range(args.reps):
-        ts, ss, _ = run(args.short)
-        tl, sl, el = run(args.long)
-        rows.append({"ms_per_step": (tl - ts) / max(sl - ss, 1e-9) * 1e3, "steps_long": sl, "steps_short": ss,
-                     "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl})
-    ms = statistics.median(r["ms_per_step"] for r in rows)
-    return {"ms_per_step": ms, "reps": rows, "tokens_per_step": statistics.median(r["tokens_per_step_long"] for r in rows)}
+    return rep_summary([one_rep(run, n, args) for _ in range(args.reps)])
 
 
 def parse_profile(text: str) -> tuple[str, list[float]]:
@@ -333,7 +345,7 @@ def summarize(result: dict, profiles: dict) -> None:
         for key, row in rows.items():
             if not key.startswith("k") or key == "k0":
                 continue
-            k = int(key[1:])
+            k = int(key[1:].split("_")[0])
             for n, r in row.get("steps", {}).items():
                 if n in base:
                     r["c_k"] = r["ms_per_step"] / base[n]
@@ -341,14 +353,86 @@ def summarize(result: dict, profiles: dict) -> None:
 
 
 def print_table(result: dict) -> None:
-    print("\nshape        k  N    ms/step  c_k    " + "  ".join(f"x[{p}]" for p in result["profiles"]))
+    print("\nshape        k(_method)      N    ms/step  c_k    " + "  ".join(f"x[{p}]" for p in result["profiles"]))
     for shape, rows in result["shapes"].items():
-        for key in sorted((x for x in rows if x.startswith("k")), key=lambda x: int(x[1:])):
+        for key in sorted((x for x in rows if x.startswith("k")), key=lambda x: (int(x[1:].split("_")[0]), x)):
             for n, r in rows[key].get("steps", {}).items():
                 c = r.get("c_k")
                 sp = r.get("speedup_by_profile", {})
-                print(f"{shape:<12} {key[1:]:>1} {n:>4} {r['ms_per_step']:8.2f}  {'-' if c is None else f'{c:.3f}':<6} "
+                print(f"{shape:<12} {key[1:]:>14} {n:>4} {r['ms_per_step']:8.2f}  {'-' if c is None else f'{c:.3f}':<6} "
                       + "  ".join('-' if sp.get(p) is None else f"{sp[p]:.2f}" for p in result["profiles"]))
+
+
+def arm_key(k: int, method: str) -> str:
+    return f"k{k}" if k == 0 or method == "greedy" else f"k{k}_{method}"
+
+
+def build_arm(model_dir: str, k: int, method: str, rows: dict, args, shape_name: str):
+    t0 = time.time()
+    llm, kw = build(model_dir, k, args, method)
+    built = time.time() - t0
+    row = rows[arm_key(k, method)] = {"build_s": built, "draft_sample_method": method if k else None,
+                                      "engine_args": {x: y for x, y in kw.items() if x != "model"}, "steps": {}}
+    cc = llm.llm_engine.vllm_config.cache_config
+    row["num_gpu_blocks"] = getattr(cc, "num_gpu_blocks", None)
+    log(f"{shape_name} k={k} {method if k else ''}: engine built in {built:.0f}s ({row['num_gpu_blocks']} cache blocks)")
+    return llm, row
+
+
+def redraw_routing(llm, row: dict, cfg: dict, args) -> None:
+    rep = llm.collective_rpc(worker_routing, args=(True, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
+    row["routing"] = rep
+    row["runner"], row["runner_kind"], row["drafter_place"] = rep["_runner"], rep["_runner_kind"], rep["_drafter_place"]
+    log(f"  runner {rep['_runner_kind']} ({rep['_runner']}), drafter at {rep['_drafter_place']}; "
+        f"routing redrawn: {rep.get('target', {}).get('by_batch')}")
+
+
+def shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # best effort: the engine core process ends with the object
+        log(f"  engine shutdown: {type(e).__name__}: {e}")
+    del llm
+    import gc
+
+    gc.collect()
+
+
+def coresident(arms, cfg: dict, model_dir: str, rows: dict, args, deadline: float, write) -> None:
+    """Every arm's engine on the GPU at once (each with ``--gpu-memory-utilization`` of it), then per batch size
+    the reps interleaved: rep i of every arm (order rotated each rep) before rep i+1 of any."""
+    engines = []
+    try:
+        for k, method in arms:
+            if time.time() > deadline:
+                log(f"budget: not building k={k} {method}")
+                continue
+            llm, row = build_arm(model_dir, k, method, rows, args, "coresident")
+            engines.append((k, method, llm, row))
+            write()
+        for k, method, llm, row in engines:
+            redraw_routing(llm, row, cfg, args)
+        for n in args.batches:
+            runs = [step_timer(llm, k, n, cfg["vocab_size"], args) for k, _, llm, _ in engines]
+            for run in runs:
+                run(args.short)  # warm-up
+            reps = [[] for _ in engines]
+            for i in range(args.reps):
+                order = list(range(len(engines)))
+                order = order[i % len(order):] + order[:i % len(order)]
+                for j in order:
+                    reps[j].append(dict(one_rep(runs[j], n, args), rep=i, slot=order.index(j)))
+                    log(f"  N={n} rep {i} {arm_key(engines[j][0], engines[j][1])}: {reps[j][-1]['ms_per_step']:.2f} ms/step")
+                for (k, method, _, row), rr in zip(engines, reps):
+                    row["steps"][str(n)] = dict(rep_summary(rr), interleaved_with=[arm_key(a, b) for a, b, _, _ in engines])
+                write()
+    except Exception as e:  # keep what was measured; say what failed
+        rows["coresident_error"] = f"{type(e).__name__}: {e}"
+        log(f"  FAILED: {rows['coresident_error']}")
+    finally:
+        for _, _, llm, _ in engines:
+            shutdown(llm)
+        write()
 
 
 def parse_args(argv=None):
@@ -359,6 +443,13 @@ def parse_args(argv=None):
     ap.add_argument("--short", type=int, default=32, help="new tokens of the short call")
     ap.add_argument("--long", type=int, default=160, help="new tokens of the long call")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--draft-methods", default="greedy",
+                    help="vLLM draft_sample_method per engine with k > 0: greedy, probabilistic (comma list)")
+    ap.add_argument("--coresident", action="store_true",
+                    help="build every engine of a shape first and keep them all on the GPU, then time the arms "
+                         "interleaved (rep 1 of every arm, rep 2 of every arm, ...); --gpu-memory-utilization is "
+                         "then each engine's share")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192, help="max_num_batched_tokens floor")
     ap.add_argument("--super-moe-layers", type=int, default=14, help="Mamba+MoE pairs of the Super slice")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
@@ -378,6 +469,7 @@ def parse_args(argv=None):
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.ks = [int(x) for x in args.ks.split(",") if x != ""]
     args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.draft_methods = [m for m in args.draft_methods.split(",") if m]
     args.max_model_len = 16 + args.long + max(args.ks) + 16
     return args
 
@@ -433,18 +525,16 @@ def main(argv=None) -> int:
         p = rows["params"]
         log(f"{shape_name}: {p['target'] / 1e9:.2f} B params ({p['target_active'] / 1e9:.2f} B active), MTP "
             f"{p['mtp'] / 1e9:.2f} B, layers {p['layers']}")
-        for k in args.ks:
+        arms = [(k, m) for k in args.ks for m in (args.draft_methods if k else ["greedy"])]
+        if args.coresident:
+            coresident(arms, cfg, model_dir, rows, args, deadline, write)
+            continue
+        for k, method in arms:
             if time.time() + last_build * 1.3 > deadline:
-                log(f"budget: skipping {shape_name} k={k}")
+                log(f"budget: skipping {shape_name} k={k} {method}")
                 continue
             t0 = time.time()
-            llm, kw = build(model_dir, k, args)
-            built = time.time() - t0
-            row = rows[f"k{k}"] = {"build_s": built, "engine_args": {x: y for x, y in kw.items() if x != "model"},
-                                   "steps": {}}
-            cc = llm.llm_engine.vllm_config.cache_config
-            row["num_gpu_blocks"] = getattr(cc, "num_gpu_blocks", None)
-            log(f"{shape_name} k={k}: engine built in {built:.0f}s ({row['num_gpu_blocks']} cache blocks)")
+            llm, row = build_arm(model_dir, k, method, rows, args, shape_name)
             try:
                 if args.spread_check and k == 0 and "E" in cfg["hybrid_override_pattern"]:
                     row["routing_dummy"] = llm.collective_rpc(worker_routing, args=(False, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
@@ -452,11 +542,7 @@ def main(argv=None) -> int:
                     row["steps_dummy_routing"] = {str(n): step_time(llm, k, n, cfg["vocab_size"], args)}
                     log(f"  dummy routing: experts touched {row['routing_dummy'].get('target', {}).get('by_batch')}; "
                         f"N={n} {row['steps_dummy_routing'][str(n)]['ms_per_step']:.2f} ms/step")
-                rep = llm.collective_rpc(worker_routing, args=(True, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
-                row["routing"] = rep
-                row["runner"], row["runner_kind"], row["drafter_place"] = rep["_runner"], rep["_runner_kind"], rep["_drafter_place"]
-                log(f"  runner {rep['_runner_kind']} ({rep['_runner']}), drafter at {rep['_drafter_place']}; "
-                    f"routing redrawn: {rep.get('target', {}).get('by_batch')}")
+                redraw_routing(llm, row, cfg, args)
                 for n in args.batches:
                     r = row["steps"][str(n)] = step_time(llm, k, n, cfg["vocab_size"], args)
                     log(f"  N={n}: {r['ms_per_step']:.2f} ms/step ({r['tokens_per_step']:.3f} tokens/step)")
@@ -465,14 +551,7 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {e}"
                 log(f"  FAILED: {row['error']}")
             finally:
-                try:
-                    llm.llm_engine.engine_core.shutdown()
-                except Exception as e:  # best effort: the engine core process ends with the object
-                    log(f"  engine shutdown: {type(e).__name__}: {e}")
-                del llm
-                import gc
-
-                gc.collect()
+                shutdown(llm)
                 last_build = time.time() - t0
                 write()
     write()
