@@ -29,6 +29,12 @@ Method, per shape and k (one engine each, ``load_format="dummy"``, bf16, engine 
 3. ``c_k(N) = step_k(N) / step_0(N)``; with a per-position acceptance profile a_1..a_k (vLLM's
    ``rollout/spec_accept_rate_pos_{i}``: the share of drafts whose first i+1 tokens were accepted) the
    speed-up is ``(1 + a_1 + ... + a_k) / c_k``: the table prints it for the profiles of ``--profiles``.
+4. ``--draft-methods greedy,probabilistic``: one engine per vLLM ``draft_sample_method`` for every k > 0
+   (rows ``k<k>`` and ``k<k>_probabilistic``). With dummy weights target and drafter distributions are
+   both near uniform, so probabilistic drafting accepts ~every draft (k+1 tokens per step) where greedy
+   accepts ~none: the step count differs, the step cost is still per decode step. One engine at a time
+   (two 30B-A3B engines do not leave each other the cache for 64 requests, and vLLM's metrics registry is
+   process-wide, so a second engine's counters are not this engine's).
 
 Outputs: ``<out>/step_cost_<tag>.json`` (rewritten after every engine) and a table.
 
@@ -311,6 +317,9 @@ def step_timer(llm, k: int, n: int, vocab: int, args):
 def one_rep(run, n: int, args) -> dict:
     ts, ss, _ = run(args.short)
     tl, sl, el = run(args.long)
+    if sl - ss <= 0:  # the spec-decode counter did not advance: no step time can be derived
+        raise RuntimeError(f"decode steps of the {args.long}-token call ({sl}) not above the {args.short}-token "
+                           f"call's ({ss}): vLLM's spec_decode_num_drafts counter did not count this engine")
     return {"ms_per_step": (tl - ts) / max(sl - ss, 1e-9) * 1e3, "steps_long": sl, "steps_short": ss,
             "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl}
 
@@ -398,43 +407,6 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def coresident(arms, cfg: dict, model_dir: str, rows: dict, args, deadline: float, write) -> None:
-    """Every arm's engine on the GPU at once (each with ``--gpu-memory-utilization`` of it), then per batch size
-    the reps interleaved: rep i of every arm (order rotated each rep) before rep i+1 of any."""
-    engines = []
-    try:
-        for k, method in arms:
-            if time.time() > deadline:
-                log(f"budget: not building k={k} {method}")
-                continue
-            llm, row = build_arm(model_dir, k, method, rows, args, "coresident")
-            engines.append((k, method, llm, row))
-            write()
-        for k, method, llm, row in engines:
-            redraw_routing(llm, row, cfg, args)
-        for n in args.batches:
-            runs = [step_timer(llm, k, n, cfg["vocab_size"], args) for k, _, llm, _ in engines]
-            for run in runs:
-                run(args.short)  # warm-up
-            reps = [[] for _ in engines]
-            for i in range(args.reps):
-                order = list(range(len(engines)))
-                order = order[i % len(order):] + order[:i % len(order)]
-                for j in order:
-                    reps[j].append(dict(one_rep(runs[j], n, args), rep=i, slot=order.index(j)))
-                    log(f"  N={n} rep {i} {arm_key(engines[j][0], engines[j][1])}: {reps[j][-1]['ms_per_step']:.2f} ms/step")
-                for (k, method, _, row), rr in zip(engines, reps):
-                    row["steps"][str(n)] = dict(rep_summary(rr), interleaved_with=[arm_key(a, b) for a, b, _, _ in engines])
-                write()
-    except Exception as e:  # keep what was measured; say what failed
-        rows["coresident_error"] = f"{type(e).__name__}: {e}"
-        log(f"  FAILED: {rows['coresident_error']}")
-    finally:
-        for _, _, llm, _ in engines:
-            shutdown(llm)
-        write()
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="nano30b,super_slice")
@@ -445,10 +417,6 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--draft-methods", default="greedy",
                     help="vLLM draft_sample_method per engine with k > 0: greedy, probabilistic (comma list)")
-    ap.add_argument("--coresident", action="store_true",
-                    help="build every engine of a shape first and keep them all on the GPU, then time the arms "
-                         "interleaved (rep 1 of every arm, rep 2 of every arm, ...); --gpu-memory-utilization is "
-                         "then each engine's share")
     ap.add_argument("--max-batched-tokens", type=int, default=8192, help="max_num_batched_tokens floor")
     ap.add_argument("--super-moe-layers", type=int, default=14, help="Mamba+MoE pairs of the Super slice")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.88)
@@ -526,9 +494,6 @@ def main(argv=None) -> int:
         log(f"{shape_name}: {p['target'] / 1e9:.2f} B params ({p['target_active'] / 1e9:.2f} B active), MTP "
             f"{p['mtp'] / 1e9:.2f} B, layers {p['layers']}")
         arms = [(k, m) for k in args.ks for m in (args.draft_methods if k else ["greedy"])]
-        if args.coresident:
-            coresident(arms, cfg, model_dir, rows, args, deadline, write)
-            continue
         for k, method in arms:
             if time.time() + last_build * 1.3 > deadline:
                 log(f"budget: skipping {shape_name} k={k} {method}")
