@@ -185,6 +185,10 @@ def mamba_split_conv1d_scan_combined_ref(
     dstate = (zxbcdt.shape[-1] - 2 * dim - nheads) // ngroups // 2
     z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     seq_idx = check_seq_idx(seq_idx, bsz, seqlen)
+    if seq_idx is not None:
+        from verl_mtp_plugin.cpu.events import record_packed
+
+        record_packed("packed_mamba", int(seq_idx.max()) - int(seq_idx.min()) + 1, seqlen)
     xBC = F.silu(causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, seq_idx=seq_idx))
     x, Bm, Cm = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(bsz, seqlen, nheads, headdim).float()

@@ -15,13 +15,16 @@ TEDotProductAttention instead."``). :class:`ThdDotProductAttentionRef` is megatr
 Every sequence runs through megatron's own ``DotProductAttention.forward`` (one ``[n, 1, heads, dim]`` batch, an
 explicit causal mask), so a packed batch computes exactly what the same sequences compute unpacked. Unpacked
 input goes to ``DotProductAttention.forward`` unchanged. Used by the CPU hybrid spec
-(:func:`verl_mtp_plugin.cpu.tiny._local_hybrid_stack_spec`).
+(:func:`verl_mtp_plugin.cpu.tiny._local_hybrid_stack_spec`). A harness event ``packed_attention`` (sequences, rows)
+records a packed forward in a run's events file whenever a process sees more sequences in one pack than before.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from verl_mtp_plugin.cpu.events import record_packed
 
 __all__ = ["ThdDotProductAttentionRef"]
 
@@ -46,6 +49,7 @@ class ThdDotProductAttentionRef(DotProductAttention):
         t = query.shape[0]
         if starts[-1] > t:
             raise ValueError(f"cu_seqlens end at {starts[-1]} but the packed tensor has {t} rows")
+        record_packed("packed_attention", sum(1 for n in lengths if n > 0), t)
         out = query.new_zeros(t, 1, query.shape[1] * query.shape[2])
         for start, n in zip(starts[:-1], lengths):
             if n <= 0:
