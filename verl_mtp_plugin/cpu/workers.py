@@ -49,8 +49,14 @@ __all__ = ["STANDINS", "install_trainer_worker_standins", "installed"]
 STANDINS: dict[str, str] = {
     "cpu_current_device": "megatron-core allocates on torch.cuda.current_device() (e.g. optimizer/distrib_optimizer.py:998)",
     "te_import_placeholder": "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine unconditionally",
-    "mamba_reference": "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels",
-    "te_free_default_hybrid_spec": "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec",
+    "mamba_reference": (
+        "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels (packed batches: "
+        "mamba_mixer.py:746-750 checks their versions)"
+    ),
+    "te_free_default_hybrid_spec": (
+        "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec (packed attention: "
+        "megatron/core/transformer/dot_product_attention.py:153 refuses THD without TE)"
+    ),
     "inference_rng_tracker": (
         "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker; "
         "verl/utils/checkpoint/megatron_checkpoint_manager.py:843-844 refuses to resume from empty tracker states"
