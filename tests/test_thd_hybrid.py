@@ -17,6 +17,8 @@ GPU kernels, with ``seq_idx`` as mamba_ssm / causal_conv1d take it) and
 The same comparison through verl's whole pass (``forward_step``, verl's ppo_loss, DDP) is in ``test_verl_engine.py``.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,7 +224,9 @@ def test_thd_attention_reference_matches_megatron_attention_per_sequence(megatro
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from verl_mtp_plugin.cpu.attention import ThdDotProductAttentionRef
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from verl_mtp_plugin.cpu.attention import ThdDotProductAttentionRef, packed_attention
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     config = build_tiny_hybrid(pattern="*").config
@@ -239,6 +243,9 @@ def test_thd_attention_reference_matches_megatron_attention_per_sequence(megatro
                           cu_seqlens_kv_padded=cu_pad)
     out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
     assert out.shape == (T, heads * d)
+    # what the trainer workers' stand-in runs on megatron's plain DotProductAttention (Bridge's attention_backend=local)
+    plain = packed_attention(partial(DotProductAttention.forward, attn), q, k, v, AttnMaskType.causal, psp)
+    assert torch.equal(plain, out)
     for start, n, end in zip(cu_pad[:-1].tolist(), lengths, cu_pad[1:].tolist()):
         mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
         want = attn(q[start : start + n, None], k[start : start + n, None], v[start : start + n, None], mask,
