@@ -25,7 +25,9 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
   wrongly wired drafter and the guard must stop the trainer.
 * ``frozen_resumed``: grpo_frozen continues the demo's frozen run for step N+1: the resumed rollout
   server loads the drafter once too.
-* ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss.
+* ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss. Its
+  actor and reference engines pack the batches (THD, ``use_remove_padding=true`` with verl's ``pad_to_length``
+  bucket; the other runs use padded BSHD batches).
 * ``ppo_frozen`` / ``ppo_online``: the PPO recipes (critic), 2 steps.
 """
 
@@ -272,6 +274,19 @@ def test_joint_mtp_loss_reaches_the_trunk(joint, assets):
     assert _changed(trunk0, trunk1)  # (online with the same reward: trunk gradient exactly 0, see above)
     assert set(_matrices(mtp0)) <= set(_changed(mtp0, mtp1))
     _assert_rollout_speculation(joint)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_joint_run_trains_on_packed_sequences(joint):
+    """The joint run's trainer workers ran packed forwards (several samples per pack) through Mamba with a
+    per-sample seq_idx and through the packed attention (events from the CPU stand-ins, see cpu/events.py)."""
+    from trainer_runs import PACKED
+
+    assert all(o in joint.cmd for o in PACKED)
+    packed = {kind: [e for e in joint.events if e["event"] == kind] for kind in ("packed_mamba", "packed_attention")}
+    for kind, events in packed.items():
+        assert events and max(e["sequences"] for e in events) >= 2, (kind, events)
+        assert all(e["rows"] % 64 == 0 for e in events), events  # verl's pad_to_length bucket
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ megatron's ``forward_backward_no_pipelining``, which allocates its token counter
 ``forward_backward_no_pipelining``) with the engine's real ``forward_step``, verl's real
 ``postprocess_micro_batch_func`` and verl's real ``ppo_loss``, inside the engine's
 ``mtp_pass`` / ``add_mtp_metrics`` (exactly what the engine's ``forward_backward_batch`` wraps around
-verl's). Batches are verl's ``left_right_2_no_padding`` layout. The Nemotron-shaped model
-("M*-E/*E") runs padded (BSHD): megatron's local attention and the CPU Mamba reference cannot take
-packed (THD) sequences. The packed path is run end to end on an attention- and Mamba-free tiny
-HybridModel ("-E/-E": MLP + MoE, MTP "-E") and must match the padded path exactly.
+verl's). Batches are verl's ``left_right_2_no_padding`` layout. Packed (THD) passes
+(``use_remove_padding=true``, ``pad_to_length=true`` with a bucket) run on the Nemotron-shaped model ("M*-E/*E":
+Mamba, attention, MoE, MTP "*E") with the CPU runtime's THD attention and Mamba ``seq_idx`` stand-ins and must match
+the padded (BSHD) pass; ``test_thd_hybrid.py`` compares a packed micro-batch with each sample alone.
 """
 
 import contextlib
@@ -77,6 +77,10 @@ def ppo_loss_fn():
     return partial(ppo_loss, config=omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
 
 
+#: verl's pad_to_length_bucket for the packed passes: the two micro-batches (23 and 16 tokens) pack to 32 and 16 rows
+BUCKET = 16
+
+
 def new_engine(hf_dir, *, enable=True, enable_train=True, detach=True, forward_only=False, packed=False, objective=None):
     from verl.workers.config import MtpConfig
 
@@ -97,7 +101,8 @@ def _new_engine(hf_dir, mtp, *, forward_only, packed):
     from verl.workers.engine import EngineRegistry
 
     model_config = HFModelConfig(path=hf_dir, load_tokenizer=False, mtp=mtp)
-    engine_config = McoreEngineConfig(use_remove_padding=packed, use_dynamic_bsz=False, forward_only=forward_only)
+    engine_config = McoreEngineConfig(use_remove_padding=packed, use_dynamic_bsz=False, forward_only=forward_only,
+                                      pad_to_length=packed, pad_to_length_bucket=BUCKET)
     return EngineRegistry.new(
         model_type=MODEL_TYPE,
         backend="megatron",
@@ -471,7 +476,7 @@ def test_packed_thd_objective_matches_the_padded_pass(megatron_env, registered, 
     gives the padded pass's objective value and gradients."""
     results = {}
     for packed in (False, True):
-        ddp = tiny_ddp(seed=11, detach=True, pattern="-E/-E")
+        ddp = tiny_ddp(seed=11, detach=True)
         engine = attach(new_engine(hf_dir, packed=packed, objective="soft_ce"), ddp)
         output, _, _ = run_pass(engine, ppo_loss_fn, forward_only=False)
         results[packed] = (output["metrics"], grads(ddp))
@@ -553,12 +558,12 @@ def test_forward_step_needs_a_pass(megatron_env, registered, hf_dir):
 
 
 def test_packed_thd_pass_matches_the_padded_pass(megatron_env, registered, hf_dir, ppo_loss_fn):
-    """use_remove_padding=true (verl's THD packing, the plugin's packed MTP mask, megatron's packed
-    roll, verl's THD label roll and unpacking) gives the padded pass's log-probs, MTP loss, MTP targets
-    and gradients. Model without attention/Mamba (see module docstring)."""
+    """use_remove_padding=true with pad_to_length (verl's THD packing and bucket padding, the plugin's packed MTP
+    mask and Mamba seq_idx, megatron's packed roll, verl's THD label roll and unpacking) gives the padded pass's
+    log-probs, MTP loss, MTP targets, acceptance estimate and gradients on the Nemotron-shaped model."""
     results = {}
     for packed in (False, True):
-        ddp = tiny_ddp(seed=11, detach=True, pattern="-E/-E")
+        ddp = tiny_ddp(seed=11, detach=True)
         engine = attach(new_engine(hf_dir, packed=packed), ddp)
         output, before, phase = run_pass(engine, ppo_loss_fn, forward_only=False)
         assert phase is Phase.TRAIN
@@ -567,6 +572,8 @@ def test_packed_thd_pass_matches_the_padded_pass(megatron_env, registered, hf_di
     (pad_out, pad_tr, pad_g, pad_lp), (thd_out, thd_tr, thd_g, thd_lp) = results[False], results[True]
     assert int(thd_tr["total_values"].sum()) == int(pad_tr["total_values"].sum()) == N_RESPONSE_TARGETS
     assert thd_out["metrics"]["mtp_losses/mtp_1_loss"][0] == pytest.approx(pad_out["metrics"]["mtp_losses/mtp_1_loss"][0])
+    for key in ("mtp_expected_accept_rate", "mtp_argmax_draft_accept_rate", "mtp_expected_accept_length_k3"):
+        assert thd_out["metrics"][key][0] == pytest.approx(pad_out["metrics"][key][0], rel=1e-5), key
     # every position but each sequence's last, whose rolled label wraps differently in verl's packed and
     # padded label roll (it scores no token: verl's no_padding_2_padding drops it)
     for a, b in zip(thd_lp["model_output"]["log_probs"].unbind(), pad_lp["model_output"]["log_probs"].unbind()):

@@ -15,7 +15,7 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 * ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
 * ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
 * ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
-* ``joint``, ``ppo_frozen``, ``ppo_online``: the other recipes, 2 steps each.
+* ``joint``, ``ppo_frozen``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences).
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
 
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
 GUARD_FAIL = ("verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1")
+#: packed (THD) sequences with verl's bucket padding in the actor and reference engines (the harness's default is
+#: padded BSHD); the joint run trains with them
+PACKED = (
+    "actor_rollout_ref.model.use_remove_padding=true",
+    "actor_rollout_ref.actor.megatron.pad_to_length=true",
+    "actor_rollout_ref.actor.megatron.pad_to_length_bucket=64",
+)
 #: the seed the demo runs with by default (the demo run passes none)
 DEMO_SEED = 0
 #: the resumed online run trains the MTP block with a non-default objective (the demo's run used hard_ce)
@@ -143,8 +150,8 @@ def _frozen_resumed(root, deps):
 
 
 def _joint(root, deps):
-    return _run("grpo_joint", root / "joint", deps["assets"], steps=2, reward="zero_score", extra_overrides=[NO_KL],
-                check=True)
+    return _run("grpo_joint", root / "joint", deps["assets"], steps=2, reward="zero_score",
+                extra_overrides=[NO_KL, *PACKED], check=True)
 
 
 def _ppo(recipe):

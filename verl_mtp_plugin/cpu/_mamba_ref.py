@@ -4,6 +4,18 @@ Substitutions allowed by the project's standards (a GPU kernel): the fused
 ``mamba_split_conv1d_scan_combined`` training kernel and mamba_ssm's gated RMSNorm. Both are the
 same math written as plain torch, run step by step (a sequential selective scan), so they are
 slow but obviously correct. Used only by :mod:`verl_mtp_plugin.cpu.tiny` on machines without CUDA.
+
+Packed sequences (``seq_idx``), as the GPU kernels take them (megatron passes
+``PackedSeqParams.seq_idx`` ``[1, T]`` to the fused kernel, ``ssm/mamba_mixer.py`` ``_ssm_training``):
+
+* the causal conv1d adds a tap only from a position of the same sequence, and a position whose
+  ``seq_idx`` is negative outputs 0 (causal-conv1d ``csrc/causal_conv1d_fwd.cu``, v1.5.3.post1 l.321-330:
+  ``seq_idx_thread[i + w] == seq_idx_cur ? weight * x : 0``);
+* the scan starts from a zero state wherever ``seq_idx`` changes (mamba_ssm ``ops/triton/ssd_state_passing.py``,
+  v2.3.0 l.78: ``scale = tl.where(seq_idx_new == seq_idx, scale, 0.0)``, and the same masking inside a chunk in
+  ``ssd_bmm.py`` / ``ssd_chunk_scan.py``);
+* ``seq_idx`` must be ``[batch, seqlen]`` (mamba_ssm ``ops/triton/ssd_combined.py`` v2.3.0 l.357:
+  ``assert seq_idx.shape == (batch, seqlen)``): a shorter or longer index fails here as it does on a GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +24,47 @@ import torch
 import torch.nn.functional as F
 
 
-def selective_scan_sequential(x, dt, A, B, C, initial_state=None, return_final_state=False):
+def check_seq_idx(seq_idx, batch: int, seqlen: int):
+    """``seq_idx`` as the kernels take it: ``[batch, seqlen]`` integers, non-decreasing along the sequence
+    (each packed sequence one contiguous run), or None."""
+    if seq_idx is None:
+        return None
+    if tuple(seq_idx.shape) != (batch, seqlen):
+        raise ValueError(
+            f"seq_idx shape {tuple(seq_idx.shape)} != (batch, seqlen) = {(batch, seqlen)} "
+            "(mamba_ssm ssd_combined.py asserts the same)"
+        )
+    if seqlen > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        raise ValueError("seq_idx must be non-decreasing: each packed sequence one contiguous run")
+    return seq_idx
+
+
+def causal_conv1d_ref(x, weight, bias=None, seq_idx=None):
+    """Depthwise causal conv1d: ``x [b, l, d]``, ``weight [d, w]`` -> ``[b, l, d]`` (no activation).
+
+    With ``seq_idx [b, l]``: a tap reads only positions of the output position's sequence; positions whose
+    ``seq_idx`` is negative output 0 (causal_conv1d's kernel semantics, see the module docstring).
+    """
+    b, l, d = x.shape
+    width = weight.shape[-1]
+    if seq_idx is None:
+        out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=d)[..., :l]
+        return out.transpose(1, 2)
+    out = x.new_zeros(b, l, d) if bias is None else bias.to(x.dtype).expand(b, l, d).clone()
+    for w in range(width):
+        shift = width - 1 - w  # tap w reads position t - shift
+        if shift >= l:
+            continue
+        src = x[:, : l - shift]  # positions t - shift for t = shift..l-1
+        same = (seq_idx[:, shift:] == seq_idx[:, : l - shift]).unsqueeze(-1)  # [b, l - shift, 1]
+        tap = torch.zeros_like(out)
+        tap[:, shift:] = torch.where(same, src * weight[:, w], torch.zeros_like(src))
+        out = out + tap
+    return torch.where((seq_idx < 0).unsqueeze(-1), torch.zeros_like(out), out)
+
+
+def selective_scan_sequential(x, dt, A, B, C, initial_state=None, return_final_state=False, seq_idx=None,
+                              return_states=False):
     """Mamba-2 SSD recurrence, one step at a time.
 
     Args:
@@ -21,34 +73,56 @@ def selective_scan_sequential(x, dt, A, B, C, initial_state=None, return_final_s
         A (Tensor): ``[h]`` (negative) decay rates.
         B (Tensor): ``[b, l, g, n]`` input projections.
         C (Tensor): ``[b, l, g, n]`` output projections.
+        seq_idx (Tensor | None): ``[b, l]`` packed-sequence index: the state restarts from zero wherever
+            it changes (so no state crosses from one packed sequence into the next).
+        return_states (bool): also return every step's state ``[b, l, h, p, n]``.
 
     Returns:
         Tensor: ``[b, l, h, p]`` with ``state_t = exp(dt A) state_{t-1} + dt B_t x_t`` and
-        ``y_t = C_t . state_t``.
+        ``y_t = C_t . state_t`` (plus the final state / all states when asked).
     """
     b, l, h, p = x.shape
     g = B.shape[2]
+    seq_idx = check_seq_idx(seq_idx, b, l)
+    if seq_idx is not None and initial_state is not None:
+        raise NotImplementedError("reference Mamba scan: initial states with packed sequences (seq_idx)")
     B = B.repeat_interleave(h // g, dim=2)  # [b, l, h, n]
     C = C.repeat_interleave(h // g, dim=2)
     state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.float()  # [b, h, p, n]
-    ys = []
+    ys, states = [], []
     for t in range(l):
+        if seq_idx is not None and t > 0:
+            keep = (seq_idx[:, t] == seq_idx[:, t - 1]).to(state.dtype)  # [b]: 0 where a new sequence starts
+            state = state * keep[:, None, None, None]
         decay = torch.exp(dt[:, t] * A.view(1, h))  # [b, h]
         inp = (dt[:, t, :, None, None] * x[:, t, :, :, None]) * B[:, t, :, None, :]  # [b, h, p, n]
         state = decay[:, :, None, None] * state + inp
         ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+        if return_states:
+            states.append(state)
     y = torch.stack(ys, dim=1)
-    return (y, state) if return_final_state else y
+    out = (y, state) if return_final_state else (y,)
+    if return_states:
+        out = (*out, torch.stack(states, dim=1))
+    return out if len(out) > 1 else out[0]
 
 
 def mamba_chunk_scan_combined_ref(
     x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-    cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **_unused,
+    cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+    return_varlen_states=False, **_unused,
 ):
     """Same math as mamba_ssm's ``mamba_chunk_scan_combined`` (the non-fused path megatron takes in
-    inference mode): ``x [b, l, h, p]``, ``dt [b, l, h]``, ``B, C [b, l, g, n]`` -> ``y [b, l, h, p]``."""
-    if seq_idx is not None or cu_seqlens is not None:
-        raise NotImplementedError("reference Mamba scan: no packed sequences")
+    inference mode): ``x [b, l, h, p]``, ``dt [b, l, h]``, ``B, C [b, l, g, n]`` -> ``y [b, l, h, p]``.
+
+    ``seq_idx [b, l]`` restarts the state at every packed sequence; ``cu_seqlens`` is read only with
+    ``return_varlen_states`` (as in mamba_ssm): the state at each sequence's last token, ``[n_seq, h, p, n]``
+    (batch 1). Returns ``y``, ``(y, final)``, ``(y, varlen)`` or ``(y, final, varlen)`` like mamba_ssm."""
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens must be provided if return_varlen_states is True")
+        if x.shape[0] != 1:
+            raise ValueError("varlen states need batch 1 (as in mamba_ssm)")
     dtype = x.dtype
     dt = dt.float()
     if dt_bias is not None:
@@ -57,8 +131,9 @@ def mamba_chunk_scan_combined_ref(
         dt = F.softplus(dt)
     if tuple(dt_limit) != (0.0, float("inf")):
         dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    y, last = selective_scan_sequential(
-        x.float(), dt, A.float(), B.float(), C.float(), initial_state=initial_states, return_final_state=True
+    y, last, *all_states = selective_scan_sequential(
+        x.float(), dt, A.float(), B.float(), C.float(), initial_state=initial_states, return_final_state=True,
+        seq_idx=seq_idx, return_states=return_varlen_states,
     )
     if D is not None:
         Df = D.float()
@@ -66,7 +141,11 @@ def mamba_chunk_scan_combined_ref(
     if z is not None:
         y = y * F.silu(z.float())
     y = y.to(dtype)
-    return (y, last) if return_final_states else y
+    out = (y, last) if return_final_states else (y,)
+    if return_varlen_states:
+        ends = cu_seqlens[1:].to(torch.long) - 1
+        out = (*out, all_states[0][0, ends])
+    return out if len(out) > 1 else out[0]
 
 
 def mamba_split_conv1d_scan_combined_ref(
@@ -92,9 +171,10 @@ def mamba_split_conv1d_scan_combined_ref(
     **_unused,
 ):
     """Same signature and math as mamba_ssm's fused kernel, for the subset megatron uses in training
-    (no fused norm/out-projection, no packed ``seq_idx``, no initial states)."""
-    if initial_states is not None or seq_idx is not None or return_final_states:
-        raise NotImplementedError("reference Mamba scan: no initial states, seq_idx or final states")
+    (no fused norm/out-projection, no initial states, no final states); packed sequences through
+    ``seq_idx [b, l]`` (conv and scan restart at every sequence, see the module docstring)."""
+    if initial_states is not None or return_final_states:
+        raise NotImplementedError("reference Mamba scan: no initial states or final states")
     if rmsnorm_weight is not None or outproj_weight is not None:
         raise NotImplementedError("reference Mamba scan: no fused rmsnorm / out projection")
     nheads = D.shape[0]
@@ -104,11 +184,12 @@ def mamba_split_conv1d_scan_combined_ref(
     bsz, seqlen, _ = zxbcdt.shape
     dstate = (zxbcdt.shape[-1] - 2 * dim - nheads) // ngroups // 2
     z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    width = conv1d_weight.shape[-1]
-    xBC = F.conv1d(
-        xBC.transpose(1, 2), conv1d_weight.unsqueeze(1), conv1d_bias, padding=width - 1, groups=xBC.shape[-1]
-    )[..., :seqlen].transpose(1, 2)
-    xBC = F.silu(xBC)
+    seq_idx = check_seq_idx(seq_idx, bsz, seqlen)
+    if seq_idx is not None:
+        from verl_mtp_plugin.cpu.events import record_packed
+
+        record_packed("packed_mamba", int(seq_idx.max()) - int(seq_idx.min()) + 1, seqlen)
+    xBC = F.silu(causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, seq_idx=seq_idx))
     x, Bm, Cm = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(bsz, seqlen, nheads, headdim).float()
     Bm = Bm.reshape(bsz, seqlen, ngroups, dstate).float()
@@ -116,7 +197,7 @@ def mamba_split_conv1d_scan_combined_ref(
     dt = F.softplus(dt.float() + dt_bias.float())
     if tuple(dt_limit) != (0.0, float("inf")):
         dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    y = selective_scan_sequential(x, dt, A.float(), Bm, Cm)
+    y = selective_scan_sequential(x, dt, A.float(), Bm, Cm, seq_idx=seq_idx)
     Df = D.float()
     y = y + x * (Df.view(1, 1, nheads, -1) if Df.dim() == 2 else Df.view(1, 1, nheads, 1))
     y = y.reshape(bsz, seqlen, dim) * F.silu(z.float())

