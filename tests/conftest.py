@@ -74,13 +74,17 @@ def pytest_collection_modifyitems(session, config, items):
     reading = [it for it in items if _runs_needed(it)]
     rest = [it for it in items if not _runs_needed(it)]
     items[:] = rest + reading
-    config._verl_mtp_runs = sorted(set().union(*(_runs_needed(it) for it in reading))) if reading else []
+
+
+def _runs_of(items) -> list[str]:
+    return sorted(set().union(*(_runs_needed(it) for it in items)))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def trainer_runs(request, tmp_path_factory):
-    """The background runs (:class:`trainer_runs.Runs`), started before the session's first test."""
-    names = getattr(request.config, "_verl_mtp_runs", [])
+    """The background runs (:class:`trainer_runs.Runs`), started before the session's first test: those the tests
+    left after selection (``-k``, ``-m``, node ids) read."""
+    names = _runs_of(request.session.items)
     if not names:
         yield None
         return
