@@ -41,6 +41,11 @@ RESUMED_OBJECTIVE = "tv"
 DEMO_TIMEOUT_S = 2400
 #: wall-clock limit of one 2-step run of verl's trainer while others share the cores; past it, a hang
 RUN_TIMEOUT_S = 1500
+#: steps of the 2-rank online run; its weight update N+1 (after the last step) fails on vLLM rank 1
+TP2_STEPS = 3
+TP2_FAIL_UPDATE = TP2_STEPS + 1
+#: slots a 2-rank run takes (see :func:`slots`)
+TP2_SLOTS = 2
 #: memory kept for the foreground tests (the pytest process, its in-process vLLM engines and Megatron models)
 FOREGROUND_GIB = 5.0
 
@@ -112,6 +117,13 @@ def _assets(root: pathlib.Path, deps):
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
+def _assets_tp2(root: pathlib.Path, deps):
+    """The demo's checkpoint built with 2 Mamba groups (megatron splits them over TP ranks): same names."""
+    from verl_mtp_plugin.cpu.harness import ensure_assets
+
+    return ensure_assets(root / "assets_tp2", base_env=ENV, mamba_num_groups=2)
+
+
 def _run(recipe, workdir, assets, **kwargs):
     from verl_mtp_plugin.cpu import run_recipe
 
@@ -147,11 +159,22 @@ def _joint(root, deps):
                 check=True)
 
 
-def _ppo(recipe):
+def _ppo(recipe, tp=1):
     def run(root, deps):
-        return _run(recipe, root / recipe, deps["assets"], steps=2, check=True)
+        if tp == 1:
+            return _run(recipe, root / recipe, deps["assets"], steps=2, check=True)
+        return _run(recipe, root / recipe, deps["assets_tp2"], steps=2, check=True, tp=tp, drafter_dump=True)
 
     return run
+
+
+def _online_tp2(root, deps):
+    """grpo_online on 2 ranks (Megatron TP=2 + SP, vLLM TP=2), zero advantages and no KL loss (the MTP loss is the
+    only loss with a gradient), a checkpoint every step, every rank's drafter written after each update; the
+    drafter load fails on vLLM rank 1 only at the update after the last step (:data:`TP2_FAIL_UPDATE`)."""
+    return _run("grpo_online", root / "online_tp2", deps["assets_tp2"], steps=TP2_STEPS, reward="zero_score",
+                break_sync=f"truncate-eh-rank1@{TP2_FAIL_UPDATE}", tp=2, drafter_dump=True,
+                extra_overrides=[NO_KL, "trainer.save_freq=1"])
 
 
 #: name -> (function(root, deps), dependencies, slots it takes); in priority order (the longest chain first)
@@ -162,7 +185,9 @@ RUNS = {
     "frozen_resumed": (_frozen_resumed, ("demo", "assets"), 1),
     "joint": (_joint, ("assets",), 1),
     "ppo_online": (_ppo("ppo_online"), ("assets",), 1),
-    "ppo_frozen": (_ppo("ppo_frozen"), ("assets",), 1),
+    "assets_tp2": (_assets_tp2, (), 1),
+    "online_tp2": (_online_tp2, ("assets_tp2",), TP2_SLOTS),
+    "ppo_frozen": (_ppo("ppo_frozen", tp=2), ("assets_tp2",), TP2_SLOTS),
 }
 
 #: the demo processes in flight (stopped at the session's end)
