@@ -15,7 +15,10 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 * ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
 * ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
 * ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
-* ``joint``, ``ppo_frozen``, ``ppo_online``: the other recipes, 2 steps each.
+* ``joint``, ``ppo_online``: the other recipes, 2 steps each;
+* ``assets_tp2``: the same checkpoint built with 2 Mamba groups (megatron splits them over TP ranks);
+* ``online_tp2`` (grpo_online, 3 steps) and ``ppo_frozen`` (2 steps): on 2 ranks, Megatron TP=2 + SP and vLLM TP=2
+  (``tests/test_main_ppo_tp2.py``); each takes :data:`TP2_SLOTS` slots (its measured memory, see there).
 """
 
 from __future__ import annotations
@@ -44,8 +47,18 @@ RUN_TIMEOUT_S = 1500
 #: steps of the 2-rank online run; its weight update N+1 (after the last step) fails on vLLM rank 1
 TP2_STEPS = 3
 TP2_FAIL_UPDATE = TP2_STEPS + 1
+def _tp2_slots() -> int:
+    """Slots a 2-rank run takes: its measured memory in units of a 1-rank run's (2 on the 8 GiB budget: like the
+    demo, it runs beside no other run of verl's trainer on a 24 GiB machine)."""
+    import math
+
+    from verl_mtp_plugin.cpu.harness import RUN_MEMORY_GIB, RUN_MEMORY_GIB_TP2
+
+    return math.ceil(RUN_MEMORY_GIB_TP2 / RUN_MEMORY_GIB)
+
+
 #: slots a 2-rank run takes (see :func:`slots`)
-TP2_SLOTS = 2
+TP2_SLOTS = _tp2_slots()
 #: memory kept for the foreground tests (the pytest process, its in-process vLLM engines and Megatron models)
 FOREGROUND_GIB = 5.0
 
@@ -215,9 +228,9 @@ class Runs:
         self.root = pathlib.Path(root)
         self.names = closure(names)
         self.slots = slots() if n_slots is None else n_slots
-        if self.slots < 2:
-            fn, deps, _ = RUNS["demo"]
-            RUNS["demo"] = (fn, deps, 1)
+        for name, (fn, deps, cost) in list(RUNS.items()):
+            if cost > self.slots:  # one slot: the demo's modes one after the other, a 2-rank run on its own
+                RUNS[name] = (fn, deps, self.slots)
         self.done: dict[str, tuple[bool, object]] = {}
         self.started: dict[str, float] = {}
         self.cv = threading.Condition()

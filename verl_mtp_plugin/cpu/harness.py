@@ -45,6 +45,9 @@ KV_CACHE_BYTES = 64 << 20
 #: resident memory of one run of verl's trainer on CPU (PSS of its Ray session, measured: 7-9 GiB with a 1 GiB
 #: KV cache; about 1 GiB less at :data:`KV_CACHE_BYTES`): what :func:`runs_side_by_side` budgets per run
 RUN_MEMORY_GIB = 8.0
+#: resident memory of a 2-rank run (``tp=2``: two Megatron workers, vLLM's two workers over gloo; PSS of its Ray
+#: session, measured: peak 10.0 GiB for grpo_online, 3 steps, 64 MiB KV cache per vLLM rank, on its own)
+RUN_MEMORY_GIB_TP2 = 10.5
 
 class RecipeRunError(RuntimeError):
     """A harness run failed; the message ends with the tail of its log."""
