@@ -19,7 +19,7 @@ import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: absolute tolerance on every estimated rate (fp32 rounding of a forward summed in another order)
-TOL = 1e-5
+TOL = 1e-6
 
 _SCRIPT = textwrap.dedent(
     """
@@ -94,7 +94,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_probe_estimate_under_tp2_sequence_parallel_and_ep2_equals_tp1(tmp_path):
-    """TP=2 + SP (ETP=2) and TP=2 + SP + EP=2 (ETP=1), MoE MTP block: the estimate equals TP=1's (|diff| <= TOL)
+    """TP=2 + SP (ETP=2) and TP=2 + SP + EP=2 (ETP=1), MoE MTP block: the estimate equals TP=1's (|diff| <= TOL; measured 0)
     from the vocabulary-sharded logits and from the captured hidden states, on the same positions."""
     from verl_mtp_plugin.testing import rendezvous
 
