@@ -76,7 +76,8 @@ _SCRIPT = textwrap.dedent(
             C.load_shards(model, reference, num_experts=4)
             got, got_hidden, m = estimate(model, batch)
             diff = max(abs(x - y) for x, y in zip(got + got_hidden, want + want))
-            lines.append(f"{tag}: {got} (from hidden states {got_hidden}) over {m} positions; max |diff| vs TP=1 {diff:.2e}")
+            lines.append(f"{tag}: {got} (from hidden states {got_hidden}) over {m} positions; "
+                         f"max |diff| vs TP=1 {diff:.2e}")
             assert m == n and diff <= float(os.environ["TOL"]), lines[-1]
             both = [None, None]
             dist.all_gather_object(both, got)
@@ -94,7 +95,8 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_probe_estimate_under_tp2_sequence_parallel_and_ep2_equals_tp1(tmp_path):
-    """TP=2 + SP (ETP=2) and TP=2 + SP + EP=2 (ETP=1), MoE MTP block: the estimate equals TP=1's (|diff| <= TOL; measured 0)
+    """TP=2 + SP (ETP=2) and TP=2 + SP + EP=2 (ETP=1), MoE MTP block: the estimate equals TP=1's
+    (|diff| <= TOL; measured 0)
     from the vocabulary-sharded logits and from the captured hidden states, on the same positions."""
     from verl_mtp_plugin.testing import rendezvous
 

@@ -145,7 +145,8 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
         ok = [e for e in evs if e["event"] == "sync"]
         assert [e["update"] for e in ok] == list(range(1, TP2_FAIL_UPDATE + (1 if rank == 0 else 0))), (rank, evs)
         assert all(e["metrics"]["sync/drafter_loaded"] == 1.0 for e in ok), rank
-    bytes_per_rank = {r: [e["metrics"]["sync/bytes_drafter"] for e in evs if e["event"] == "sync"] for r, evs in by_rank.items()}
+    bytes_per_rank = {r: [e["metrics"]["sync/bytes_drafter"] for e in evs if e["event"] == "sync"]
+                      for r, evs in by_rank.items()}
     assert bytes_per_rank[0][:TP2_STEPS] == bytes_per_rank[1][:TP2_STEPS] and bytes_per_rank[0][0] > 0, bytes_per_rank
     dump = online_tp2.workdir / f"{online_tp2.log_path.name.removesuffix('.log')}.drafter"
     compared = 0
