@@ -61,6 +61,8 @@ RUN_FIXTURES = {
     "joint": "joint",
     "ppo_frozen": "ppo_frozen",
     "ppo_online": "ppo_online",
+    "online_tp2": "online_tp2",
+    "assets_tp2": "assets_tp2",
 }
 
 

@@ -28,7 +28,8 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
 * ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss. Its
   actor and reference engines pack the batches (THD, ``use_remove_padding=true`` with verl's ``pad_to_length``
   bucket; the other runs use padded BSHD batches).
-* ``ppo_frozen`` / ``ppo_online``: the PPO recipes (critic), 2 steps.
+* ``ppo_frozen`` / ``ppo_online``: the PPO recipes (critic), 2 steps; ``ppo_frozen`` on 2 ranks (Megatron TP=2 + SP,
+  vLLM TP=2) from the 2-Mamba-group checkpoint (the other 2-rank run is in ``tests/test_main_ppo_tp2.py``).
 """
 
 from __future__ import annotations
@@ -316,17 +317,38 @@ def test_desync_guard_stops_the_trainer_on_a_broken_drafter_sync(online, online_
 # PPO (critic)
 
 
+@pytest.fixture(scope="module")
+def assets_tp2(trainer_runs):
+    """The demo's checkpoint with 2 Mamba groups (TP=2 splits them): the 2-rank runs start from it."""
+    a = trainer_runs.result("assets_tp2")
+    assert a.ready(), f"no assets in {a.root}"
+    return a
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_ppo_frozen(ppo_frozen, assets):
+def test_ppo_frozen_at_tp2(ppo_frozen, assets_tp2):
+    """ppo_frozen on 2 ranks (Megatron TP=2 + SP for actor, reference and critic; vLLM TP=2): the MTP block
+    stays bit-identical and both vLLM ranks load the drafter once."""
+    cmd = " ".join(ppo_frozen.cmd)
+    for want in ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                 "critic.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"):
+        assert want in cmd, want
     assert sorted(ppo_frozen.metrics) == [1, 2]
-    _assert_same_names(ppo_frozen, assets)
-    assert _changed(_split(_loaded(assets))[0], _split(_saved(ppo_frozen))[0]) == []
+    _assert_same_names(ppo_frozen, assets_tp2)
+    mtp0, trunk0 = _split(_loaded(assets_tp2))
+    mtp1, trunk1 = _split(_saved(ppo_frozen))
+    assert _changed(mtp0, mtp1) == []  # bit-identical
+    assert _changed(trunk0, trunk1)  # while the trunk trained
     for m in ppo_frozen.metrics.values():
         assert "critic/vf_loss" in m and m.get("actor/mtp_grad_norm", 0.0) == 0.0
     assert (ppo_frozen.checkpoints[2] / "critic").is_dir()
     _assert_rollout_speculation(ppo_frozen)
-    loads = [s["sync/drafter_loaded"] for s in _syncs(ppo_frozen)]
-    assert loads == [1.0, 0.0, 0.0], loads
+    by_rank = {}
+    for e in ppo_frozen.events:
+        if e["event"] == "sync":
+            by_rank.setdefault(e["rank"], []).append(e["metrics"]["sync/drafter_loaded"])
+    assert by_rank == {0: [1.0, 0.0, 0.0], 1: [1.0, 0.0, 0.0]}, by_rank
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)

@@ -15,7 +15,10 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 * ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
 * ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
 * ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
-* ``joint``, ``ppo_frozen``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences).
+* ``joint``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences);
+* ``assets_tp2``: the same checkpoint built with 2 Mamba groups (megatron splits them over TP ranks);
+* ``online_tp2`` (grpo_online, 3 steps) and ``ppo_frozen`` (2 steps): on 2 ranks, Megatron TP=2 + SP and vLLM TP=2
+  (``tests/test_main_ppo_tp2.py``); each takes :data:`TP2_SLOTS` slots (its measured memory, see there).
 """
 
 from __future__ import annotations
@@ -48,6 +51,21 @@ RESUMED_OBJECTIVE = "tv"
 DEMO_TIMEOUT_S = 2400
 #: wall-clock limit of one 2-step run of verl's trainer while others share the cores; past it, a hang
 RUN_TIMEOUT_S = 1500
+#: steps of the 2-rank online run; its weight update N+1 (after the last step) fails on vLLM rank 1
+TP2_STEPS = 3
+TP2_FAIL_UPDATE = TP2_STEPS + 1
+def _tp2_slots() -> int:
+    """Slots a 2-rank run takes: its measured memory in units of a 1-rank run's (2 on the 8 GiB budget: like the
+    demo, it runs beside no other run of verl's trainer on a 24 GiB machine)."""
+    import math
+
+    from verl_mtp_plugin.cpu.harness import RUN_MEMORY_GIB, RUN_MEMORY_GIB_TP2
+
+    return math.ceil(RUN_MEMORY_GIB_TP2 / RUN_MEMORY_GIB)
+
+
+#: slots a 2-rank run takes (see :func:`slots`)
+TP2_SLOTS = _tp2_slots()
 #: memory kept for the foreground tests (the pytest process, its in-process vLLM engines and Megatron models)
 FOREGROUND_GIB = 5.0
 
@@ -119,6 +137,13 @@ def _assets(root: pathlib.Path, deps):
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
+def _assets_tp2(root: pathlib.Path, deps):
+    """The demo's checkpoint built with 2 Mamba groups (megatron splits them over TP ranks): same names."""
+    from verl_mtp_plugin.cpu.harness import ensure_assets
+
+    return ensure_assets(root / "assets_tp2", base_env=ENV, mamba_num_groups=2)
+
+
 def _run(recipe, workdir, assets, **kwargs):
     from verl_mtp_plugin.cpu import run_recipe
 
@@ -154,11 +179,22 @@ def _joint(root, deps):
                 extra_overrides=[NO_KL, *PACKED], check=True)
 
 
-def _ppo(recipe):
+def _ppo(recipe, tp=1):
     def run(root, deps):
-        return _run(recipe, root / recipe, deps["assets"], steps=2, check=True)
+        if tp == 1:
+            return _run(recipe, root / recipe, deps["assets"], steps=2, check=True)
+        return _run(recipe, root / recipe, deps["assets_tp2"], steps=2, check=True, tp=tp, drafter_dump=True)
 
     return run
+
+
+def _online_tp2(root, deps):
+    """grpo_online on 2 ranks (Megatron TP=2 + SP, vLLM TP=2), zero advantages and no KL loss (the MTP loss is the
+    only loss with a gradient), a checkpoint every step, every rank's drafter written after each update; the
+    drafter load fails on vLLM rank 1 only at the update after the last step (:data:`TP2_FAIL_UPDATE`)."""
+    return _run("grpo_online", root / "online_tp2", deps["assets_tp2"], steps=TP2_STEPS, reward="zero_score",
+                break_sync=f"truncate-eh-rank1@{TP2_FAIL_UPDATE}", tp=2, drafter_dump=True,
+                extra_overrides=[NO_KL, "trainer.save_freq=1"])
 
 
 #: name -> (function(root, deps), dependencies, slots it takes); in priority order (the longest chain first)
@@ -169,7 +205,11 @@ RUNS = {
     "frozen_resumed": (_frozen_resumed, ("demo", "assets"), 1),
     "joint": (_joint, ("assets",), 1),
     "ppo_online": (_ppo("ppo_online"), ("assets",), 1),
-    "ppo_frozen": (_ppo("ppo_frozen"), ("assets",), 1),
+    # a model build (~1 GiB, well under a slot): built beside the demo, once the demo's own assets are done (so that
+    # the demo, first in the longest chain, gets both slots as soon as they are)
+    "assets_tp2": (_assets_tp2, ("assets",), 0),
+    "online_tp2": (_online_tp2, ("assets_tp2",), TP2_SLOTS),
+    "ppo_frozen": (_ppo("ppo_frozen", tp=2), ("assets_tp2",), TP2_SLOTS),
 }
 
 #: the demo processes in flight (stopped at the session's end)
@@ -197,9 +237,9 @@ class Runs:
         self.root = pathlib.Path(root)
         self.names = closure(names)
         self.slots = slots() if n_slots is None else n_slots
-        if self.slots < 2:
-            fn, deps, _ = RUNS["demo"]
-            RUNS["demo"] = (fn, deps, 1)
+        for name, (fn, deps, cost) in list(RUNS.items()):
+            if cost > self.slots:  # one slot: the demo's modes one after the other, a 2-rank run on its own
+                RUNS[name] = (fn, deps, self.slots)
         self.done: dict[str, tuple[bool, object]] = {}
         self.started: dict[str, float] = {}
         self.cv = threading.Condition()

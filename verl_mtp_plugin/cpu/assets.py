@@ -154,10 +154,15 @@ def _warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_
 
 
 def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RULE_STEPS, seed: int = 0,
-                 train_rows: int = 32, val_rows: int = 4) -> Assets:
+                 train_rows: int = 32, val_rows: int = 4, mamba_num_groups: int = 1) -> Assets:
     """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
     this process (:func:`verl_mtp_plugin.cpu.tiny.init_megatron`): run it in a process of its own
-    (``python -m verl_mtp_plugin.cpu assets ROOT``)."""
+    (``python -m verl_mtp_plugin.cpu assets ROOT``).
+
+    ``mamba_num_groups``: the Mamba layers' B/C groups. Megatron splits them over tensor-parallel ranks
+    (``megatron/core/ssm/mamba_mixer.py:268`` asserts ``ngroups % tp_size == 0``), so a run at TP=2 needs
+    assets built with 2 (``--mamba-num-groups 2``); parameter names are the same, the Mamba ``in_proj`` /
+    ``conv1d`` shapes grow by one group."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     assets = Assets(pathlib.Path(root))
     if assets.ready():
@@ -169,7 +174,7 @@ def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RUL
     from verl_mtp_plugin.cpu.vllm_engine import dense_spec, write_model_dir
 
     init_megatron(seed=seed)
-    spec = dense_spec()
+    spec = dense_spec(mamba_num_groups=mamba_num_groups)
     tokenizer = _tokenizer(spec.vocab_size)
     torch.manual_seed(seed)
     model = build_tiny_hybrid(spec, device="cpu")

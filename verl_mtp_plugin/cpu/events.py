@@ -9,14 +9,20 @@ import json
 import os
 import time
 
-__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_EVENTS", "event", "parse_break_sync", "record_packed", "swap_eh"]
+__all__ = ["BREAK_SYNC_CHOICES", "ENV_BREAK_SYNC", "ENV_DRAFTER_DUMP", "ENV_EVENTS", "event", "parse_break_sync",
+           "record_packed", "swap_eh", "truncate_eh"]
 
 ENV_EVENTS = "VERL_CPU_EVENTS"
 ENV_BREAK_SYNC = "VERL_CPU_BREAK_SYNC"
+#: a folder: after every weight update each vLLM rank writes ``rank{R}.update{N}.pt`` there (the MTP tensors
+#: it received and its drafter's tensors as loaded, its shard under tensor parallelism)
+ENV_DRAFTER_DUMP = "VERL_CPU_DRAFTER_DUMP"
 #: ``swap-eh``: the MTP ``eh_proj``'s two input halves trade places in what reaches vLLM (the demo's
 #: ``--break-sync swap-eh``): names, shapes and checksums stay valid, only generation can tell;
-#: ``skip-drafter``: the drafter is never loaded (it keeps its start-up weights) while the target follows
-BREAK_SYNC_CHOICES = ("none", "swap-eh", "skip-drafter")
+#: ``skip-drafter``: the drafter is never loaded (it keeps its start-up weights) while the target follows;
+#: ``truncate-eh-rank1``: on vLLM's tensor-parallel rank 1 only, the MTP ``eh_proj`` weight arrives one input
+#: column short, so that rank's drafter load fails with vLLM's own shape check (a load failure on one rank)
+BREAK_SYNC_CHOICES = ("none", "swap-eh", "skip-drafter", "truncate-eh-rank1")
 
 
 def parse_break_sync(value: str | None) -> tuple[str, int]:
@@ -33,6 +39,14 @@ def parse_break_sync(value: str | None) -> tuple[str, int]:
     if first < 1:
         raise ValueError(f"{ENV_BREAK_SYNC}={text!r}: '@N' needs an integer N >= 1")
     return mode, first
+
+
+def truncate_eh(weights):
+    """``truncate-eh-rank1``: the MTP ``eh_proj`` weight loses its last input column (a wrong shape)."""
+    for name, t in weights:
+        if name.startswith("mtp.") and name.endswith("eh_proj.weight"):
+            t = t[:, :-1]
+        yield name, t
 
 
 def event(kind: str, **fields) -> None:

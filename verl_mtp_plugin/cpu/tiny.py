@@ -187,6 +187,42 @@ def _install_mamba_reference_on_cpu() -> None:
     _MAMBA_REF_INSTALLED = True
 
 
+class _WithoutSequenceParallel:
+    """A megatron config as :class:`SequenceParallelTorchNorm` shows it to ``WrappedTorchNorm``."""
+
+    sequence_parallel = False
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class SequenceParallelTorchNorm:
+    """megatron's ``WrappedTorchNorm`` (a torch ``RMSNorm`` / ``LayerNorm``) that also builds under sequence
+    parallelism, as TE's norm does.
+
+    megatron-core 0.19.2 ``transformer/torch_norm.py:50`` asserts ``not config.sequence_parallel``: its torch
+    norm does not mark its weight, and under sequence parallelism each tensor-parallel rank sees only its part of
+    the sequence, so the norm's weight gradient must be summed over the TP group. TE's norms mark their
+    parameters ``sequence_parallel=True`` and megatron's ``finalize_model_grads`` then all-reduces them over the
+    TP group (``distributed/finalize_model_grads.py``, ``_allreduce_non_tensor_model_parallel_grads``). This
+    builds the same torch module ``WrappedTorchNorm`` builds (same math as without sequence parallelism) and
+    marks its parameters the way TE does. Without sequence parallelism it is ``WrappedTorchNorm`` itself.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        if not getattr(config, "sequence_parallel", False):
+            return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        norm = WrappedTorchNorm(_WithoutSequenceParallel(config), hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", True)
+        return norm
+
+
 def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | None = None):
     """megatron's hybrid stack spec with megatron's own local modules in place of TE ones.
 
@@ -216,7 +252,8 @@ def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | 
         MultiTokenPredictionLayerSubmodules,
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    WrappedTorchNorm = SequenceParallelTorchNorm  # noqa: N806 - megatron's torch norm, also under SP (see there)
     from megatron.core.transformer.transformer_layer import (
         MoETransformerLayer,
         TransformerLayer,

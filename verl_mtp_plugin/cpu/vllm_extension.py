@@ -19,7 +19,13 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
   vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell;
   ``VERL_CPU_BREAK_SYNC=skip-drafter`` never loads the drafter (it keeps its start-up weights);
   ``<mode>@N`` breaks it from the run's N-th weight update on (the earlier ones are healthy), so one
-  run can show a healthy step and then the guard stopping the trainer.
+  run can show a healthy step and then the guard stopping the trainer;
+  ``VERL_CPU_BREAK_SYNC=truncate-eh-rank1@N`` makes the drafter load fail on vLLM's tensor-parallel rank 1 only
+  (the ``eh_proj`` weight one column short: vLLM's own shape check raises there), from the N-th update on;
+* events carry the vLLM worker's tensor-parallel rank; with ``VERL_CPU_DRAFTER_DUMP`` (a folder) every rank
+  writes, after each update, the MTP tensors it received and its drafter's tensors as loaded (read back through
+  vLLM's CPU kernels: its shard under tensor parallelism), so a test can compare each rank's drafter shard
+  with the trainer's export.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 
-from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, event, parse_break_sync, swap_eh
+from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, event, parse_break_sync, swap_eh, truncate_eh
 from verl_mtp_plugin.cpu.vllm_engine import _register_kernel_overrides, install_engine_workarounds
 
 __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
@@ -45,6 +51,16 @@ def _break_sync() -> str:
     """The break in force for the current weight update ("none" before the ``@N``-th)."""
     mode, first = parse_break_sync(os.environ.get(ENV_BREAK_SYNC))
     return mode if _UPDATES >= first else "none"
+
+
+def _tp_rank() -> int:
+    """This vLLM worker's tensor-parallel rank (0 without tensor parallelism)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no parallel state (a worker built without one)
+        return 0
 
 
 def _base():
@@ -69,7 +85,28 @@ class CPUMTPColocateWorkerExtension(_base()):
     def _update_weights(self, weights, peft_config, base_sync_done):
         if _break_sync() == "swap-eh":
             weights = list(swap_eh(weights))
+        elif _break_sync() == "truncate-eh-rank1" and _tp_rank() == 1:
+            weights = list(truncate_eh(weights))
+        if os.environ.get(ENV_DRAFTER_DUMP):
+            weights = list(weights)
+            # copies: the tensors are views of verl's reused transfer buffer
+            self._verl_cpu_received.update((n, t.detach().clone()) for n, t in weights if n.startswith("mtp."))
         return super()._update_weights(weights, peft_config, base_sync_done)
+
+    def _verl_cpu_dump(self) -> None:
+        """The MTP tensors this rank received in this update and its drafter's tensors as loaded (its shard)."""
+        import pathlib
+
+        import torch
+
+        from verl_mtp_plugin.rollout.worker.drafter_sync import drafter_tensors
+
+        folder = pathlib.Path(os.environ[ENV_DRAFTER_DUMP])
+        folder.mkdir(parents=True, exist_ok=True)
+        drafter = self._get_drafter_model()
+        loaded = {n: t.detach().clone() for n, t in drafter_tensors(drafter, self.model_runner.model).items()}
+        torch.save({"rank": _tp_rank(), "update": _UPDATES, "received": self._verl_cpu_received, "drafter": loaded},
+                   folder / f"rank{_tp_rank()}.update{_UPDATES}.pt")
 
     def update_weights_from_ipc(self, *args, **kwargs):
         global _UPDATES
@@ -79,10 +116,14 @@ class CPUMTPColocateWorkerExtension(_base()):
             # the extension's frozen mode with the drafter marked loaded: every update skips it
             self.mtp_configure_sync(mode="frozen")
             self._mtp_drafter_sync().drafter_loaded = True
+        self._verl_cpu_received = {}
         try:
             result = super().update_weights_from_ipc(*args, **kwargs)
         except BaseException as e:
-            event("sync_error", error=f"{type(e).__name__}: {e}")
+            event("sync_error", error=f"{type(e).__name__}: {e}", rank=_tp_rank(), update=_UPDATES)
             raise
-        event("sync", metrics=self.mtp_sync_metrics(), break_sync=_break_sync(), update=_UPDATES)
+        if os.environ.get(ENV_DRAFTER_DUMP):
+            self._verl_cpu_dump()
+        self._verl_cpu_received = {}
+        event("sync", metrics=self.mtp_sync_metrics(), break_sync=_break_sync(), update=_UPDATES, rank=_tp_rank())
         return result

@@ -245,8 +245,29 @@ def _build_extension_class() -> type:
             self._mtp_in_update = True
             try:
                 return self._mtp_update_weights_from_ipc(peft_config, base_sync_done, use_shm, timeout)
+            except MTPSyncError as e:
+                # vLLM's executor hands the trainer only the failing worker's message: name the worker
+                where = self._mtp_worker_text()
+                if where is None:
+                    raise
+                raise MTPSyncError(f"{where}: {e}", phase=e.phase) from e
             finally:
                 self._mtp_in_update = False
+
+        def _mtp_worker_text(self) -> str | None:
+            """``vLLM worker rank R of W (tensor-parallel rank T)`` when the engine has several workers."""
+            pc = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+            world = int(getattr(pc, "world_size", 1) or 1)
+            if world <= 1:
+                return None
+            text = f"vLLM worker rank {getattr(self, 'rank', '?')} of {world}"
+            try:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                text += f" (tensor-parallel rank {get_tensor_model_parallel_rank()})"
+            except Exception:  # noqa: BLE001 - no parallel state: the global rank says it
+                pass
+            return text
 
         def _mtp_update_weights_from_ipc(self, peft_config, base_sync_done, use_shm, timeout):
             try:
