@@ -183,6 +183,10 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
             for k, v in want.items():
                 assert torch.equal(d["received"][k], v), (rank, update, k)  # the trainer's export, exactly
             assert set(d["drafter"]) >= {k for k in full if k.startswith("model.layers.")}, sorted(d["drafter"])
+            # vLLM expert parallelism: this rank holds its 2 of the MTP block's 4 routed experts (the rest of the
+            # block tensor-parallel or replicated); the loop below compares them with the trainer's export
+            experts = {k: tuple(v.shape) for k, v in d["drafter"].items() if k.endswith((".w13_weight", ".w2_weight"))}
+            assert experts and all(s[0] == 2 for s in experts.values()), (rank, experts)
             for k, shard in d["drafter"].items():
                 if k not in full:
                     continue
