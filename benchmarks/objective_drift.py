@@ -562,34 +562,46 @@ def summarize(rows) -> dict:
                                 "drafts": sum(r["num_drafts"] for r in m)}
             pv[arm] = cell
         out["per_version"][v] = pv
-    # ranking: per seed and method, the mean over versions >= 1 (the drifted ones) of pos_0 and of the
-    # mean accepted length; the spread = the range over seeds
+    # ranking: per seed and method, the mean over a window of versions of vLLM's mean accepted tokens per
+    # verify step (accept_length, k = 2) and of pos_0; the spread = the range over seeds; paired differences
+    # of each arm against hard_ce (the recipes' default) per seed (same trajectory, same prompts)
     drifted = [v for v in versions if v >= 1]
-    for method in METHODS:
-        per_arm = {}
-        for arm in ARMS:
-            by_seed = {}
+    half = (len(drifted) + 1) // 2
+    windows = {"all": drifted, "early": drifted[:half], "late": drifted[half:]}
+    out["windows"] = windows
+    for wname, wvs in windows.items():
+        for method in METHODS:
+            per_arm = {}
+            for arm in ARMS:
+                by_seed = {}
+                for s in seeds:
+                    m = [r for r in vl if r["seed"] == s and r["method"] == method and r["arm"] == arm and r["version"] in wvs]
+                    if m and len(m) == len(wvs):
+                        by_seed[s] = {"pos_0": _mean([r["pos_0"] for r in m]), "pos_1": _mean([r["pos_1"] for r in m]),
+                                      "accept_length": _mean([r["accept_length"] for r in m])}
+                if by_seed:
+                    per_arm[arm] = {"by_seed": by_seed,
+                                    **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
+                                    **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
+                                    **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
+            if not per_arm:
+                continue
+            ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
+            for arm, a in per_arm.items():
+                d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
+                if d:
+                    a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
+            wins = {}
             for s in seeds:
-                m = [r for r in vl if r["seed"] == s and r["method"] == method and r["arm"] == arm and r["version"] in drifted]
-                if len(m) == len(drifted) and m:
-                    by_seed[s] = {"pos_0": _mean([r["pos_0"] for r in m]), "pos_1": _mean([r["pos_1"] for r in m]),
-                                  "accept_length": _mean([r["accept_length"] for r in m])}
-            if by_seed:
-                per_arm[arm] = {"by_seed": by_seed,
-                                **{k: _mean([b[k] for b in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
-                                **{f"{k}_min": min(b[k] for b in by_seed.values()) for k in ("pos_0", "accept_length")},
-                                **{f"{k}_max": max(b[k] for b in by_seed.values()) for k in ("pos_0", "accept_length")}}
-        if not per_arm:
-            continue
-        out["mean_over_versions"][method] = per_arm
-        order = sorted(per_arm, key=lambda a: -per_arm[a]["accept_length"])
-        wins = {}
-        for s in seeds:
-            cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES if s in per_arm.get(a, {}).get("by_seed", {})]
-            if cands:
-                best = max(cands)[1]
-                wins[best] = wins.get(best, 0) + 1
-        out["ranking"][method] = {"by_mean_accept_length": order, "objective_wins_per_seed": wins}
+                cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
+                         if s in per_arm.get(a, {}).get("by_seed", {})]
+                if cands:
+                    best = max(cands)[1]
+                    wins[best] = wins.get(best, 0) + 1
+            out["mean_over_versions"].setdefault(wname, {})[method] = per_arm
+            out["ranking"].setdefault(wname, {})[method] = {
+                "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
+                "objective_wins_per_seed": wins}
     for method in METHODS:
         est_key = "d1_argmax" if method == "greedy" else "d1_overlap"
         pairs = [(r["pos_0"], e[est_key]) for r in vl if r["method"] == method
@@ -622,18 +634,28 @@ def markdown(summary) -> str:
                 m = c.get(method)
                 cells.append("–" if not m else f"{m['pos_0']:.3f} / {m['pos_1']:.3f} ({c[ek]:.3f})")
             lines.append(f"| {v} | {pol['heldout_reward']:.3f} | {pol['kl_to_start']:.3f} | " + " | ".join(cells) + " |")
-    lines.append("\n**Ranking** (mean over the drifted versions >= 1, per seed; then mean and range over seeds): mean "
-                 "accepted tokens per verify step (vLLM, k = 2) and position-1 acceptance\n")
-    lines.append("| method | " + " | ".join(ARMS) + " | best objective per seed |")
-    lines.append("|---|" + "---|" * len(ARMS) + "---|")
-    for method, per_arm in summary.get("mean_over_versions", {}).items():
-        cells = []
-        for arm in ARMS:
-            a = per_arm.get(arm)
-            cells.append("–" if not a else f"{a['accept_length']:.3f} [{a['accept_length_min']:.3f}–{a['accept_length_max']:.3f}]"
-                         f"; {a['pos_0']:.3f} [{a['pos_0_min']:.3f}–{a['pos_0_max']:.3f}]")
-        wins = summary["ranking"][method]["objective_wins_per_seed"]
-        lines.append(f"| {method} | " + " | ".join(cells) + " | " + ", ".join(f"{k} {n}" for k, n in wins.items()) + " |")
+    lines.append("\n**Ranking**: vLLM's mean accepted tokens per verify step (k = 2; 1 = nothing accepted) over a window of "
+                 "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
+                 "objective with the highest value per seed\n")
+    lines.append("| window | method | " + " | ".join(ARMS) + " | best objective per seed |")
+    lines.append("|---|---|" + "---|" * len(ARMS) + "---|")
+    for wname, by_method in summary.get("mean_over_versions", {}).items():
+        wv = summary["windows"][wname]
+        for method, per_arm in by_method.items():
+            cells = []
+            for arm in ARMS:
+                a = per_arm.get(arm)
+                if not a:
+                    cells.append("–")
+                    continue
+                c = f"{a['accept_length']:.3f} [{a['accept_length_min']:.3f}–{a['accept_length_max']:.3f}]"
+                if arm != OBJECTIVES[0] and "vs_hard_ce" in a:
+                    d = a["vs_hard_ce"]
+                    c += f"; {d['mean']:+.3f} [{d['min']:+.3f}, {d['max']:+.3f}]"
+                cells.append(c)
+            wins = summary["ranking"][wname][method]["objective_wins_per_seed"]
+            lines.append(f"| {wname} (v{wv[0]}–{wv[-1]}) | {method} | " + " | ".join(cells) + " | "
+                         + ", ".join(f"{k} {n}" for k, n in sorted(wins.items(), key=lambda x: -x[1])) + " |")
     return "\n".join(lines)
 
 
