@@ -49,9 +49,9 @@ Each phase resumes: ``train`` skips seeds whose versions are stored (``--work``)
 Commands (repository root, the project's venv)::
 
     P="env PYTHONPATH=$PWD .venv/bin/python benchmarks/objective_drift.py --work /tmp/objective_drift"
-    flock /tmp/heavy.lock $P train --seeds 0,1,2
-    flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2
-    flock /tmp/heavy.lock $P measure --method probabilistic --seeds 0,1,2
+    flock /tmp/heavy.lock $P train --seeds 0,1,2 --versions 10 --updates-per-version 3
+    flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280         # repeat until done
+    flock /tmp/heavy.lock $P measure --method probabilistic --seeds 0,1,2 --budget 280  # repeat until done
     $P report
 """
 
@@ -448,7 +448,7 @@ def measure(args) -> None:
     prompts = [prompt_ids(tok, a, b) for a, b in pairs]
     t = time.time()
     eng = build_engine(spec, os.path.join(args.work, f"vllm_{args.method}"), num_speculative_tokens=2,
-                       max_num_seqs=args.measure_prompts * args.measure_samples, kv_cache_mib=128,
+                       max_num_seqs=min(args.max_num_seqs, args.measure_prompts * args.measure_samples), kv_cache_mib=256,
                        max_model_len=64, drafter_sync="online", verify_checksums=True, seed=args.engine_seed,
                        extra_engine_args={"speculative_config": {"draft_sample_method": args.method}})
     cfg = eng.llm.llm_engine.vllm_config.speculative_config
@@ -528,8 +528,10 @@ def load_rows(path):
 
 
 def summarize(rows) -> dict:
-    est = [r for r in rows if r["type"] == "estimate"]
     vl = [r for r in rows if r["type"] == "vllm"]
+    measured = {r["seed"] for r in vl}
+    # the tables compare like with like: estimates only of the seeds vLLM measured (when it measured any)
+    est = [r for r in rows if r["type"] == "estimate" and (not measured or r["seed"] in measured)]
     seeds = sorted({r["seed"] for r in est})
     versions = sorted({r["version"] for r in est})
     # the trajectory is the same for every arm: one trunk digest per (seed, version), in both phases
@@ -618,7 +620,7 @@ def markdown(summary) -> str:
     lines = []
     vs = summary["versions"]
     for method in METHODS:
-        if method not in summary.get("mean_over_versions", {}):
+        if not any(method in c for cells in summary["per_version"].values() for c in cells.values()):
             continue
         est = "argmax-draft" if method == "greedy" else "overlap"
         ek = "d1_argmax" if method == "greedy" else "d1_overlap"
@@ -755,8 +757,9 @@ def parse_args(argv=None):
     ap.add_argument("--est-samples", type=int, default=4)
     ap.add_argument("--method", choices=METHODS, default="greedy")
     ap.add_argument("--measure-prompts", type=int, default=64)
-    ap.add_argument("--measure-samples", type=int, default=4)
+    ap.add_argument("--measure-samples", type=int, default=16)
     ap.add_argument("--engine-seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM batch (more sequences queue)")
     ap.add_argument("--budget", type=float, default=None, help="measure: seconds; stops between arms, resumable")
     args = ap.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
