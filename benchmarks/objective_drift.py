@@ -58,7 +58,6 @@ Commands (repository root, the project's venv)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import hashlib
 import json
