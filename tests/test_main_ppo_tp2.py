@@ -18,6 +18,8 @@ block's are trained, and each vLLM rank's drafter holds exactly its 2 experts of
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +30,9 @@ pytest.importorskip("vllm")
 from trainer_runs import RUN_TIMEOUT_S as _ONE_RUN_S, TP2_FAIL_UPDATE, TP2_STEPS, demo_result  # noqa: E402
 
 RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
-#: vLLM's measured first-draft acceptance vs the trainer's estimate: mean |diff| over the steps (as the demo at TP=1)
+#: vLLM's measured first-draft acceptance (pooled over the steps' drafts) vs the trainer's estimate (weighted the
+#: same way): |diff| within this plus 3 binomial standard errors of the pooled rate (a step here has ~60 drafts, so
+#: one step's rate alone moves by ~0.06 by chance; a broken drafter sits far below: acceptance ~0.03 vs ~0.7)
 TRACKING = 0.1
 #: megatron's ``moe_router_bias_update_rate`` (its default; the Nemotron-H bridge enables the expert bias)
 BIAS_UPDATE_RATE = 1e-3
@@ -195,9 +199,13 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
                 compared += 1
     assert compared > 0
     # generation: vLLM measured its drafter's acceptance where the trainer predicted it
-    diffs = [abs(m["rollout/spec_accept_rate_pos_0"] - m["actor/mtp_argmax_draft_accept_rate"])
-             for m in online_tp2.metrics.values()]
-    assert sum(diffs) / len(diffs) <= TRACKING, diffs
+    steps = list(online_tp2.metrics.values())
+    drafts = [m["rollout/spec_num_drafts"] for m in steps]
+    n = sum(drafts)
+    measured = sum(m["rollout/spec_accept_rate_pos_0"] * d for m, d in zip(steps, drafts)) / n
+    expected = sum(m["actor/mtp_argmax_draft_accept_rate"] * d for m, d in zip(steps, drafts)) / n
+    bound = TRACKING + 3 * math.sqrt(max(measured * (1 - measured), 1e-4) / n)
+    assert abs(measured - expected) <= bound, (measured, expected, bound, steps)
     for m in online_tp2.metrics.values():
         assert m.get("rollout/spec_num_drafts", 0) > 0 and 0.0 < m["rollout/spec_accept_rate"] <= 1.0
         assert m["mtp_guard/desync"] == 0.0

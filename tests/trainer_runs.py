@@ -57,6 +57,8 @@ RUN_TIMEOUT_S = 1500
 #: steps of the 2-rank online run; its weight update N+1 (after the last step) fails on vLLM rank 1
 TP2_STEPS = 3
 TP2_FAIL_UPDATE = TP2_STEPS + 1
+
+
 def _tp2_slots() -> int:
     """Slots a 2-rank run takes: its measured memory in units of a 1-rank run's (2 on the 8 GiB budget: like the
     demo, it runs beside no other run of verl's trainer on a 24 GiB machine)."""

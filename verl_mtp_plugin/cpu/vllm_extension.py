@@ -55,12 +55,10 @@ def _break_sync() -> str:
 
 def _tp_rank() -> int:
     """This vLLM worker's tensor-parallel rank (0 without tensor parallelism)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+    from verl_mtp_plugin.rollout.worker.extension import tensor_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - no parallel state (a worker built without one)
-        return 0
+    rank = tensor_parallel_rank()
+    return 0 if rank is None else rank
 
 
 def _base():
@@ -83,9 +81,10 @@ class CPUMTPColocateWorkerExtension(_base()):
         return out
 
     def _update_weights(self, weights, peft_config, base_sync_done):
-        if _break_sync() == "swap-eh":
+        mode = _break_sync()
+        if mode == "swap-eh":
             weights = list(swap_eh(weights))
-        elif _break_sync() == "truncate-eh-rank1" and _tp_rank() == 1:
+        elif mode == "truncate-eh-rank1" and _tp_rank() == 1:
             weights = list(truncate_eh(weights))
         if os.environ.get(ENV_DRAFTER_DUMP):
             weights = list(weights)

