@@ -63,6 +63,7 @@ RUN_FIXTURES = {
     "ppo_online": "ppo_online",
     "online_tp2": "online_tp2",
     "assets_tp2": "assets_tp2",
+    "assets_moe": "assets_moe",
 }
 
 

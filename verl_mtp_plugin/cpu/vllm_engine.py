@@ -99,6 +99,7 @@ __all__ = [
     "cpu_features",
     "conv_paths",
     "dense_spec",
+    "moe_spec",
     "install_engine_workarounds",
     "read_spec_counters",
     "rollout_weights",
@@ -419,6 +420,17 @@ def dense_spec(**fields):
     )
     base.update(fields)
     return TinyHybridSpec(**base)
+
+
+def moe_spec(**fields):
+    """:func:`dense_spec` with Nemotron 3 Super's MoE: a trunk MoE layer (main ``M*EM-``) and the MTP block ``*E``
+    (attention + MoE, as Super's), 4 routed experts (top-2, squared ReLU), a shared expert and the latent MoE
+    projections. vLLM computes its experts on CPU through the CPU runtime's plain-torch experts
+    (:mod:`verl_mtp_plugin.cpu.vllm_moe`)."""
+    base = dict(pattern="M*EM-/*E", num_experts=4, moe_topk=2, moe_ffn_hidden_size=64,
+                moe_shared_expert_intermediate_size=64, moe_latent_size=64)
+    base.update(fields)
+    return dense_spec(**base)
 
 
 def rollout_weights(model, spec, dtype: torch.dtype | str = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,6 +14,11 @@ as narrow as the forcing line allows:
   ``override_transformer_config`` through OmegaConf, which cannot carry the callable
   ``hybrid_stack_spec``, so the TE branch of the default resolves to the CPU runtime's TE-layout
   local spec (:func:`verl_mtp_plugin.cpu.bridge.te_layout_hybrid_stack_spec`).
+* ``latent_moe_projection``: megatron builds the latent-MoE projections (Nemotron 3 Super's
+  ``moe_latent_size``) only through TE's ``TELinear``; ``megatron.core.transformer.moe.moe_layer`` (its only
+  users of ``HAVE_TE`` / ``TELinear`` are the latent projections, and ``te_checkpoint`` only under fp8/fp4) sees
+  the CPU runtime's replicated torch linear :class:`verl_mtp_plugin.cpu.tiny.LatentLinearRef`, as every CPU
+  build of the tiny MoE model does.
 * ``inference_rng_tracker``: megatron's CPU-safe RNG tracker, created before verl seeds the CUDA one;
   its (CUDA) states, which verl checkpoints and requires non-empty on resume, are the host generator's.
 * ``cuda_by_name``: megatron-core 0.19.2 allocates a few scalars on ``"cuda"`` by name and checks
@@ -56,6 +61,10 @@ STANDINS: dict[str, str] = {
     "te_free_default_hybrid_spec": (
         "megatron/bridge/models/hybrid/hybrid_provider.py:104 returns the TE hybrid spec (packed attention: "
         "megatron/core/transformer/dot_product_attention.py:153 refuses THD without TE)"
+    ),
+    "latent_moe_projection": (
+        "megatron/core/transformer/moe/moe_layer.py:265-272 asserts HAVE_TE and builds the latent projections "
+        "(moe_latent_size) only as TE's TELinear"
     ),
     "inference_rng_tracker": (
         "verl/workers/engine/megatron/utils.py:35-38 seeds megatron's CUDA RNG tracker; "
@@ -273,6 +282,16 @@ def _install_torch_adam_state_before_load() -> None:
     do.DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
 
+def _install_latent_moe_projection() -> None:
+    """``latent_moe_projection`` (see the module docstring): the names megatron's MoE layer reads at build."""
+    from megatron.core.transformer.moe import moe_layer
+
+    from verl_mtp_plugin.cpu.tiny import LatentLinearRef
+
+    if not moe_layer.HAVE_TE:
+        moe_layer.HAVE_TE, moe_layer.TELinear = True, LatentLinearRef
+
+
 def install_trainer_worker_standins() -> list[str]:
     """Install every stand-in of :data:`STANDINS` in this (trainer worker) process (idempotent).
 
@@ -295,6 +314,8 @@ def install_trainer_worker_standins() -> list[str]:
     _INSTALLED.append("mamba_reference")
     _install_te_free_default_hybrid_spec()
     _INSTALLED.append("te_free_default_hybrid_spec")
+    _install_latent_moe_projection()
+    _INSTALLED.append("latent_moe_projection")
     # megatron's own CPU-safe choice: the "inference" tracker (add/fork are no-ops); verl's later
     # model_parallel_cuda_manual_seed finds the tracker initialised and keeps it.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
