@@ -177,3 +177,35 @@ def test_k_beyond_the_checkpoint_depth_is_no_warning_when_mtp_is_frozen(capsys):
     """Frozen mode trains nothing: the drafter is what the checkpoint gives, whatever k."""
     assert main(["check", "--strict", f"{RECIPES}/grpo_frozen.yaml",
                  "actor_rollout_ref.model.mtp.num_speculative_tokens=3", f"{_CAP}=1024"]) == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "grpo_online", "W", "trainer.total_training_steps=3", "--steps", "2", "--tp", "2"],
+    ["run", "grpo_online", "W", "--steps", "2", "--tp", "2", "--", "trainer.total_training_steps=3"],
+])
+def test_cpu_run_takes_hydra_overrides_before_the_options_or_after_double_dash(argv, monkeypatch, capsys):
+    """``python -m verl_mtp_plugin.cpu run RECIPE WORKDIR [options] -- OVERRIDES`` (the documented form) hands the
+    overrides to the harness as the form with the overrides before the options does."""
+    import verl_mtp_plugin.cpu.harness as harness
+    from verl_mtp_plugin.cpu.__main__ import main as cpu_main
+
+    seen = {}
+
+    def record(recipe, workdir, **kw):
+        seen.update(recipe=recipe, workdir=workdir, **kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(harness, "run_recipe", record)
+    with pytest.raises(SystemExit):
+        cpu_main(argv)
+    assert seen["recipe"] == "grpo_online" and seen["workdir"] == "W"
+    assert seen["extra_overrides"] == ["trainer.total_training_steps=3"]
+    assert seen["steps"] == 2 and seen["tp"] == 2
+
+
+def test_cpu_assets_refuses_overrides_after_double_dash(capsys):
+    from verl_mtp_plugin.cpu.__main__ import main as cpu_main
+
+    with pytest.raises(SystemExit) as e:
+        cpu_main(["assets", "/nonexistent", "--", "a=b"])
+    assert e.value.code == 2 and "overrides after --" in capsys.readouterr().err

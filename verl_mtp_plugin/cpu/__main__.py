@@ -35,8 +35,16 @@ def main(argv=None) -> int:
     r.add_argument("--tp", type=int, default=1, help="ranks: Megatron TP (+SP) and vLLM TP")
     r.add_argument("--ep", type=int, default=1, help="expert parallelism: Megatron EP (ETP=1) and vLLM EP")
     r.add_argument("--drafter-dump", action="store_true")
-    r.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value), before the options or after --")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``run RECIPE WORKDIR [options] -- OVERRIDES``: argparse does not give a positional list back once options
+    # followed it, so what follows ``--`` is taken here
+    after = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if after:
+        if args.cmd != "run":
+            ap.error("overrides after -- are for the run command")
+        args.overrides = [*args.overrides, *after]
     if args.cmd == "assets":
         from verl_mtp_plugin.cpu.assets import build_assets
 
