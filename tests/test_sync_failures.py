@@ -24,17 +24,10 @@ BOUND_S = 30.0  # seconds from the start of a failing update to the exception in
 
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
-    from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
-    from verl_mtp_plugin.testing import build_tiny_hybrid
+    from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
     from verl_mtp_plugin.cpu.vllm_engine import build_engine, dense_spec
 
-    task = DemoTask()
-    spec = dense_spec(vocab_size=task.vocab_size)
-    torch.manual_seed(0)
-    model = build_tiny_hybrid(spec)
-    gen = torch.Generator().manual_seed(0)
-    _warmup(model, task, 20, gen, "cpu")
-    model.eval()
+    task, spec, model, gen = warmed_demo_model(dense_spec, 20)
     eng = build_engine(spec, tmp_path_factory.mktemp("fail"), num_speculative_tokens=1, log_stats=False)
     prompts = task.prompts(8, gen).tolist()
     e = SimpleNamespace(task=task, spec=spec, model=model, eng=eng, prompts=prompts, tmp=tmp_path_factory)

@@ -27,16 +27,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
     from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, moe_spec, rollout_weights
-    from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
+    from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
 
-    task = DemoTask()
-    spec = moe_spec(vocab_size=task.vocab_size)
-    torch.manual_seed(0)
-    model = build_tiny_hybrid(spec)
-    gen = torch.Generator().manual_seed(0)
-    _warmup(model, task, 30, gen, "cpu")
-    model.eval()
+    task, spec, model, gen = warmed_demo_model(moe_spec, 30)
     eng = build_engine(spec, tmp_path_factory.mktemp("rollout_moe"), num_speculative_tokens=1, verify_checksums=True)
     stream = list(rollout_weights(model, spec, eng.dtype))
     eng.sync(stream)

@@ -32,17 +32,10 @@ def _conv_paths():
 # CPU without the feature has it ("off"); elsewhere only "off" exists.
 @pytest.fixture(scope="module", params=_conv_paths(), ids=lambda p: f"conv-{p}")
 def env(megatron_env, tmp_path_factory, request):
-    from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
-    from verl_mtp_plugin.testing import build_tiny_hybrid
+    from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
     from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, dense_spec
 
-    task = DemoTask()
-    spec = dense_spec(vocab_size=task.vocab_size)
-    torch.manual_seed(0)
-    model = build_tiny_hybrid(spec)
-    gen = torch.Generator().manual_seed(0)
-    _warmup(model, task, 30, gen, "cpu")
-    model.eval()
+    task, spec, model, gen = warmed_demo_model(dense_spec, 30)
     eng = build_engine(spec, tmp_path_factory.mktemp("rollout"), num_speculative_tokens=K, verify_checksums=True,
                        conv_pack=request.param)
     prompts = task.prompts(16, gen).tolist()

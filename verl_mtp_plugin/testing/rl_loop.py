@@ -181,6 +181,23 @@ def _build(mode: MTPMode, task: DemoTask, device: str, seed: int):
     return spec, build_tiny_hybrid(spec, device=device)
 
 
+def warmed_demo_model(make_spec, steps: int, *, seed: int = 0):
+    """A tiny model warmed up on the demo task: ``(task, spec, model in eval mode, generator)``.
+
+    ``make_spec(vocab_size=...)`` gives the model's spec (``cpu.vllm_engine.dense_spec`` / ``moe_spec``); torch's
+    seed and the generator of the warm-up batches are ``seed``, so the same arguments give the same weights."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    task = DemoTask()
+    spec = make_spec(vocab_size=task.vocab_size)
+    torch.manual_seed(seed)
+    model = build_tiny_hybrid(spec)
+    gen = torch.Generator().manual_seed(seed)
+    _warmup(model, task, steps, gen, "cpu")
+    model.eval()
+    return task, spec, model, gen
+
+
 def _warmup(model, task: DemoTask, steps: int, gen: torch.Generator, device) -> float:
     """Supervised steps on correct copies, MTP trained with the model (a stand-in checkpoint)."""
     from verl_mtp_plugin.control import hybrid_forward
