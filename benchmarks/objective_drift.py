@@ -96,10 +96,10 @@ def log(msg: str) -> None:
 
 
 def tokenizer():
-    from verl_mtp_plugin.cpu.assets import _tokenizer
+    from verl_mtp_plugin.cpu.assets import demo_tokenizer
     from verl_mtp_plugin.cpu.vllm_engine import dense_spec
 
-    return _tokenizer(dense_spec().vocab_size)
+    return demo_tokenizer(dense_spec().vocab_size)
 
 
 def prompt_ids(tok, a: int, b: int) -> list[int]:
@@ -146,15 +146,15 @@ def demo_checkpoint(work: str, check_assets: str | None = None) -> dict:
     if os.path.exists(path):
         state = torch.load(path)
     else:
-        from verl_mtp_plugin.cpu.assets import MTP_RULE_STEPS, _warm_up
+        from verl_mtp_plugin.cpu.assets import MTP_RULE_STEPS, warm_up
         from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
 
         spec, _ = specs()
         torch.manual_seed(0)
         model = build_tiny_hybrid(spec, device="cpu")
         t = time.time()
-        loss = _warm_up(model, tokenizer(), 100, 0)
-        _warm_up(model, tokenizer(), MTP_RULE_STEPS, 0, repeat=1.0, mtp_only=True)
+        loss = warm_up(model, tokenizer(), 100, 0)
+        warm_up(model, tokenizer(), MTP_RULE_STEPS, 0, repeat=1.0, mtp_only=True)
         log(f"demo checkpoint rebuilt in {time.time() - t:.1f}s (warm-up loss {loss:.3f})")
         state = {k: _clone(v) for k, v in model.state_dict().items()}
         os.makedirs(work, exist_ok=True)

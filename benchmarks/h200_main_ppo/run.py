@@ -122,12 +122,12 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
     from verl_mtp_plugin.control import hybrid_forward
     from verl_mtp_plugin.metrics import reset_mtp_metrics
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
-    from verl_mtp_plugin.cpu.assets import _tokenizer
+    from verl_mtp_plugin.cpu.assets import demo_tokenizer
     from verl_mtp_plugin.cpu.vllm_engine import write_model_dir
 
     init_megatron(seed=seed)
     spec = TinyHybridSpec(**SPEC)
-    tok = _tokenizer(spec.vocab_size)
+    tok = demo_tokenizer(spec.vocab_size)
     torch.manual_seed(seed)
     model = build_tiny_hybrid(spec, device=device)  # on CUDA: mamba_ssm's Triton kernels (bare package)
     rows = task_rows(512, "warmup", seed + 1, answer_len)

@@ -29,7 +29,8 @@ import os
 import pathlib
 import random
 
-__all__ = ["Assets", "RESPONSE_LENGTH", "WARMUP_REPEAT", "WORDS", "build_assets", "task_rows", "warmup_response"]
+__all__ = ["Assets", "RESPONSE_LENGTH", "WARMUP_REPEAT", "WORDS", "build_assets", "demo_tokenizer", "task_rows",
+           "warm_up", "warmup_response"]
 
 #: tokens of the response the task asks for (= ``data.max_response_length`` of the harness)
 RESPONSE_LENGTH = 8
@@ -96,7 +97,8 @@ def task_rows(n: int, split: str, seed: int) -> list[dict]:
     return rows
 
 
-def _tokenizer(vocab_size: int):
+def demo_tokenizer(vocab_size: int):
+    """The demo's word-level tokenizer (:data:`WORDS`, then ``<extraN>`` up to ``vocab_size``) with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -113,7 +115,7 @@ def _tokenizer(vocab_size: int):
     return hf
 
 
-def _warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_REPEAT, mtp_only: bool = False) -> float:
+def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_REPEAT, mtp_only: bool = False) -> float:
     """Supervised steps on prompt + warm-up-rule responses (:func:`warmup_response` with ``repeat``, a fresh
     draw per step), MTP loss on the response tokens (the MTP block trained with the model; ``mtp_only``: only
     the MTP block's own parameters step, the rest of the model is read, not changed)."""
@@ -179,14 +181,14 @@ def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RUL
 
     init_megatron(seed=seed)
     spec = (moe_spec if moe else dense_spec)(mamba_num_groups=mamba_num_groups)
-    tokenizer = _tokenizer(spec.vocab_size)
+    tokenizer = demo_tokenizer(spec.vocab_size)
     torch.manual_seed(seed)
     model = build_tiny_hybrid(spec, device="cpu")
-    loss = _warm_up(model, tokenizer, warmup_steps, seed)
+    loss = warm_up(model, tokenizer, warmup_steps, seed)
     # then the MTP block alone on the pure rule: the head drafts "the digit two back" with a clear margin, so
     # a frozen head keeps drafting it while RL (which also moves the shared output layer) turns the policy
     # to counting on; the policy itself keeps the mixture
-    _warm_up(model, tokenizer, mtp_rule_steps, seed, repeat=1.0, mtp_only=True)
+    warm_up(model, tokenizer, mtp_rule_steps, seed, repeat=1.0, mtp_only=True)
     write_model_dir(assets.model, spec, model=model, dtype="bfloat16",
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
     tokenizer.save_pretrained(str(assets.model))
