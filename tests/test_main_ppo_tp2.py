@@ -184,6 +184,13 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
                 continue
             d = torch.load(path)
             assert d["rank"] == rank and set(d["received"]) == set(want), (rank, update)
+            # vLLM expert parallelism: the rank staged only the MTP experts it keeps; the other rank's half of the
+            # routed experts was received, name-checked and not copied (vLLM's expert loader drops it there)
+            m = next(e["metrics"] for e in by_rank[rank] if e["event"] == "sync" and e["update"] == update)
+            nbytes = {k: v.numel() * v.element_size() for k, v in d["received"].items()}
+            routed = sum(b for k, b in nbytes.items() if ".experts." in k and ".shared_experts." not in k)
+            assert routed > 0 and m["sync/bytes_drafter_not_local"] == routed / 2, (rank, update, m, routed)
+            assert m["sync/bytes_drafter"] + m["sync/bytes_drafter_not_local"] == sum(nbytes.values()), (rank, m)
             for k, v in want.items():
                 assert torch.equal(d["received"][k], v), (rank, update, k)  # the trainer's export, exactly
             assert set(d["drafter"]) >= {k for k in full if k.startswith("model.layers.")}, sorted(d["drafter"])

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -108,6 +109,34 @@ def sharded_drafter(vllm_config: Any) -> str | None:
     if getattr(pc, "enable_expert_parallel", False):
         why.append("enable_expert_parallel=true")
     return ", ".join(why) or None
+
+
+_HF_EXPERT_RE = re.compile(r"mtp\.layers\.(\d+)\.mixer\.experts\.(\d+)\.")
+_DRAFTER_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mixer\.experts$")
+
+
+def local_experts(drafter: torch.nn.Module, vllm_config: Any = None) -> dict[int, frozenset[int]] | None:
+    """The routed experts this vLLM rank keeps in each MoE layer of the drafter under expert parallelism:
+    ``{MTP layer index: global expert ids}`` read from vLLM's own expert map (``expert_map[global] = local id, or
+    -1 when another rank holds it``), or None when every rank keeps every expert (no expert parallelism, no MoE
+    in the drafter, or an expert map this vLLM does not expose). With vLLM's expert load balancing
+    (``enable_eplb``) experts move between ranks at run time: None (every expert is staged, as without EP)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None and (not getattr(pc, "enable_expert_parallel", False) or getattr(pc, "enable_eplb", False)):
+        return None
+    out: dict[int, frozenset[int]] = {}
+    for name, module in drafter.named_modules():
+        m = _DRAFTER_EXPERTS_RE.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            emap = getattr(module, "expert_map", None)
+        except Exception:  # a property of a vLLM revision that cannot answer here: stage every expert
+            return None
+        if not isinstance(emap, torch.Tensor):
+            return None
+        out[int(m.group(1))] = frozenset(int(i) for i in torch.nonzero(emap.cpu() >= 0).flatten().tolist())
+    return out or None
 
 
 def cause_text(error: BaseException) -> str:
@@ -391,7 +420,9 @@ class MTPDrafterSync:
         self._own, self._shared, self._extra = self.drafter_structure()
         self._load = self.mode == "online" or not self.drafter_loaded
         self._pending = []
-        self._bytes = {"received": 0, "target": 0, "drafter": 0, "skipped": 0}
+        self._not_local: list[str] = []  # MTP expert names received, kept by another vLLM rank (not staged)
+        self._local_experts = local_experts(self.drafter, self.vllm_config) if self._load else None
+        self._bytes = {"received": 0, "target": 0, "drafter": 0, "skipped": 0, "not_local": 0}
         self._ntensors = {"target": 0, "drafter": 0}
         self._t0 = time.perf_counter()
         self._active = True
@@ -422,12 +453,28 @@ class MTPDrafterSync:
         self._bytes["target"] += _nbytes(target)
         self._ntensors["target"] += len(target)
         if self._load:
+            if self._local_experts is not None:
+                keep = [(n, t) for n, t in drafter if self._is_local(n)]
+                elsewhere = [(n, t) for n, t in drafter if not self._is_local(n)]
+                self._not_local.extend(n for n, _ in elsewhere)
+                self._bytes["not_local"] += _nbytes(elsewhere)
+                drafter = keep
             self._pending.extend((n, self._stage_copy(t)) for n, t in drafter)
             self._bytes["drafter"] += _nbytes(drafter)
             self._ntensors["drafter"] += len(drafter)
         else:
             self._bytes["skipped"] += _nbytes(drafter)
         return target
+
+    def _is_local(self, name: str) -> bool:
+        """False for a routed expert of the drafter that another vLLM expert-parallel rank keeps: vLLM's expert
+        weight loader would drop it here (``expert_map[id] == -1``), so it is neither copied nor loaded. Its name
+        still counts in the update's name check (a missing expert fails on every rank)."""
+        m = _HF_EXPERT_RE.match(name.removeprefix("language_model."))
+        if m is None:
+            return True
+        kept = self._local_experts.get(int(m.group(1))) if self._local_experts else None
+        return kept is None or int(m.group(2)) in kept
 
     def _stage_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A copy of ``t`` that outlives the transfer buffer: on its device, or in host memory."""
@@ -442,6 +489,7 @@ class MTPDrafterSync:
         """Drop an update in progress (the drafter is untouched)."""
         self._active = False
         self._pending = []
+        self._not_local = []
 
     def finish(self) -> dict[str, float]:
         """Load the accumulated MTP tensors into the drafter (one call), verify, return metrics.
@@ -471,6 +519,7 @@ class MTPDrafterSync:
         finally:
             self._active = False
             self._pending = []
+            self._not_local = []
         t2 = time.perf_counter()
         self.sync_count += 1
         received = self._bytes["received"]
@@ -479,6 +528,7 @@ class MTPDrafterSync:
             "sync/bytes_target": float(self._bytes["target"]),
             "sync/bytes_drafter": float(self._bytes["drafter"]),
             "sync/bytes_drafter_skipped": float(self._bytes["skipped"]),
+            "sync/bytes_drafter_not_local": float(self._bytes["not_local"]),
             "sync/drafter_share": float(self._bytes["drafter"]) / received if received else 0.0,
             "sync/tensors_target": float(self._ntensors["target"]),
             "sync/tensors_drafter": float(self._ntensors["drafter"]),
@@ -548,7 +598,7 @@ class MTPDrafterSync:
             initialize_layerwise_reload,
         )
 
-        self._check_names([n for n, _ in pending])
+        self._check_names([n for n, _ in pending] + self._not_local)
         roots = _owned_roots(self.drafter, self.target)
         with self._vllm_context():
             for r in roots:
