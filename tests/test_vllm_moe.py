@@ -32,9 +32,9 @@ def env(megatron_env, tmp_path_factory):
     task, spec, model, gen = warmed_demo_model(moe_spec, 30)
     eng = build_engine(spec, tmp_path_factory.mktemp("rollout_moe"), num_speculative_tokens=1, verify_checksums=True)
     stream = list(rollout_weights(model, spec, eng.dtype))
-    eng.sync(stream)
+    metrics = eng.sync(stream)
     return SimpleNamespace(task=task, spec=spec, model=model, eng=eng, reader=SpecStepReader(eng),
-                           hf=dict(stream), prompts=task.prompts(16, gen).tolist())
+                           hf=dict(stream), prompts=task.prompts(16, gen).tolist(), metrics=metrics)
 
 
 def _relu2(x):
@@ -170,3 +170,12 @@ def test_expert_parallel_partial_sums_add_up_to_the_full_experts():
         parts.append(non_gated_experts_ref(x, w13[local], w2[local], wts, ids, act, expert_map=emap))
     torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-5)
     assert (parts[0] - full).abs().max() > 0.1 and (parts[1] - full).abs().max() > 0.1
+
+
+def test_without_expert_parallelism_the_rank_stages_every_mtp_expert(env):
+    """One vLLM rank keeps every expert: all MTP tensors (the 4 routed experts included) are staged for the drafter,
+    none is left to another rank (under vLLM EP=2 each rank stages its half: ``tests/test_main_ppo_tp2.py``)."""
+    mtp = {k: v for k, v in env.hf.items() if k.startswith("mtp.")}
+    assert sum(".experts." in k and ".shared_experts." not in k for k in mtp) == 2 * 4
+    assert env.metrics["sync/bytes_drafter_not_local"] == 0.0
+    assert env.metrics["sync/bytes_drafter"] == sum(v.numel() * v.element_size() for v in mtp.values())
