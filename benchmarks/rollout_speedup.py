@@ -356,8 +356,8 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
     loss, so its only gradient is its MTP objective's; after the update the lead's trunk is copied into it,
     so the trunks are identical by construction (checked: a copy's trunk did not move during its own step).
     The frozen drafter is the pretrained MTP block; the stale one is the lead's MTP block of ``--stale-lag``
-    updates earlier. Per policy version, on held-out rows sampled from the lead (common random numbers), the
-    :class:`AcceptanceProbe` estimates of every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
+    updates earlier. Per policy version, on the batch that version sampled (the one its update then trains
+    on, as the plugin's in-trainer estimate sees it), the :class:`AcceptanceProbe` estimates of every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
     ``sum min(p, q)`` (probabilistic drafting) and greedy agreement, depth-2 overlap and agreement; and the
     policy's reward, entropy, and KL to the start policy."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
@@ -405,43 +405,43 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
     sample_gen = torch.Generator().manual_seed(args.seed + 100)
     P, L = lang.prompt_len, lang.response_len
     sl = slice(P - 1, P - 1 + L)
-    held_prompts = lang.prompts(args.prompts, torch.Generator().manual_seed(args.seed + 300)).to(device)
-    held_u = torch.rand(held_prompts.shape[0], L, generator=torch.Generator().manual_seed(args.seed + 400)).to(device)
     rows: list = []
     result.update(objective_drift={"objectives": objs, "schedule": args.rl_schedule, "kl_coef": args.kl_coef,
                                    "kl_type": args.kl_type, "entropy_coeff": args.entropy_coeff,
                                    "weight_decay": args.rl_weight_decay, "stale_lag": args.stale_lag,
                                    "rl_prompts": args.rl_prompts, "rl_group": args.rl_group, "versions": rows})
 
-    def estimates(model, probe) -> dict:
-        resp = torch.zeros(seq_h.shape, device=device)
+    def estimates(model, probe, seq) -> dict:
+        resp = torch.zeros(seq.shape, device=device)
         resp[:, P:] = 1.0
         with torch.no_grad():
             model.eval()
-            logits = fwd(model, seq_h, run_mtp=True)
+            logits = fwd(model, seq, run_mtp=True)
             est = probe.estimate(logits, resp, max_positions=4096)
-        return {k: float(v) for k, v in est.items()}
+        return {k: float(x) for k, x in est.items()}
 
-    def version_row(v: int, updates: int, lr: float, train: dict) -> dict:
-        nonlocal seq_h
-        seq_h = drift.sample(lead, "online", fwd, held_prompts, held_u)
-        row = {"version": v, "updates": updates, "lr": lr, "heldout_reward": float(lang.reward(seq_h[:, P:]).mean()),
+    def version_row(v: int, lr: float, seq, train: dict) -> dict:
+        """The estimates of policy version ``v`` on the batch it sampled (the batch its update then trains on)."""
+        row = {"version": v, "updates": v, "lr": lr, "reward": float(lang.reward(seq[:, P:]).mean()),
                "train": train, "arms": {}}
         with torch.no_grad():
-            lp = torch.log_softmax(fwd(lead, seq_h, run_mtp=False)[:, sl].float(), -1)
-            lr_ = torch.log_softmax(fwd(ref, seq_h, run_mtp=False)[:, sl].float(), -1)
+            lead.eval()
+            lp = torch.log_softmax(fwd(lead, seq, run_mtp=False)[:, sl].float(), -1)
+            lr_ = torch.log_softmax(fwd(ref, seq, run_mtp=False)[:, sl].float(), -1)
             row["entropy"] = float(-(lp.exp() * lp).sum(-1).mean())
             row["kl_to_start"] = float((lp.exp() * (lp - lr_)).sum(-1).mean())
+            del lp, lr_
         for o in objs:
-            row["arms"][o] = estimates(models[o], probes[o])
+            row["arms"][o] = estimates(models[o], probes[o], seq)
         trunk_lead = {n: t for n, t in _tensors(lead).items() if not _is_mtp(n)}
         stale_v = max(0, v - args.stale_lag)
         for arm, mtp_state in (("frozen", mtp_hist[0]), ("stale", mtp_hist[stale_v])):
             with torch.no_grad():
                 for n, t in _tensors(probe_model).items():
                     t.copy_(mtp_state[n] if _is_mtp(n) else trunk_lead[n])
-            row["arms"][arm] = {**estimates(probe_model, probes["_probe"]), "drafter_version": stale_v if arm == "stale" else 0}
-        log(f"v{v} ({updates} updates, lr {lr:g}): reward {row['heldout_reward']:.3f} entropy {row['entropy']:.3f} "
+            row["arms"][arm] = {**estimates(probe_model, probes["_probe"], seq),
+                                "drafter_version": stale_v if arm == "stale" else 0}
+        log(f"v{v} (lr {lr:g}): reward {row['reward']:.3f} entropy {row['entropy']:.3f} "
             f"KL-to-start {row['kl_to_start']:.2e} | p[argmax q] " +
             " ".join(f"{a} {r.get('mtp_argmax_draft_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items())
             + " | overlap " +
@@ -450,83 +450,83 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
         write()
         return row
 
-    seq_h = None
-    version_row(0, 0, 0.0, {})
-    v = 0
-    for n_updates, lr in args.rl_schedule:
+    schedule = [lr for n_updates, lr in args.rl_schedule for _ in range(n_updates)]
+    train: dict = {}
+    for v in range(len(schedule) + 1):
+        t0 = time.time()
+        prompts = lang.prompts(args.rl_prompts, prompt_gen).repeat_interleave(args.rl_group, dim=0).to(device)
+        u = torch.rand(prompts.shape[0], L, generator=sample_gen).to(device)
+        seq = drift.sample(lead, "online", fwd, prompts, u)
+        version_row(v, schedule[v - 1] if v else 0.0, seq, train)
+        if v == len(schedule):
+            break
+        lr = schedule[v]
         for g in lead_opt.param_groups:
             g["lr"] = lr
         for o in objs[1:]:
             for g in opts[o].param_groups:
                 g["lr"] = lr
-        for _ in range(n_updates):
-            t0 = time.time()
-            prompts = lang.prompts(args.rl_prompts, prompt_gen).repeat_interleave(args.rl_group, dim=0).to(device)
-            u = torch.rand(prompts.shape[0], L, generator=sample_gen).to(device)
-            seq = drift.sample(lead, "online", fwd, prompts, u)
-            b = seq.shape[0]
-            reward = lang.reward(seq[:, P:])
-            tok_resp = torch.zeros(seq.shape, device=device)
-            tok_resp[:, P:] = 1.0
-            resp_mask = torch.ones(b, L, device=device)
-            token_rewards = torch.zeros(b, L)
-            token_rewards[:, -1] = reward.cpu()
-            index = torch.arange(args.rl_prompts).repeat_interleave(args.rl_group).numpy()
-            adv, _ = grpo(token_rewards, resp_mask.cpu(), index)
-            adv = adv.to(device)
-            with torch.no_grad():
-                lead.eval()
-                old_lp = drift.token_logprobs(fwd(lead, seq, run_mtp=run_mtp_forward("online", Phase.LOGPROB)), seq)[:, sl]
-                ref_lp = drift.token_logprobs(fwd(ref, seq, run_mtp=False), seq)[:, sl]
-            train = {"reward": float(reward.mean())}
-            trunk_before = {n: t.detach().clone() for n, t in lead.named_parameters() if not _is_mtp(n)}
-            for o in objs[::-1]:  # copies first, the lead last (its step moves the trunk the copies share)
-                m = models[o]
-                m.train()
-                if o == lead_obj:
-                    trainer.zero_grad()
-                else:
-                    opts[o].zero_grad(set_to_none=True)
-                reset_mtp_metrics()
-                reset_objective_metrics()
-                with mtp_objective_scope(m, o, temperature=1.0, loss_mask=tok_resp):
-                    logits = fwd(m, seq, run_mtp=run_mtp_forward("online", Phase.TRAIN), loss_mask=tok_resp)
-                lp = drift.token_logprobs(logits, seq)[:, sl]
-                pg = policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=actor_cfg)[0]
-                loss = pg
-                kl = agg_loss(kl_penalty(lp, ref_lp, args.kl_type), resp_mask, "token-mean")
-                if args.kl_coef:
-                    loss = loss + args.kl_coef * kl
-                if args.entropy_coeff:
-                    logp = torch.log_softmax(logits[:, sl].float(), -1)
-                    loss = loss - args.entropy_coeff * agg_loss(-(logp.exp() * logp).sum(-1), resp_mask, "token-mean")
-                loss.backward()
-                mm = collect_mtp_metrics(num_microbatches=1)
-                om = collect_objective_metrics(o) if o != "hard_ce" else {}
-                if o == lead_obj:
-                    gn_base = float(torch.nn.utils.clip_grad_norm_(base_params, 1.0))
-                    gn_mtp = float(torch.nn.utils.clip_grad_norm_(mtp_params, 1.0))
-                    lead_opt.step()
-                else:
-                    gn_base = None
-                    gn_mtp = float(torch.nn.utils.clip_grad_norm_(
-                        [p for n, p in m.named_parameters() if _is_mtp(n)], 1.0))
-                    opts[o].step()
-                train[o] = {"policy_loss": float(pg.detach()), "kl_loss": float(kl.detach()), "grad_norm": gn_base,
-                            "mtp_grad_norm": gn_mtp, **{k: float(x) for k, x in mm.items()},
-                            **{k: float(x) for k, x in om.items()}}
-                del logits, lp, loss
-            for o in objs[1:]:  # a copy's own step left its trunk alone; then it receives the lead's
-                cur = dict(models[o].named_parameters())  # parameters (routers' load-count buffers move)
-                moved = [n for n, t in trunk_before.items() if n in cur and not torch.equal(cur[n], t)]
-                if moved:
-                    raise SystemExit(f"objective {o}: its step moved trunk tensors {moved[:5]} (the MTP objective "
-                                     "reached the trunk)")
-                _copy_into(models[o], lead, mtp=False)
-            v += 1
-            mtp_hist.append({n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)})
-            train["seconds"] = time.time() - t0
-            version_row(v, v, lr, train)
+        b = seq.shape[0]
+        reward = lang.reward(seq[:, P:])
+        tok_resp = torch.zeros(seq.shape, device=device)
+        tok_resp[:, P:] = 1.0
+        resp_mask = torch.ones(b, L, device=device)
+        token_rewards = torch.zeros(b, L)
+        token_rewards[:, -1] = reward.cpu()
+        index = torch.arange(args.rl_prompts).repeat_interleave(args.rl_group).numpy()
+        adv, _ = grpo(token_rewards, resp_mask.cpu(), index)
+        adv = adv.to(device)
+        with torch.no_grad():
+            lead.eval()
+            old_lp = drift.token_logprobs(fwd(lead, seq, run_mtp=run_mtp_forward("online", Phase.LOGPROB)), seq)[:, sl]
+            ref_lp = drift.token_logprobs(fwd(ref, seq, run_mtp=False), seq)[:, sl]
+        train = {"reward": float(reward.mean()), "lr": lr}
+        trunk_before = {n: t.detach().clone() for n, t in lead.named_parameters() if not _is_mtp(n)}
+        for o in objs[::-1]:  # copies first, the lead last (its step moves the trunk the copies share)
+            m = models[o]
+            m.train()
+            if o == lead_obj:
+                trainer.zero_grad()
+            else:
+                opts[o].zero_grad(set_to_none=True)
+            reset_mtp_metrics()
+            reset_objective_metrics()
+            with mtp_objective_scope(m, o, temperature=1.0, loss_mask=tok_resp):
+                logits = fwd(m, seq, run_mtp=run_mtp_forward("online", Phase.TRAIN), loss_mask=tok_resp)
+            lp = drift.token_logprobs(logits, seq)[:, sl]
+            pg = policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=actor_cfg)[0]
+            loss = pg
+            kl = agg_loss(kl_penalty(lp, ref_lp, args.kl_type), resp_mask, "token-mean")
+            if args.kl_coef:
+                loss = loss + args.kl_coef * kl
+            if args.entropy_coeff:
+                logp = torch.log_softmax(logits[:, sl].float(), -1)
+                loss = loss - args.entropy_coeff * agg_loss(-(logp.exp() * logp).sum(-1), resp_mask, "token-mean")
+            loss.backward()
+            mm = collect_mtp_metrics(num_microbatches=1)
+            om = collect_objective_metrics(o) if o != "hard_ce" else {}
+            if o == lead_obj:
+                gn_base = float(torch.nn.utils.clip_grad_norm_(base_params, 1.0))
+                gn_mtp = float(torch.nn.utils.clip_grad_norm_(mtp_params, 1.0))
+                lead_opt.step()
+            else:
+                gn_base = None
+                gn_mtp = float(torch.nn.utils.clip_grad_norm_([p for n, p in m.named_parameters() if _is_mtp(n)], 1.0))
+                opts[o].step()
+            train[o] = {"policy_loss": float(pg.detach()), "kl_loss": float(kl.detach()), "grad_norm": gn_base,
+                        "mtp_grad_norm": gn_mtp, **{k: float(x) for k, x in mm.items()},
+                        **{k: float(x) for k, x in om.items()}}
+            del logits, lp, loss
+        for o in objs[1:]:  # a copy's own step left its trunk alone; then it receives the lead's
+            cur = dict(models[o].named_parameters())  # parameters (routers' load-count buffers move)
+            moved = [n for n, t in trunk_before.items() if n in cur and not torch.equal(cur[n], t)]
+            if moved:
+                raise SystemExit(f"objective {o}: its step moved trunk tensors {moved[:5]} (the MTP objective "
+                                 "reached the trunk)")
+            _copy_into(models[o], lead, mtp=False)
+        del trunk_before
+        mtp_hist.append({n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)})
+        train["seconds"] = time.time() - t0
     for p_ in probes.values():
         p_.close()
     write()
