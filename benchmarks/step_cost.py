@@ -42,8 +42,8 @@ Method, per shape and k (one engine each, ``load_format="dummy"``, bf16, engine 
    order rotated per repetition. Every pair is recorded (visit, round, place in the sequence, UTC time);
    per arm and batch the median, min and max over all visits, and c_k from the medians (and per round).
    ``--shared-capture-sizes`` gives every engine the same CUDA-graph size list (the union over ``--ks``
-   and ``--batches``) and the model one fixed path, so engines whose compile hash agrees reuse vLLM's
-   torch.compile cache (a later visit builds in ~20 s instead of ~90 s). ``--state FILE`` resumes a plan
+   and ``--batches``) and the model one fixed path, so an arm's later visits reuse vLLM's torch.compile cache
+   (measured at the 30B-A3B shape: 29-50 s per build once warm against 149-178 s; the hash still differs per k). ``--state FILE`` resumes a plan
    across device calls: visits already in FILE are skipped, FILE is rewritten after every visit.
 
 Outputs: ``<out>/step_cost_<tag>.json`` (rewritten after every engine) and a table.
