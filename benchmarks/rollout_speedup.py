@@ -62,7 +62,8 @@ Commands::
     # H200 with vLLM 0.26.0 (staging and the exact command: benchmarks/RESULTS.md, "Rollout speed-up")
     # The MTP objectives side by side under a recipe's drift, trainer side (see objective_drift_run; CPU ~1 min):
     ./run python benchmarks/rollout_speedup.py --objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 \
-        --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 --tag cpu_obj
+        --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 \
+        --tag cpu_obj
 
 Without verl on the path (the GPU machine) the RL step needs verl's pure-Python algorithms: the command
 there unpacks ``acceptance_drift.py --make-deps-bundle`` (see that script; ray is replaced by a
@@ -359,8 +360,9 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
     loss, so its only gradient is its MTP objective's; after the update the lead's trunk is copied into it,
     so the trunks are identical by construction (checked: a copy's trunk did not move during its own step).
     The frozen drafter is the pretrained MTP block; the stale one is the lead's MTP block of ``--stale-lag``
-    updates earlier. Per policy version, on the batch that version sampled (the one its update then trains
-    on, as the plugin's in-trainer estimate sees it), the :class:`AcceptanceProbe` estimates of every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
+    updates earlier. Per policy version, on the batch that version sampled (the one its update then
+    trains on, as the plugin's in-trainer estimate sees it), the :class:`AcceptanceProbe` estimates of
+    every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
     ``sum min(p, q)`` (probabilistic drafting) and greedy agreement, depth-2 overlap and agreement; and the
     policy's reward, entropy, and KL to the start policy."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty

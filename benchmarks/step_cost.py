@@ -42,8 +42,9 @@ Method, per shape and k (one engine each, ``load_format="dummy"``, bf16, engine 
    order rotated per repetition. Every pair is recorded (visit, round, place in the sequence, UTC time);
    per arm and batch the median, min and max over all visits, and c_k from the medians (and per round).
    ``--shared-capture-sizes`` gives every engine the same CUDA-graph size list (the union over ``--ks``
-   and ``--batches``) and the model one fixed path, so an arm's later visits reuse vLLM's torch.compile cache
-   (measured at the 30B-A3B shape: 29-50 s per build once warm against 149-178 s; the hash still differs per k). ``--state FILE`` resumes a plan
+   and ``--batches``) and the model one fixed path, so an arm's later visits reuse vLLM's torch.compile
+   cache (measured at the 30B-A3B shape: 29-50 s per build once warm against 149-178 s; the hash still
+   differs per k). ``--state FILE`` resumes a plan
    across device calls: visits already in FILE are skipped, FILE is rewritten after every visit.
 
 Outputs: ``<out>/step_cost_<tag>.json`` (rewritten after every engine) and a table.
@@ -279,10 +280,11 @@ def log(msg: str) -> None:
 def build(model_dir: str, k: int, args, method: str = "greedy"):
     from vllm import LLM
 
+    k_cap = max(args.ks) if args.shared_capture_sizes else k  # batched-token cap: every engine alike
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy", seed=0,
               max_model_len=args.max_model_len, max_num_seqs=max(args.batches), enable_prefix_caching=False,
               disable_log_stats=False,
-              max_num_batched_tokens=max(8192, max(args.batches) * ((max(args.ks) if args.shared_capture_sizes else k) + 1)))
+              max_num_batched_tokens=max(8192, max(args.batches) * (k_cap + 1)))
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.graphs:
