@@ -116,13 +116,10 @@ def test_greedy_generation_and_acceptance_equal_megatrons(env):
     measured = env.reader.step()
     P = len(env.prompts[0])
     seqs = [p + list(o[0].token_ids) for p, o in zip(env.prompts, outs)]
-    ref = torch.tensor(env.prompts)
+    from verl_mtp_plugin.testing.rl_loop import megatron_greedy
+
+    ref = megatron_greedy(env.model, env.prompts, L)
     with torch.no_grad():
-        for _ in range(L):
-            s = ref.shape[1]
-            lg = hybrid_forward(env.model, ref, torch.arange(s).expand(ref.shape[0], s), causal_mask(s),
-                                run_mtp_forward=False)
-            ref = torch.cat([ref, lg[:, -1].argmax(-1, keepdim=True)], dim=1)
         ids = torch.tensor(seqs)
         s = ids.shape[1]
         with AcceptanceProbe(env.model) as probe:

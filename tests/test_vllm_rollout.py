@@ -124,15 +124,9 @@ def test_greedy_generation_equals_megatrons_greedy_continuation(env):
     logits, _ = _megatron_forward(env, seqs)
     logp = torch.log_softmax(logits, -1)
     # megatron's own greedy continuation, autoregressively (full recompute per token)
-    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.testing.rl_loop import megatron_greedy
 
-    ref = torch.tensor(env.prompts)
-    with torch.no_grad():
-        for _ in range(L):
-            s = ref.shape[1]
-            lg = hybrid_forward(env.model, ref, torch.arange(s).expand(ref.shape[0], s), causal_mask(s),
-                                run_mtp_forward=False)
-            ref = torch.cat([ref, lg[:, -1].argmax(-1, keepdim=True)], dim=1)
+    ref = megatron_greedy(env.model, env.prompts, L)
     diverged_without_tie = 0
     for i, seq in enumerate(seqs):
         vllm_tokens, meg_tokens = seq[P:], ref[i, P:].tolist()

@@ -198,6 +198,22 @@ def warmed_demo_model(make_spec, steps: int, *, seed: int = 0):
     return task, spec, model, gen
 
 
+def megatron_greedy(model, prompts, steps: int) -> torch.Tensor:
+    """Megatron's own greedy continuation of ``prompts`` (equal-length token lists) by ``steps`` tokens,
+    autoregressively with a full recompute per token, no MTP: ``[batch, prompt + steps]``."""
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.testing import causal_mask
+
+    ref = torch.tensor(prompts)
+    with torch.no_grad():
+        for _ in range(steps):
+            s = ref.shape[1]
+            lg = hybrid_forward(model, ref, torch.arange(s).expand(ref.shape[0], s), causal_mask(s),
+                                run_mtp_forward=False)
+            ref = torch.cat([ref, lg[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ref
+
+
 def _warmup(model, task: DemoTask, steps: int, gen: torch.Generator, device) -> float:
     """Supervised steps on correct copies, MTP trained with the model (a stand-in checkpoint)."""
     from verl_mtp_plugin.control import hybrid_forward
