@@ -105,7 +105,7 @@ def test_greedy_generation_and_acceptance_equal_megatrons(env):
     """vLLM (bf16, k=1) vs the megatron MoE model (fp32) on the same weights: greedy continuations identical
     except after a near-tie (top-2 within 0.1 nat), at most 2 of 16 prompts differ; the measured k=1 acceptance
     equals the one predicted from megatron's MTP head on vLLM's sequences within 0.05."""
-    from test_vllm_rollout import _predicted_greedy_k1
+    from test_vllm_rollout import _diverged_without_tie, _predicted_greedy_k1
 
     from verl_mtp_plugin.acceptance import AcceptanceProbe
     from verl_mtp_plugin.control import hybrid_forward
@@ -127,15 +127,7 @@ def test_greedy_generation_and_acceptance_equal_megatrons(env):
                                     run_mtp_forward=True)
             mtp = probe.mtp_logits(1).float()
     logp = torch.log_softmax(logits.float(), -1)
-    bad = 0
-    for i, seq in enumerate(seqs):
-        mine, theirs = seq[P:], ref[i, P:].tolist()
-        if mine == theirs:
-            continue
-        j = next(j for j in range(L) if mine[j] != theirs[j])
-        top2 = logp[i, P - 1 : P + j].topk(2, dim=-1).values
-        bad += not bool(((top2[:, 0] - top2[:, 1]) < 0.1).any())
-    assert bad == 0
+    assert _diverged_without_tie(seqs, ref, logp, P, L) == 0
     assert sum(seq[P:] == ref[i, P:].tolist() for i, seq in enumerate(seqs)) >= len(seqs) - 2
     drafts, accepted = _predicted_greedy_k1(mtp, seqs, P, L)
     assert measured["rollout/spec_num_drafts"] >= 50
