@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``run RECIPE WORKDIR [options] -- OVERRIDES``: argparse does not give a positional list back once options
     # followed it, so what follows ``--`` is taken here
-    after = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, after = ap.parse_args(argv[:cut]), argv[cut + 1:]
     if after:
         if args.cmd != "run":
             ap.error("overrides after -- are for the run command")

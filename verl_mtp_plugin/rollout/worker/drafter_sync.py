@@ -454,11 +454,11 @@ class MTPDrafterSync:
         self._ntensors["target"] += len(target)
         if self._load:
             if self._local_experts is not None:
-                keep = [(n, t) for n, t in drafter if self._is_local(n)]
-                elsewhere = [(n, t) for n, t in drafter if not self._is_local(n)]
+                local = [self._is_local(n) for n, _ in drafter]
+                elsewhere = [w for w, here in zip(drafter, local) if not here]
                 self._not_local.extend(n for n, _ in elsewhere)
                 self._bytes["not_local"] += _nbytes(elsewhere)
-                drafter = keep
+                drafter = [w for w, here in zip(drafter, local) if here]
             self._pending.extend((n, self._stage_copy(t)) for n, t in drafter)
             self._bytes["drafter"] += _nbytes(drafter)
             self._ntensors["drafter"] += len(drafter)
@@ -473,7 +473,7 @@ class MTPDrafterSync:
         m = _HF_EXPERT_RE.match(name.removeprefix("language_model."))
         if m is None:
             return True
-        kept = self._local_experts.get(int(m.group(1))) if self._local_experts else None
+        kept = self._local_experts.get(int(m.group(1)))
         return kept is None or int(m.group(2)) in kept
 
     def _stage_copy(self, t: torch.Tensor) -> torch.Tensor:
