@@ -65,6 +65,13 @@ Commands::
         --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 \
         --tag cpu_obj
 
+    # ... and the engines for it (--state from the trainer call): every arm interleaved, per drafting method:
+    ./run python benchmarks/rollout_speedup.py --objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 \
+        --kl-coef 0.001 --rl-weight-decay 0.1 --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 \
+        --tag cpu_obj --state /tmp/obj_state.pt                 # trainer: saves versions 0, 2, 4 (all arms)
+    ./run python benchmarks/rollout_speedup.py <the same flags> --ks 2 --draft-methods greedy,probabilistic \
+        --reps 5 --batches 8,16                                  # engines: see run_objectives_ipc
+
 Without verl on the path (the GPU machine) the RL step needs verl's pure-Python algorithms: the command
 there unpacks ``acceptance_drift.py --make-deps-bundle`` (see that script; ray is replaced by a
 placeholder holding only the annotation verl.protocol needs).
@@ -425,6 +432,12 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
             est = probe.estimate(logits, resp, max_positions=4096)
         return {k: float(x) for k, x in est.items()}
 
+    snap_versions = set(args.measure_versions or objective_measure_versions(args.rl_schedule))
+    snaps: dict = {}  # version -> {"trunk": [(name, t)], "mtp": {arm: [(name, t)]}} (HF names, rollout dtype, CPU)
+
+    def mtp_part(model) -> list:
+        return [(n, t.cpu()) for n, t in export_snapshot(model, spec.vocab_size, torch.bfloat16) if n.startswith("mtp.")]
+
     def version_row(v: int, lr: float, seq, train: dict) -> dict:
         """The estimates of policy version ``v`` on the batch it sampled (the batch its update then trains on)."""
         row = {"version": v, "updates": v, "lr": lr, "reward": float(lang.reward(seq[:, P:]).mean()),
@@ -440,12 +453,21 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
             row["arms"][o] = estimates(models[o], probes[o], seq)
         trunk_lead = {n: t for n, t in _tensors(lead).items() if not _is_mtp(n)}
         stale_v = max(0, v - args.stale_lag)
+        if v in snap_versions:  # what the engines load for this version: one trunk, one MTP block per arm
+            full = export_snapshot(lead, spec.vocab_size, torch.bfloat16)
+            snaps[v] = {"trunk": [(n, t.cpu()) for n, t in full if not n.startswith("mtp.")],
+                        "mtp": {lead_obj: [(n, t.cpu()) for n, t in full if n.startswith("mtp.")]}}
+            del full
+            for o in objs[1:]:
+                snaps[v]["mtp"][o] = mtp_part(models[o])
         for arm, mtp_state in (("frozen", mtp_hist[0]), ("stale", mtp_hist[stale_v])):
             with torch.no_grad():
                 for n, t in _tensors(probe_model).items():
                     t.copy_(mtp_state[n] if _is_mtp(n) else trunk_lead[n])
             row["arms"][arm] = {**estimates(probe_model, probes["_probe"], seq),
                                 "drafter_version": stale_v if arm == "stale" else 0}
+            if v in snap_versions:
+                snaps[v]["mtp"][arm] = mtp_part(probe_model)
         log(f"v{v} (lr {lr:g}): reward {row['reward']:.3f} entropy {row['entropy']:.3f} "
             f"KL-to-start {row['kl_to_start']:.2e} | p[argmax q] " +
             " ".join(f"{a} {r.get('mtp_argmax_draft_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items())
@@ -534,7 +556,31 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
         train["seconds"] = time.time() - t0
     for p_ in probes.values():
         p_.close()
+    result["objective_drift"]["snapshot_versions"] = sorted(snaps)
+    if snaps:
+        first = snaps[min(snaps)]
+        result["payload"] = {"tensors": len(first["trunk"]) + len(first["mtp"][lead_obj]),
+                             "bytes": sum(t.numel() * t.element_size() for _, t in first["trunk"] + first["mtp"][lead_obj]),
+                             "mtp_tensors": len(first["mtp"][lead_obj]),
+                             "mtp_bytes": sum(t.numel() * t.element_size() for _, t in first["mtp"][lead_obj])}
     write()
+    if args.state:  # for a later call: the engines, every arm side by side (run_objectives_ipc)
+        t0 = time.time()
+        torch.save({"objective_snapshots": snaps, "objective_drift": result["objective_drift"],
+                    "pretrain": result["pretrain"], "payload": result.get("payload"),
+                    "params": result["params"], "spec_pattern": spec.pattern, "hidden_size": spec.hidden_size,
+                    "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+                   args.state)
+        log(f"objective run saved to {args.state} ({len(snaps)} versions) in {time.time() - t0:.1f}s")
+
+
+def objective_measure_versions(schedule) -> list[int]:
+    """The policy versions the engines measure by default: the start and the end of each schedule segment."""
+    out, v = [0], 0
+    for n_updates, _ in schedule:
+        v += n_updates
+        out.append(v)
+    return out
 
 
 # --------------------------------------------------------------------------- vLLM side
@@ -812,6 +858,15 @@ def parse_args(argv=None):
     ap.add_argument("--entropy-coeff", type=float, default=0.0, help="entropy bonus (recipes: 0)")
     ap.add_argument("--rl-weight-decay", type=float, default=0.0, help="AdamW weight decay in RL (recipes: 0.1)")
     ap.add_argument("--stale-lag", type=int, default=10, help="with --objectives: the stale drafter's age in updates")
+    ap.add_argument("--measure-versions", default=None,
+                    help="with --objectives --state: policy versions saved for the engines (default: 0 and the end "
+                         "of each --rl-schedule segment)")
+    ap.add_argument("--draft-methods", default=None,
+                    help="with --objectives, engine call: comma list of drafting methods, one engine per k and method "
+                         "(default: --draft-sample-method)")
+    ap.add_argument("--capture", default="full", choices=("full", "lean"),
+                    help="CUDA-graph sizes: full (every size up to N x (k+1)) or lean (1..8 and N, N x (k+1) of "
+                         "--batches: the sizes these fixed-batch calls run; shorter engine builds)")
     args = ap.parse_args(argv)
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -845,6 +900,11 @@ def parse_args(argv=None):
             raise SystemExit("--objectives needs --trainer-dtype fp32 (the objective copies receive the lead's trunk "
                              "by a parameter copy, which megatron's bf16 optimizer would overwrite from its fp32 "
                              "main params)")
+    args.measure_versions = [int(x) for x in (args.measure_versions or "").split(",") if x.strip()]
+    args.draft_methods = [m for m in (args.draft_methods or args.draft_sample_method).split(",") if m]
+    for m in args.draft_methods:
+        if m not in ("greedy", "probabilistic"):
+            raise SystemExit(f"--draft-methods: {m!r} is not greedy or probabilistic")
     sched = args.rl_schedule or f"{args.rl_steps}@{args.rl_lr}"
     args.rl_schedule = [(int(a), float(b)) for a, b in (x.split("@") for x in sched.split(",") if x)]
     return args
@@ -921,6 +981,21 @@ def main(argv=None) -> int:
         f"{n_params / 1e6:.1f} M params ({n_mtp / 1e6:.1f} M MTP); trainer {args.trainer_dtype}, "
         f"Mamba {args.mamba_impl if CUDA else 'torch reference (CPU)'}")
 
+    if state is not None and "objective_snapshots" in state:
+        if args.update_path != "ipc":
+            raise SystemExit("--state is for the ipc path")
+        log(f"objective run loaded from {args.state} (versions {sorted(state['objective_snapshots'])}, saved "
+            f"{state['saved_utc']}); no trainer in this process")
+        result.update(pretrain=state["pretrain"], objective_drift=state["objective_drift"], payload=state["payload"],
+                      state={"path": args.state, "saved_utc": state["saved_utc"]}, update_path="ipc")
+        for snap in state["objective_snapshots"].values():  # verl's sender streams device tensors (CUDA IPC)
+            snap["trunk"] = [(n, t.to(device)) for n, t in snap["trunk"]]
+            snap["mtp"] = {a: [(n, t.to(device)) for n, t in ts] for a, ts in snap["mtp"].items()}
+        run_objectives_ipc(result, write, spec, lang, state, args, deadline)
+        report_objectives(result)
+        write()
+        log(f"wrote {out_path}")
+        return 0
     if state is not None:
         log(f"trainer run loaded from {args.state} ({len(state['snapshots'])} policy versions, saved "
             f"{state['saved_utc']}); no trainer in this process")
@@ -1090,6 +1165,47 @@ def engine_memory_utilization(free_bytes: int, total_bytes: int, margin: float =
     return max(0.05, round(free_bytes / total_bytes - margin, 3))
 
 
+def start_ipc_engine(spec, args, result: dict, name: str, k: int, method: str):
+    """One engine of the production update path (``cpu.vllm_engine.build_engine``: the plugin's worker
+    extension, engine core in its own process on CUDA), ``k`` speculative tokens drafted with ``method``,
+    CUDA graphs for the sizes of ``--capture``; its build time goes to ``result["engine_build_s"][name]``."""
+    from verl_mtp_plugin.cpu.vllm_engine import build_engine as build_rollout_engine
+
+    mode = args.graph_modes[0]
+    top = max(args.batches) * (k + 1)
+    extra = {"max_num_batched_tokens": max(8192, top)}
+    if k and method != "greedy":
+        extra["speculative_config"] = {"draft_sample_method": method}
+    if mode == "graphs":
+        if args.capture == "lean":
+            sizes = sorted({1, 2, 4, 8} | {n for n in args.batches} | {n * (k + 1) for n in args.batches})
+        else:
+            sizes = capture_sizes(top)
+        extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,
+                                                              "max_cudagraph_capture_size": max(sizes)})
+    if CUDA:
+        # vLLM refuses to start unless the device's free memory is at least gpu_memory_utilization x total
+        # (``v1/worker/utils.py: request_memory``), even with an explicit cache size; the colocated trainer
+        # holds the rest, so ask for what is free now (the cache size is kv_cache_memory_bytes)
+        free, total = torch.cuda.mem_get_info()
+        extra["gpu_memory_utilization"] = engine_memory_utilization(free, total)
+        result.setdefault("gpu_memory_at_engine_start", {})[name] = {
+            "free_gib": free / 2**30, "total_gib": total / 2**30,
+            "gpu_memory_utilization": extra["gpu_memory_utilization"]}
+    t0 = time.time()
+    try:
+        eng = build_rollout_engine(
+            spec, os.path.join(args.workdir, name), num_speculative_tokens=k, max_model_len=args.max_model_len,
+            max_num_seqs=max(args.batches), kv_cache_mib=int(args.kv_cache_gib * 1024), in_process=not CUDA,
+            drafter_sync="online", extra_engine_args=extra)
+    except Exception as e:
+        raise EngineStartError(f"engine {name} did not start: {type(e).__name__}: {e}") from e
+    eng.bucket_mb = args.bucket_mb
+    result.setdefault("engine_build_s", {})[name] = time.time() - t0
+    log(f"engine {name} ({mode}, {method if k else 'no speculation'}) built in {time.time() - t0:.1f}s")
+    return eng
+
+
 def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
     """Engines with the plugin's worker extension; every policy version through verl's update path.
 
@@ -1100,8 +1216,6 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
     every version at the first batch size, the last version at every batch size. Then the stale drafter on
     the same engine: version 0 synced online, the extension switched to ``frozen``
     (``mtp_configure_sync``), the last version synced (target only: 0 drafter bytes), measured."""
-    from verl_mtp_plugin.cpu.vllm_engine import build_engine as build_rollout_engine
-
     last = len(snapshots) - 1
     mode = args.graph_modes[0]
     prompts = {n: lang.prompts(n, torch.Generator().manual_seed(args.seed + 300 + n)).tolist() for n in args.batches}
@@ -1119,34 +1233,7 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
 
     def one_engine(k: int) -> None:
         name = "no_spec" if k == 0 else f"k{k}"
-        top = max(args.batches) * (k + 1)
-        extra = {"max_num_batched_tokens": max(8192, top)}
-        if k and args.draft_sample_method != "greedy":
-            extra["speculative_config"] = {"draft_sample_method": args.draft_sample_method}
-        if mode == "graphs":
-            sizes = capture_sizes(top)
-            extra.update(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": sizes,
-                                                                  "max_cudagraph_capture_size": max(sizes)})
-        if CUDA:
-            # vLLM refuses to start unless the device's free memory is at least gpu_memory_utilization x total
-            # (``v1/worker/utils.py: request_memory``), even with an explicit cache size; the colocated trainer
-            # holds the rest, so ask for what is free now (the cache size is kv_cache_memory_bytes)
-            free, total = torch.cuda.mem_get_info()
-            extra["gpu_memory_utilization"] = engine_memory_utilization(free, total)
-            result.setdefault("gpu_memory_at_engine_start", {})[name] = {
-                "free_gib": free / 2**30, "total_gib": total / 2**30,
-                "gpu_memory_utilization": extra["gpu_memory_utilization"]}
-        t0 = time.time()
-        try:
-            eng = build_rollout_engine(
-                spec, os.path.join(args.workdir, name), num_speculative_tokens=k, max_model_len=args.max_model_len,
-                max_num_seqs=max(args.batches), kv_cache_mib=int(args.kv_cache_gib * 1024), in_process=not CUDA,
-                drafter_sync="online", extra_engine_args=extra)
-        except Exception as e:
-            raise EngineStartError(f"engine {name} did not start: {type(e).__name__}: {e}") from e
-        eng.bucket_mb = args.bucket_mb
-        builds[name] = time.time() - t0
-        log(f"engine {name} ({mode}) built in {builds[name]:.1f}s")
+        eng = start_ipc_engine(spec, args, result, name, k, args.draft_sample_method)
         try:
             if k:
                 places[name] = eng.rpc("mtp_drafter_place")
@@ -1211,6 +1298,198 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
     summarize_batches(result)
     write()
     print_batches(result)
+
+
+def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None:
+    """The engines of an ``--objectives`` run: every arm side by side, interleaved, on one engine per setting.
+
+    Engines (production update path, see :func:`start_ipc_engine`): no speculation, then for each k of ``--ks``
+    and each drafting method of ``--draft-methods`` one engine. Per saved policy version ``v`` (the trainer's
+    ``--measure-versions``) the arms are: no speculation (its engine), and on each speculative engine every
+    objective's synced drafter, ``frozen`` (the pretrained MTP block) and ``stale`` (the lead's MTP block of
+    ``--stale-lag`` updates earlier), each with version ``v``'s trunk; at version 0 every drafter is the same
+    block, so one arm (``synced``) is measured there. Before each call the arm's weights go in through
+    ``RolloutEngine.sync`` (the worker RPC ``update_weights_from_ipc``, online mode: trunk + that arm's MTP block,
+    drafter verified by name); one warm-up call per version and batch size, then ``--reps`` rounds, each arm once
+    per round in an order rotated by one place every round (so that no arm is always measured first or last);
+    per call: tokens/s and vLLM's spec-decode counter deltas (acceptance per position, drafts). Every version at
+    the first of ``--batches``, the last version at each."""
+    from vllm import SamplingParams
+
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts, total_counts
+
+    snaps = state["objective_snapshots"]
+    versions = sorted(snaps)
+    last = versions[-1]
+    od = state["objective_drift"]
+    objs = od["objectives"]
+    est_rows = {r["version"]: r for r in od["versions"]}
+    prompts = {n: lang.prompts(n, torch.Generator().manual_seed(args.seed + 300 + n)).tolist() for n in args.batches}
+    calls: list = []
+    cells: list = []
+    syncs: list = []
+    result.update(objective_calls=calls, objective_cells=cells, syncs=syncs, graphs=args.graph_modes[0],
+                  batches=args.batches, draft_methods=args.draft_methods, measured_versions=versions,
+                  runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"), drafter_places={})
+
+    def arms_at(v: int, k: int) -> list[str]:
+        if k == 0:
+            return ["no_spec"]
+        return ["synced"] if v == 0 else [*objs, "frozen", "stale"]
+
+    def weights(v: int, arm: str) -> list:
+        mtp = snaps[v]["mtp"][objs[0] if arm in ("synced", "no_spec") else arm]
+        return snaps[v]["trunk"] + mtp
+
+    def one_call(eng, n: int) -> dict:
+        sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+        before = spec_counts(eng.llm)
+        if CUDA:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = eng.llm.generate([{"prompt_token_ids": p} for p in prompts[n]], sp, use_tqdm=False)
+        if CUDA:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt,
+                "counts": spec_counts(eng.llm).minus(before)}
+
+    def one_engine(k: int, method: str) -> None:
+        name = "no_spec" if k == 0 else f"k{k}_{method}"
+        eng = start_ipc_engine(spec, args, result, name, k, method)
+        try:
+            if k:
+                result["drafter_places"][name] = eng.rpc("mtp_drafter_place")
+            loaded = None
+            for v in versions:
+                arms = arms_at(v, k)
+                batches = args.batches if v == last else args.batches[:1]
+                by_cell: dict = {(a, n): [] for a in arms for n in batches}
+
+                def load(arm: str) -> None:
+                    nonlocal loaded
+                    if loaded == (v, arm):
+                        return
+                    s = eng.sync(iter(weights(v, arm)))
+                    syncs.append({"engine": name, "version": v, "arm": arm,
+                                  **{kk: vv for kk, vv in s.items() if isinstance(vv, (int, float))}})
+                    loaded = (v, arm)
+
+                load(arms[0])
+                for n in batches:  # warm-up (not recorded)
+                    one_call(eng, n)
+                for r in range(args.reps):
+                    order = arms[r % len(arms):] + arms[:r % len(arms)]
+                    for place, arm in enumerate(order):
+                        load(arm)
+                        for n in batches:
+                            c = one_call(eng, n)
+                            by_cell[(arm, n)].append(c)
+                            calls.append({"engine": name, "k": k, "method": method if k else None, "version": v,
+                                          "arm": arm, "batch": n, "round": r, "place": place,
+                                          "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                              timespec="seconds"),
+                                          "seconds": c["seconds"], "tokens": c["tokens"],
+                                          "tokens_per_s": round(c["tokens_per_s"], 1),
+                                          "accepted_per_pos": list(getattr(c["counts"], "accepted_per_pos", []) or []),
+                                          "drafts": getattr(c["counts"], "num_drafts", None)})
+                for (arm, n), cs in by_cell.items():
+                    m = spec_metrics_from_counts(total_counts([c["counts"] for c in cs])) if k else {}
+                    rates = [c["tokens_per_s"] for c in cs]
+                    e = est_rows.get(v, {}).get("arms", {}).get(objs[0] if arm in ("synced", "no_spec") else arm, {})
+                    cell = {"engine": name, "k": k, "method": method if k else None, "version": v, "arm": arm,
+                            "batch": n, "calls": len(cs), "tokens_per_s": statistics.median(rates),
+                            "tokens_per_s_all": [round(x, 1) for x in rates],
+                            "spread": max(rates) / min(rates),
+                            "accept_rate": m.get("rollout/spec_accept_rate"),
+                            "accept_length": m.get("rollout/spec_accept_length"),
+                            "accept_rate_pos": [m[f"rollout/spec_accept_rate_pos_{i}"] for i in range(8)
+                                                if f"rollout/spec_accept_rate_pos_{i}" in m],
+                            "num_drafts": m.get("rollout/spec_num_drafts"),
+                            "estimate": {kk: e.get(kk) for kk in (
+                                "mtp_argmax_draft_accept_rate", "mtp_expected_accept_rate", "mtp_greedy_accept_rate",
+                                "mtp_expected_accept_rate_depth2", "mtp_greedy_accept_rate_depth2")
+                                if e.get(kk) is not None}}
+                    cells.append(cell)
+                    log(f"  {name} v{v} {arm:<8} N={n}: {cell['tokens_per_s']:.0f} tok/s (x{cell['spread']:.2f} spread, "
+                        f"{len(cs)} calls) accept pos {[round(x, 3) for x in cell['accept_rate_pos']]} length "
+                        f"{cell['accept_length']} | est argmax {e.get('mtp_argmax_draft_accept_rate', float('nan')):.3f} "
+                        f"overlap {e.get('mtp_expected_accept_rate', float('nan')):.3f}")
+                write()
+        finally:
+            eng.close()
+            del eng
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+            write()
+
+    plan = ([(0, None)] if args.baseline else []) + [(k, m) for k in args.ks for m in args.draft_methods]
+    est_engine = None
+    for k, method in plan:
+        if est_engine is not None and time.time() + est_engine > deadline:
+            log(f"budget: skipping engine k={k} {method}")
+            result.setdefault("skipped", []).append(f"k={k} {method}")
+            continue
+        t0 = time.time()
+        try:
+            one_engine(k, method)
+        except EngineStartError as e:
+            result.setdefault("errors", []).append(str(e))
+            log(f"STOP: {e} (engine-core log above has the root cause)")
+            break
+        except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed, go on
+            result.setdefault("errors", []).append(f"k={k} {method}: {type(e).__name__}: {e}")
+            log(f"engine k={k} {method} FAILED: {type(e).__name__}: {e}")
+        est_engine = time.time() - t0
+    write()
+
+
+#: Step cost c_k of one speculative step over a plain decode step at the 30B-A3B shape (H200, vLLM 0.26, V2 runner,
+#: CUDA graphs; median of 6 calls in two mirrored rounds): ``benchmarks/results/step_cost_h200_nano_rounds.json``,
+#: RESULTS.md "Step cost by size". Keys: (drafting method, sequences) -> {k: c_k}.
+STEP_COST_30B_A3B = {("greedy", 64): {1: 1.184, 2: 1.325, 3: 1.457}, ("probabilistic", 64): {1: 1.183, 2: 1.346, 3: 1.467},
+                     ("greedy", 256): {1: 1.284, 2: 1.639, 3: 2.543},
+                     ("probabilistic", 256): {1: 1.290, 2: 1.662, 3: 2.566}}
+
+
+def report_objectives(result: dict) -> dict:
+    """Per version, batch, drafting method and arm: vLLM's acceptance per position and tokens per step at each
+    k' <= k (``1 + sum of the first k' unconditional position rates``: a draft's acceptance at position i does
+    not depend on how many positions follow it), the trainer's estimate beside position 1, the end-to-end
+    tokens/s over no speculation, and the speed-up projected to the 30B-A3B step cost (tokens per step / c_k').
+    Also the synced/stale ratio of tokens per step for each objective."""
+    cells = result.get("objective_cells", [])
+    base = {(c["version"], c["batch"]): c for c in cells if c["k"] == 0}
+    rows = []
+    for c in cells:
+        if not c["k"] or not c["accept_rate_pos"]:
+            continue
+        b = base.get((c["version"], c["batch"]))
+        est = c["estimate"].get("mtp_argmax_draft_accept_rate" if c["method"] == "greedy" else "mtp_expected_accept_rate")
+        tps = {kk: 1 + sum(c["accept_rate_pos"][:kk]) for kk in range(1, c["k"] + 1)}
+        ck = STEP_COST_30B_A3B.get((c["method"], c["batch"]), {})
+        rows.append({**{x: c[x] for x in ("version", "batch", "method", "k", "arm", "calls", "accept_rate_pos",
+                                          "tokens_per_s", "spread", "tokens_per_s_all")},
+                     "estimate_pos1": est, "pos1_minus_estimate": None if est is None else c["accept_rate_pos"][0] - est,
+                     "tokens_per_step": tps,
+                     "speedup_end_to_end": c["tokens_per_s"] / b["tokens_per_s"] if b else None,
+                     "speedup_30b_a3b": {kk: tps[kk] / ck[kk] for kk in tps if kk in ck}})
+    for r in rows:
+        stale = next((x for x in rows if x["arm"] == "stale" and all(x[f] == r[f] for f in ("version", "batch", "method", "k"))), None)
+        r["over_stale"] = ({kk: r["tokens_per_step"][kk] / stale["tokens_per_step"][kk] for kk in r["tokens_per_step"]}
+                           if stale else None)
+    result["objective_report"] = rows
+    for r in rows:
+        print(f"v{r['version']:<3} N={r['batch']:<4} {r['method']:<13} k={r['k']} {r['arm']:<8} pos "
+              f"{[round(x, 3) for x in r['accept_rate_pos']]} est {r['estimate_pos1'] if r['estimate_pos1'] is None else round(r['estimate_pos1'], 3)} "
+              f"tok/step {[round(x, 2) for x in r['tokens_per_step'].values()]} 30B-A3B "
+              f"{[round(x, 2) for x in r['speedup_30b_a3b'].values()]} e2e "
+              f"{r['speedup_end_to_end'] if r['speedup_end_to_end'] is None else round(r['speedup_end_to_end'], 2)} "
+              f"(x{r['spread']:.2f} spread) over stale "
+              f"{None if r['over_stale'] is None else [round(x, 3) for x in r['over_stale'].values()]}")
+    return result
 
 
 def summarize_batches(result: dict) -> None:
