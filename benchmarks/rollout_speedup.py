@@ -479,13 +479,21 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
 
     schedule = [lr for n_updates, lr in args.rl_schedule for _ in range(n_updates)]
     train: dict = {}
+    deadline = T0 + args.budget if args.budget else float("inf")
+    last_s = 0.0
     for v in range(len(schedule) + 1):
         t0 = time.time()
+        # --budget: stop early rather than lose the run; the version reached is then saved for the engines
+        stop = v < len(schedule) and time.time() + 2.5 * last_s + 60.0 > deadline
+        if stop:
+            snap_versions.add(v)
+            result["objective_drift"]["stopped_at_version"] = v
+            log(f"budget: stopping the schedule at version {v} of {len(schedule)}")
         prompts = lang.prompts(args.rl_prompts, prompt_gen).repeat_interleave(args.rl_group, dim=0).to(device)
         u = torch.rand(prompts.shape[0], L, generator=sample_gen).to(device)
         seq = drift.sample(lead, "online", fwd, prompts, u)
         version_row(v, schedule[v - 1] if v else 0.0, seq, train)
-        if v == len(schedule):
+        if v == len(schedule) or stop:
             break
         lr = schedule[v]
         for g in lead_opt.param_groups:
@@ -553,7 +561,7 @@ def objective_drift_run(result: dict, write, spec, lang, trainer: "Trainer", fwd
             _copy_into(models[o], lead, mtp=False)
         del trunk_before
         mtp_hist.append({n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)})
-        train["seconds"] = time.time() - t0
+        train["seconds"] = last_s = time.time() - t0
     for p_ in probes.values():
         p_.close()
     result["objective_drift"]["snapshot_versions"] = sorted(snaps)
