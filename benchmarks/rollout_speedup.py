@@ -855,9 +855,10 @@ def parse_args(argv=None):
                          "in later calls, side by side in one)")
     ap.add_argument("--objectives", default=None,
                     help="comma list of online MTP objectives (hard_ce, soft_ce, tv) trained in lock-step on the same "
-                         "rollouts (the first is the lead whose trunk every copy receives after each update); with "
-                         "two or more the run is trainer-side only: per policy version the acceptance estimates of "
-                         "each objective's drafter, the frozen one and the stale one (see objective_drift_run)")
+                         "rollouts (the first is the lead whose trunk every copy receives after each update): per "
+                         "policy version the acceptance estimates of each objective's drafter, the frozen one and the "
+                         "stale one (objective_drift_run); with --state the versions of --measure-versions are saved "
+                         "and a later call with the same flags measures every arm in vLLM (run_objectives_ipc)")
     ap.add_argument("--rl-schedule", default=None,
                     help="with --objectives: 'updates@lr,...' (default: --rl-steps at --rl-lr), e.g. 12@1e-6,3@2e-4 "
                          "(the recipe's learning rate, then the fast stress drift)")
@@ -1287,22 +1288,8 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
             summarize_batches(result)
             write()
 
-    est_engine = None
-    for k in ([0] if args.baseline else []) + [k for k in args.ks if k]:
-        if est_engine is not None and time.time() + est_engine > deadline:
-            log(f"budget: skipping engine k={k}")
-            continue
-        t0 = time.time()
-        try:
-            one_engine(k)
-        except EngineStartError as e:  # the next engines would fail the same way: stop here, say why
-            result.setdefault("errors", []).append(str(e))
-            log(f"STOP: {e} (engine-core log above has the root cause)")
-            break
-        except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed, go on
-            result.setdefault("errors", []).append(f"k={k}: {type(e).__name__}: {e}")
-            log(f"engine k={k} FAILED: {type(e).__name__}: {e}")
-        est_engine = time.time() - t0
+    run_engine_plan([(k,) for k in ([0] if args.baseline else []) + [k for k in args.ks if k]], one_engine, result,
+                    deadline)
     summarize_batches(result)
     write()
     print_batches(result)
@@ -1434,24 +1421,32 @@ def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None
             write()
 
     plan = ([(0, None)] if args.baseline else []) + [(k, m) for k in args.ks for m in args.draft_methods]
+    run_engine_plan(plan, one_engine, result, deadline)
+    write()
+
+
+def run_engine_plan(plan: list[tuple], one_engine, result: dict, deadline: float) -> None:
+    """``one_engine(*entry)`` for each entry of ``plan`` in order, skipping an engine that the last one's wall time
+    says would pass ``deadline``; a start failure stops the plan (the next engines would fail alike), another
+    failure is recorded and the plan goes on (what was measured is kept)."""
     est_engine = None
-    for k, method in plan:
+    for entry in plan:
+        what = "k=" + " ".join(str(x) for x in entry if x is not None)
         if est_engine is not None and time.time() + est_engine > deadline:
-            log(f"budget: skipping engine k={k} {method}")
-            result.setdefault("skipped", []).append(f"k={k} {method}")
+            log(f"budget: skipping engine {what}")
+            result.setdefault("skipped", []).append(what)
             continue
         t0 = time.time()
         try:
-            one_engine(k, method)
-        except EngineStartError as e:
+            one_engine(*entry)
+        except EngineStartError as e:  # the next engines would fail the same way: stop here, say why
             result.setdefault("errors", []).append(str(e))
             log(f"STOP: {e} (engine-core log above has the root cause)")
             break
         except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed, go on
-            result.setdefault("errors", []).append(f"k={k} {method}: {type(e).__name__}: {e}")
-            log(f"engine k={k} {method} FAILED: {type(e).__name__}: {e}")
+            result.setdefault("errors", []).append(f"{what}: {type(e).__name__}: {e}")
+            log(f"engine {what} FAILED: {type(e).__name__}: {e}")
         est_engine = time.time() - t0
-    write()
 
 
 #: Step cost c_k of one speculative step over a plain decode step at the 30B-A3B shape (H200, vLLM 0.26, V2 runner,
