@@ -86,6 +86,24 @@ def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
     assert "ray init kwargs" not in out.stdout  # verl's run_ppo was never reached
 
 
+def test_main_ppo_takes_the_deletion_mode_off_needs(tmp_path):
+    """Mode off on a shipped recipe through python -m verl_mtp_plugin.main_ppo: Hydra's ``~key`` deletes the recipe's
+    speculative_config (without it the start-up check refuses the drafting method: test_check_of_mode_off_...); an
+    unknown plugin trainer keeps the run from starting Ray and shows the check ran on the composed config."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-name=grpo_frozen", f"hydra.run.dir={tmp_path}",
+           "actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.enable_train=false",
+           "actor_rollout_ref.model.mtp.enable_rollout=false",
+           "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config", "trainer.v1.trainer_mode=mtp_nope"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "verl_mtp_plugin: invalid verl config" in out.stderr and "trainer.v1.trainer_mode='mtp_nope'" in out.stderr
+    assert "speculative_config" not in out.stderr, out.stderr[-2000:]  # deleted: nothing left to refuse
+    assert "ray init kwargs" not in out.stdout
+
+
 def test_main_ppo_finds_the_shipped_recipes_through_the_package(tmp_path, monkeypatch):
     """No --config-path: a shipped recipe name reads the package's folder; the documented relative
     --config-path means the shipped folder from any working directory; verl's own relative paths keep
