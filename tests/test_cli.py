@@ -23,14 +23,30 @@ def test_check_accepts_a_shipped_recipe_and_prints_its_table(capsys):
 
 def test_check_shows_the_objective_and_the_drafting_method_with_its_memory(capsys):
     assert main(["check", f"{RECIPES}/grpo_online.yaml",
-                 "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE=soft_ce",
-                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method=probabilistic"]) == 0
+                 "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE=soft_ce"]) == 0
     out = capsys.readouterr().out
-    assert "objective: soft_ce" in out and "draft_sample_method: probabilistic" in out
+    assert "objective: soft_ce" in out and "draft_sample_method: probabilistic" in out  # the recipes' method
     assert "draft_memory: draft probabilities max_num_seqs 256 x k 2 x vocab" in out
     assert main(["check", f"{RECIPES}/grpo_frozen.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "objective: hard_ce" in out and "draft_sample_method: greedy" in out
+    assert "objective: hard_ce" in out and "draft_sample_method: probabilistic" in out
+    assert main(["check", f"{RECIPES}/grpo_frozen.yaml",
+                 "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method=greedy"]) == 0
+    out = capsys.readouterr().out
+    assert "draft_sample_method: greedy" in out and "token ids only" in out
+
+
+def test_check_of_mode_off_needs_the_recipes_drafting_method_dropped(capsys):
+    off = ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.enable_train=false",
+           "actor_rollout_ref.model.mtp.enable_rollout=false"]
+    rc = main(["check", f"{RECIPES}/grpo_frozen.yaml", *off])
+    err = capsys.readouterr().err
+    assert rc == 2 and "draft_sample_method=probabilistic only tunes MTP speculation" in err
+    assert "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config" in err
+    assert main(["check", f"{RECIPES}/grpo_frozen.yaml", *off,
+                 "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "draft_sample_method: None" in out
 
 
 def test_check_rejects_a_contradiction_naming_the_keys(capsys):
@@ -68,6 +84,24 @@ def test_main_ppo_refuses_contradictions_before_starting_ray(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     assert "verl_mtp_plugin: invalid verl config" in out.stderr and "trainer.use_v1=false" in out.stderr
     assert "ray init kwargs" not in out.stdout  # verl's run_ppo was never reached
+
+
+def test_main_ppo_takes_the_deletion_mode_off_needs(tmp_path):
+    """Mode off on a shipped recipe through python -m verl_mtp_plugin.main_ppo: Hydra's ``~key`` deletes the recipe's
+    speculative_config (without it the start-up check refuses the drafting method: test_check_of_mode_off_...); an
+    unknown plugin trainer keeps the run from starting Ray and shows the check ran on the composed config."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-name=grpo_frozen", f"hydra.run.dir={tmp_path}",
+           "actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.enable_train=false",
+           "actor_rollout_ref.model.mtp.enable_rollout=false",
+           "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config", "trainer.v1.trainer_mode=mtp_nope"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "verl_mtp_plugin: invalid verl config" in out.stderr and "trainer.v1.trainer_mode='mtp_nope'" in out.stderr
+    assert "speculative_config" not in out.stderr, out.stderr[-2000:]  # deleted: nothing left to refuse
+    assert "ray init kwargs" not in out.stdout
 
 
 def test_main_ppo_finds_the_shipped_recipes_through_the_package(tmp_path, monkeypatch):

@@ -238,6 +238,8 @@ def test_draft_method_advice_stays_quiet_or_points_back_to_greedy():
     outs, rec = run(MTPDesyncGuard(num_speculative_tokens=1, draft_sample_method="probabilistic"), [spread_head] * 3)
     advice = of(rec, MTPDraftMethodWarning)
     assert len(advice) == 1 and f"{DRAFT_METHOD_KEY}=greedy" in str(advice[0].message)
+    # the shipped recipes set the key: the plain override changes it (Hydra refuses +key for a key that exists)
+    assert f"command line {DRAFT_METHOD_KEY}=greedy where the recipe sets it" in str(advice[0].message)
     assert "more device memory" not in str(advice[0].message)
     assert outs[-1]["mtp_guard/draft_method_gain"] == pytest.approx(0.31)
     # a gain that comes and goes never reaches patience

@@ -185,9 +185,10 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
         # the recipes' default objective is megatron's own loss: its value is mtp_losses'
         assert m["actor/mtp_objective/mtp_1_hard_ce"] == pytest.approx(m["actor/mtp_losses/mtp_1_loss"])
         assert m["mtp_guard/desync"] == 0.0
-        # the guard's drafting-method advice reads the engine's two estimates from verl's step metrics
+        # the guard's drafting-method advice reads the engine's two estimates from verl's step metrics: the other
+        # method's minus the recipe's (the recipes draft probabilistically: p[argmax q] minus the overlap)
         assert m["mtp_guard/draft_method_gain"] == pytest.approx(
-            m["actor/mtp_expected_accept_rate"] - m["actor/mtp_argmax_draft_accept_rate"])
+            m["actor/mtp_argmax_draft_accept_rate"] - m["actor/mtp_expected_accept_rate"])
     _assert_rollout_speculation(online)
     syncs = _syncs(online)
     assert len(syncs) == n + 1 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync

@@ -210,12 +210,23 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
     drafts = [m["rollout/spec_num_drafts"] for m in steps]
     n = sum(drafts)
     measured = sum(m["rollout/spec_accept_rate_pos_0"] * d for m, d in zip(steps, drafts)) / n
-    expected = sum(m["actor/mtp_argmax_draft_accept_rate"] * d for m, d in zip(steps, drafts)) / n
+    estimate = _recipe_estimate("grpo_online")  # the estimate of the drafting method the recipe ships
+    expected = sum(m[estimate] * d for m, d in zip(steps, drafts)) / n
     bound = TRACKING + 3 * math.sqrt(max(measured * (1 - measured), 1e-4) / n)
     assert abs(measured - expected) <= bound, (measured, expected, bound, steps)
     for m in online_tp2.metrics.values():
         assert m.get("rollout/spec_num_drafts", 0) > 0 and 0.0 < m["rollout/spec_accept_rate"] <= 1.0
         assert m["mtp_guard/desync"] == 0.0
+
+
+def _recipe_estimate(recipe: str) -> str:
+    """The trainer's estimate matching the drafting method ``recipe`` configures (probabilistic in the shipped
+    recipes: actor/mtp_expected_accept_rate)."""
+    from verl_mtp_plugin.config_keys import draft_estimate_metric
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    return draft_estimate_metric(compose_recipe(str(CONFIG_DIR), recipe))
 
 
 def _shard(full, shape, rank, name, hf):

@@ -80,7 +80,9 @@ def test_recipe_composes_on_verls_ppo_trainer_and_resolves(composed, name):
     assert not any(s.run_mtp_forward[p.value] for p in (Phase.LOGPROB, Phase.REF, Phase.SYNC, Phase.ROLLOUT))
     assert s.mtp_num_layers == 2  # one repeated "*E" block, two depths (Megatron-Bridge Super recipe)
     assert s.mtp_loss_scaling_factor == (0.1 if mode is MTPMode.JOINT else 0.3)
-    assert s.rollout_speculation and s.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert s.rollout_speculation and s.speculative_config == {"method": "mtp", "num_speculative_tokens": 2,
+                                                              "draft_sample_method": "probabilistic"}
+    assert s.draft_sample_method == "probabilistic"  # the recipes draft probabilistically
     assert s.sleep_level == 1 and s.prefix_caching is False and s.mamba_cache_mode is None  # vLLM would drop it
     assert s.worker_extension_cls == EXTENSION
     assert s.drafter_sync == ("frozen" if mode is MTPMode.FROZEN else "online")

@@ -553,6 +553,27 @@ def test_drafting_method_is_validated_and_its_memory_named(verl_base, hf_dirs):
     assert validate_verl_config(off).draft_sample_method is None
 
 
+@pytest.mark.parametrize("off", ["enable_rollout", "enable"])
+def test_a_drafting_method_without_verls_speculation_says_to_drop_the_key(verl_base, hf_dirs, off):
+    """The recipes set speculative_config.draft_sample_method; mode off on top of them (mtp.enable=false or
+    mtp.enable_rollout=false) leaves a speculative config that enables nothing, which verl would hand to vLLM
+    untouched: the start-up check says so and names both fixes."""
+    keys = {"actor_rollout_ref__model__mtp__enable_rollout": False}
+    if off == "enable":
+        keys.update(actor_rollout_ref__model__mtp__enable=False, actor_rollout_ref__model__mtp__enable_train=False)
+    msg = errors_of(make(verl_base, hf_dirs, **keys, **{_DRAFT: "probabilistic"}))
+    vllm = "actor_rollout_ref.rollout.engine_kwargs.vllm"
+    assert (f"{vllm}.speculative_config.draft_sample_method=probabilistic only tunes MTP speculation, but verl does "
+            "not speculate (actor_rollout_ref.model.mtp.enable=") in msg
+    assert f"add the Hydra override ~{vllm}.speculative_config" in msg
+    assert ("or speculate with actor_rollout_ref.model.mtp.enable=true and "
+            "actor_rollout_ref.model.mtp.enable_rollout=true") in msg
+    assert "behind verl's back" not in msg and "prefix caching" not in msg  # this one error, not speculation's
+    # the fixes: drop the key (mode off) or let verl speculate
+    assert validate_verl_config(make(verl_base, hf_dirs, **keys)).rollout_speculation is False
+    assert validate_verl_config(make(verl_base, hf_dirs, **{_DRAFT: "probabilistic"})).draft_sample_method == "probabilistic"
+
+
 def test_allowed_drafting_methods_are_vllms():
     import typing
 

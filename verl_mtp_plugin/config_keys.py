@@ -31,11 +31,13 @@ __all__ = [
     "PLUGIN_LIB",
     "RAY_ENV_VARS",
     "ROLLOUT",
+    "SPEC_TUNING_KEYS",
     "TRAINER_MODES",
     "VLLM_KWARGS",
     "WORKER_EXTENSION_CLS",
     "as_bool",
     "as_list",
+    "draft_estimate_metric",
     "get_key",
     "to_plain",
 ]
@@ -60,6 +62,9 @@ DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": 
 #: Where a recipe chooses vLLM's drafting method (verl merges ``speculative_config`` into the MTP speculative
 #: config it gives vLLM); the allowed values are the keys of :data:`DRAFT_METHOD_ESTIMATE_METRIC`.
 DRAFT_SAMPLE_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
+#: Keys of ``engine_kwargs.vllm.speculative_config`` that only tune the MTP speculation verl switches on (they
+#: enable nothing by themselves); with verl's speculation off the start-up check asks to drop the whole key.
+SPEC_TUNING_KEYS = ("draft_sample_method",)
 #: The MTP objective of online / joint (:mod:`verl_mtp_plugin.objective`): an environment variable of every Ray
 #: worker, set in the recipe's ``ray_kwargs.ray_init.runtime_env.env_vars`` (:data:`OBJECTIVE_CONFIG_KEY`). verl 0.9.1
 #: cannot carry it in ``actor_rollout_ref.model.mtp``: its vLLM server builds the model config by merging into
@@ -134,3 +139,22 @@ def as_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
+
+
+def draft_estimate_metric(config: Any) -> str | None:
+    """The trainer's acceptance estimate that matches the drafting method a verl config gives vLLM.
+
+    ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (:data:`DRAFT_SAMPLE_METHOD_KEY`; vLLM's
+    default ``greedy`` when unset) -> :data:`DRAFT_METHOD_ESTIMATE_METRIC` (probabilistic:
+    ``actor/mtp_expected_accept_rate``; greedy: ``actor/mtp_argmax_draft_accept_rate``), as the desync guard
+    judges. None when verl does not speculate (``mtp.enable`` and ``mtp.enable_rollout`` not both true).
+    """
+    if not (as_bool(get_key(config, f"{MTP}.enable", False)) and as_bool(get_key(config, f"{MTP}.enable_rollout", False))):
+        return None
+    spec = to_plain(get_key(config, f"{VLLM_KWARGS}.speculative_config"))
+    if isinstance(spec, str):
+        import json
+
+        spec = json.loads(spec)
+    method = (spec or {}).get("draft_sample_method") if isinstance(spec, Mapping) else None
+    return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]

@@ -18,8 +18,10 @@ back" with a clear margin); the reward pays for another — count on by one from
 the rewarded one: the frozen drafter keeps drafting the old rule and vLLM's acceptance of its drafts falls,
 while online MTP trains the head on the policy's own samples and its acceptance follows the policy. Per step
 it prints the reward, vLLM's measured first-draft acceptance (``rollout/spec_accept_rate_pos_0``, from the
-vLLM server's own counters) next to the trainer's estimate for the same policy
-(``actor/mtp_argmax_draft_accept_rate``), tokens per verify step (``rollout/spec_accept_length``), the MTP
+vLLM server's own counters) next to the trainer's estimate for the same policy under the drafting method the
+recipe configures (:func:`estimate_metric`: the shipped recipes draft with ``draft_sample_method: probabilistic``,
+so ``actor/mtp_expected_accept_rate``, the overlap ``sum min(p, q)``; with ``greedy``,
+``actor/mtp_argmax_draft_accept_rate``), tokens per verify step (``rollout/spec_accept_length``), the MTP
 loss and the desync guard; at the end one table with both modes side by side, ``metrics.jsonl`` (one row per
 mode and step, verl's metric names) and ``demo.png`` in ``--out``, and a closing line with the numbers.
 
@@ -36,6 +38,7 @@ never loaded (it keeps its start-up weights) while the target follows the traine
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -45,8 +48,8 @@ import sys
 import threading
 import time
 
-__all__ = ["BREAK_SYNC_CHOICES", "DEMO_MODES", "DemoInvariantError", "DemoRunError", "check_story", "mode_overrides",
-           "run_demo"]
+__all__ = ["BREAK_SYNC_CHOICES", "DEMO_MODES", "DemoInvariantError", "DemoRunError", "check_story", "estimate_metric",
+           "mode_overrides", "run_demo"]
 
 DEMO_MODES = ("off", "frozen", "online", "joint")
 BREAK_SYNC_CHOICES = ("none", "skip-drafter", "swap-eh")
@@ -69,16 +72,18 @@ DEMO_SIZES = (
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024",
 )
-#: mode off: the frozen recipe with MTP switched off in verl's own keys (no MTP layers, no speculation)
+#: mode off: the frozen recipe with MTP switched off in verl's own keys (no MTP layers, no speculation), and without
+#: the recipe's ``speculative_config`` (its drafting method only tunes verl's MTP speculation; with that off verl
+#: would hand it to vLLM untouched, and the start-up check refuses it)
 OFF = (
     "actor_rollout_ref.model.mtp.enable=false",
     "actor_rollout_ref.model.mtp.enable_train=false",
     "actor_rollout_ref.model.mtp.enable_rollout=false",
+    "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config",
 )
 
 REWARD = "critic/score/mean"
 ACCEPT = "rollout/spec_accept_rate_pos_0"
-ESTIMATE = "actor/mtp_argmax_draft_accept_rate"
 TOKENS_PER_STEP = "rollout/spec_accept_length"
 
 #: the story the default run (online, then frozen) must show on verl's numbers, else exit 2 (see check_story)
@@ -87,11 +92,12 @@ STORY_REWARD_RISE = 0.15  # online reward: mean of the last STORY_WINDOW steps m
 STORY_ACCEPT_GAP = 0.15  # online minus frozen vLLM first-draft acceptance, mean of the last STORY_WINDOW steps
 STORY_TRACKING = 0.1  # mean |vLLM measured - trainer estimate| over a mode's steps
 
-#: the table, per mode side by side: (column, metric key as verl logs it, format)
+#: the table, per mode side by side: (column, metric key as verl logs it, format); key None: the trainer's estimate
+#: for the mode's drafting method (:func:`estimate_metric`)
 COLUMNS = (
     ("reward", REWARD, "{:.3f}"),
     ("vLLM_acc", ACCEPT, "{:.3f}"),
-    ("est_acc", ESTIMATE, "{:.3f}"),
+    ("est_acc", None, "{:.3f}"),  # the mode's estimate (estimate_metric)
     ("tok/step", TOKENS_PER_STEP, "{:.2f}"),
     ("mtp_loss", "actor/mtp_losses/mtp_1_loss", "{:.3f}"),
     ("B->drafter", "sync/bytes_drafter", "{:,.0f}"),
@@ -111,6 +117,28 @@ def _recipe(mode: str) -> tuple[str, tuple[str, ...]]:
     if mode == "off":
         return "grpo_frozen", OFF
     return f"grpo_{mode}", ()
+
+
+@functools.lru_cache(maxsize=None)
+def estimate_metric(mode: str, extra_overrides: tuple[str, ...] = ()) -> str | None:
+    """The trainer's estimate that vLLM's measured first-draft acceptance is compared with in ``mode``: the one of
+    the drafting method the mode's run configures.
+
+    The mode's recipe is composed with the demo's overrides (:func:`mode_overrides`) and ``extra_overrides``;
+    its ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (vLLM's default ``greedy`` when unset)
+    picks the metric (:func:`~verl_mtp_plugin.config_keys.draft_estimate_metric`: probabilistic ->
+    ``actor/mtp_expected_accept_rate``, greedy -> ``actor/mtp_argmax_draft_accept_rate``), as the desync guard
+    picks it.
+
+    Returns:
+        str | None: the metric as verl logs it; None when the mode does not speculate (off).
+    """
+    from verl_mtp_plugin.config_keys import draft_estimate_metric
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    recipe, extra = mode_overrides(mode, seed=0)
+    return draft_estimate_metric(compose_recipe(str(CONFIG_DIR), recipe, [*extra, *extra_overrides]))
 
 
 def _drafter_bytes(events: list[dict]) -> list[float]:
@@ -144,7 +172,8 @@ class _Progress:
             self.seen.add(step)
             self.last = now
             m = row.get("data", {})
-            est = m.get(ESTIMATE)
+            key = estimate_metric(self.mode)
+            est = m.get(key) if key else None
             print(
                 f"[{self.mode}] step {step}/{self.steps} reward {_fmt(m.get(REWARD), '{:.3f}')} "
                 f"| vLLM first-draft accept {_fmt(m.get(ACCEPT), '{:.3f}')}"
@@ -386,10 +415,10 @@ def _ends(rows: list[dict], key: str) -> tuple[float, float]:
     return _mean(xs[:STORY_WINDOW]), _mean(xs[-STORY_WINDOW:])
 
 
-def _tracking(rows: list[dict]) -> float:
-    """Mean over steps of |vLLM measured - trainer estimate| (steps that have both)."""
-    return _mean([abs(float(r[ACCEPT]) - float(r[ESTIMATE])) for r in rows
-                  if r.get(ACCEPT) is not None and r.get(ESTIMATE) is not None])
+def _tracking(rows: list[dict], estimate: str | None) -> float:
+    """Mean over steps of |vLLM measured - trainer estimate ``estimate``| (steps that have both)."""
+    return _mean([abs(float(r[ACCEPT]) - float(r[estimate])) for r in rows
+                  if estimate and r.get(ACCEPT) is not None and r.get(estimate) is not None])
 
 
 def story_numbers(history: dict[str, list[dict]]) -> dict[str, float]:
@@ -403,7 +432,8 @@ def story_numbers(history: dict[str, list[dict]]) -> dict[str, float]:
         "frozen_reward_first": _ends(fr, REWARD)[0], "frozen_reward_last": _ends(fr, REWARD)[1],
         "online_accept_first": a0, "online_accept_last": a1, "frozen_accept_first": f0, "frozen_accept_last": f1,
         "accept_gap_last": a1 - f1,
-        "online_tracking": _tracking(on), "frozen_tracking": _tracking(fr),
+        "online_tracking": _tracking(on, estimate_metric("online")),
+        "frozen_tracking": _tracking(fr, estimate_metric("frozen")),
         "online_tokens_per_step_last": _ends(on, TOKENS_PER_STEP)[1],
         "frozen_tokens_per_step_last": _ends(fr, TOKENS_PER_STEP)[1],
     }
@@ -417,8 +447,8 @@ def check_story(history: dict[str, list[dict]], *, steps: int) -> list[str]:
     * online reward: mean of the last :data:`STORY_WINDOW` steps exceeds the first's by :data:`STORY_REWARD_RISE`;
     * vLLM's first-draft acceptance (``rollout/spec_accept_rate_pos_0``), mean of the last
       :data:`STORY_WINDOW` steps: online exceeds frozen by :data:`STORY_ACCEPT_GAP`;
-    * in each mode that logs the trainer's estimate (``actor/mtp_argmax_draft_accept_rate``), vLLM's measured
-      acceptance is within :data:`STORY_TRACKING` of it on average over the steps.
+    * in each mode that logs the trainer's estimate for its drafting method (:func:`estimate_metric`; the shipped
+      recipes: ``actor/mtp_expected_accept_rate``), vLLM's measured acceptance is within :data:`STORY_TRACKING` of it on average over the steps.
 
     Args:
         history (dict): mode -> rows (as :func:`run_demo` returns).
@@ -441,8 +471,9 @@ def check_story(history: dict[str, list[dict]], *, steps: int) -> list[str]:
     if not n["accept_gap_last"] >= STORY_ACCEPT_GAP:
         problems.append(f"online first-draft acceptance exceeds frozen's by {n['accept_gap_last']:+.3f} over the last "
                         f"{STORY_WINDOW} steps; the demo needs >= {STORY_ACCEPT_GAP}")
-    if not any(r.get(ESTIMATE) is not None for r in history["online"]):
-        problems.append(f"online: no step logged the trainer's estimate {ESTIMATE}")
+    estimate = estimate_metric("online")
+    if not any(estimate and r.get(estimate) is not None for r in history["online"]):
+        problems.append(f"online: no step logged the trainer's estimate {estimate}")
     for mode in ("online", "frozen"):
         t = n[f"{mode}_tracking"]
         if math.isfinite(t) and not t <= STORY_TRACKING:
@@ -498,9 +529,10 @@ def _write(out: pathlib.Path, history: dict[str, list[dict]]) -> None:
         if any(ACCEPT in r for r in rows):
             axes[1].plot(steps, [r.get(ACCEPT, math.nan) for r in rows], marker="o", color=c,
                          label=f"{mode}: vLLM measured")
-        if any(ESTIMATE in r for r in rows):
-            axes[1].plot(steps, [r.get(ESTIMATE, math.nan) for r in rows], ls="--", marker="x", color=c,
-                         label=f"{mode}: trainer estimate")
+        estimate = estimate_metric(mode) if mode in DEMO_MODES else None
+        if estimate and any(estimate in r for r in rows):
+            axes[1].plot(steps, [r.get(estimate, math.nan) for r in rows], ls="--", marker="x", color=c,
+                         label=f"{mode}: trainer estimate ({estimate.split('/')[-1]})")
         if any(TOKENS_PER_STEP in r for r in rows):
             axes[2].plot(steps, [r.get(TOKENS_PER_STEP, math.nan) for r in rows], marker="o", color=c, label=mode)
     titles = ("reward (critic/score/mean)", "first-draft acceptance (spec_accept_rate_pos_0)",
@@ -524,9 +556,11 @@ def _table(history: dict[str, list[dict]]) -> None:
     """One table: a row per step, each mode's columns side by side (columns no row of a mode has are left out)."""
     if not any(history.values()):
         return
-    groups = []
+    groups, estimates = [], {}
     for mode, rows in history.items():
-        cols = [(c, k, f) for c, k, f in COLUMNS if any(r.get(k) is not None for r in rows)]
+        estimates[mode] = estimate_metric(mode) if mode in DEMO_MODES else None
+        cols = [(c, k or estimates[mode], f) for c, k, f in COLUMNS]
+        cols = [(c, k, f) for c, k, f in cols if k and any(r.get(k) is not None for r in rows)]
         groups.append((mode, {r["step"]: r for r in rows}, cols))
     steps = sorted({s for _, by, _ in groups for s in by})
     heads = ["step"] + [f"{mode}:{c}" if i == 0 else c for mode, _, cols in groups for i, (c, _, _) in enumerate(cols)]
@@ -536,8 +570,10 @@ def _table(history: dict[str, list[dict]]) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(heads, widths)))
     for c in cells:
         print("  ".join(x.rjust(w) for x, w in zip(c, widths)))
+    est = sorted({k for k in estimates.values() if k})
+    est_text = (est[0] if len(est) == 1 else ", ".join(f"{m}: {k}" for m, k in estimates.items() if k)) or "-"
     print("reward: critic/score/mean; vLLM_acc: rollout/spec_accept_rate_pos_0 (the vLLM server's counters); est_acc: "
-          "actor/mtp_argmax_draft_accept_rate (the trainer's estimate for the same policy); tok/step: "
+          f"{est_text} (the trainer's estimate for the same policy under the recipe's drafting method); tok/step: "
           "rollout/spec_accept_length (tokens per verify step, k=2); B->drafter: bytes the sync before the step's "
           "rollout loaded into the drafter")
 

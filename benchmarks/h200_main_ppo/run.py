@@ -62,7 +62,9 @@ MODES = {
     "online": ("grpo_online", [], "none"),
     "frozen": ("grpo_frozen", [], "none"),
     "off": ("grpo_online", ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.mtp.enable_train=false",
-                            "actor_rollout_ref.model.mtp.enable_rollout=false"], "none"),
+                            "actor_rollout_ref.model.mtp.enable_rollout=false",
+                            # the recipes' drafting method only tunes verl's speculation: mode off drops it
+                            "~actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"], "none"),
     "break": ("grpo_online", ["verl_mtp_plugin.mtp_guard.action=fail", "verl_mtp_plugin.mtp_guard.patience=1"],
               "swap-eh"),
     # grpo_online for --steps healthy steps, then one more whose drafter sync is broken (swap-eh from that

@@ -68,6 +68,7 @@ from verl_mtp_plugin.config_keys import (
     OBJECTIVE_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,
+    SPEC_TUNING_KEYS,
     TRAINER_MODES,
     WORKER_EXTENSION_CLS,
     as_bool,
@@ -288,7 +289,12 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
         user_spec = json.loads(user_spec)
     verl_speculates = mtp_enable and enable_rollout  # vllm_async_server: mtp.enable and mtp.enable_rollout
-    speculation = verl_speculates or bool(user_spec)
+    # keys of the user's speculative_config that only tune speculation verl switches on (the drafting method):
+    # without verl's MTP speculation they enable nothing, but verl would still hand them to vLLM untouched
+    tuning_only = isinstance(user_spec, Mapping) and bool(user_spec) and all(
+        k in SPEC_TUNING_KEYS or v is None for k, v in user_spec.items()
+    )
+    speculation = verl_speculates or (bool(user_spec) and not tuning_only)
 
     if enable_rollout and mode is MTPMode.OFF:
         errors.append(
@@ -296,7 +302,16 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"(verl ignores enable_rollout) and the plugin has no MTP weights to sync; set {_MTP}.enable=true "
             f"(frozen: enable_train=false) or {_MTP}.enable_rollout=false"
         )
-    if user_spec and not verl_speculates:
+    if user_spec and not verl_speculates and tuning_only:
+        set_keys = ", ".join(f"{_VLLM}.speculative_config.{k}={v}" for k, v in user_spec.items() if v is not None)
+        errors.append(
+            f"{set_keys} only tunes MTP speculation, but verl does not speculate ({_MTP}.enable={mtp_enable}, "
+            f"{_MTP}.enable_rollout={enable_rollout}) and would pass {_VLLM}.speculative_config to vLLM untouched "
+            "(a speculative config without a method). Mode off drops the key: add the Hydra override "
+            f"~{_VLLM}.speculative_config (the shipped recipes set it); or speculate with {_MTP}.enable=true and "
+            f"{_MTP}.enable_rollout=true"
+        )
+    elif user_spec and not verl_speculates:
         free_cache = as_bool(get_key(config, f"{_RO}.free_cache_engine", True))
         sleep_mode = as_bool(get_key(config, f"{_RO}.enable_sleep_mode", True))
         detail = (

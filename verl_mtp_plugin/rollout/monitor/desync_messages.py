@@ -208,8 +208,9 @@ def draft_method_message(
         f"({DRAFT_METHOD_ESTIMATE_METRIC[current]}; vLLM measured {measured:.3f}): +{gain:.3f}, above "
         f"{GUARD_CONFIG_PATH}.draft_method_margin={cfg.draft_method_margin}.",
         f"  Set {_VLLM}.speculative_config.draft_sample_method={other} (verl merges it into the MTP speculative "
-        f"config it gives vLLM; on the command line: +{_VLLM}.speculative_config.draft_sample_method={other} "
-        "where the recipe does not set it)."
+        f"config it gives vLLM; on the command line {_VLLM}.speculative_config.draft_sample_method={other} where the "
+        f"recipe sets it, as the shipped recipes do, +{_VLLM}.speculative_config.draft_sample_method={other} where "
+        "it does not)."
         + (" Probabilistic drafting keeps the draft probabilities: more device memory per sequence."
            if other == "probabilistic" else ""),
         "  Greedy drafting accepts a draft with p[argmax q], which a high-entropy policy keeps low; probabilistic "
