@@ -40,7 +40,6 @@ __all__ = [
     "draft_estimate_metric",
     "get_key",
     "to_plain",
-    "user_speculative_config",
 ]
 
 #: Value of ``actor_rollout_ref.model.external_lib`` that loads the plugin.
@@ -152,17 +151,10 @@ def draft_estimate_metric(config: Any) -> str | None:
     """
     if not (as_bool(get_key(config, f"{MTP}.enable", False)) and as_bool(get_key(config, f"{MTP}.enable_rollout", False))):
         return None
-    spec = user_speculative_config(config)
-    method = (spec or {}).get("draft_sample_method") if isinstance(spec, Mapping) else None
-    return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]
-
-
-def user_speculative_config(config: Any) -> Any:
-    """The user's ``...engine_kwargs.vllm.speculative_config`` as plain data (a JSON string, as verl's command line
-    allows, decoded); None when unset. verl merges it into the MTP speculative config it builds."""
     spec = to_plain(get_key(config, f"{VLLM_KWARGS}.speculative_config"))
     if isinstance(spec, str):
         import json
 
         spec = json.loads(spec)
-    return spec
+    method = (spec or {}).get("draft_sample_method") if isinstance(spec, Mapping) else None
+    return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]

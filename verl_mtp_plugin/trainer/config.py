@@ -75,7 +75,6 @@ from verl_mtp_plugin.config_keys import (
     as_list,
     get_key,
     to_plain,
-    user_speculative_config,
 )
 from verl_mtp_plugin.engine.settings import (
     engine_errors,
@@ -284,7 +283,11 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     rollout_name = str(get_key(config, f"{_RO}.name", "vllm") or "vllm")
     enable_rollout = as_bool(get_key(mtp, "enable_rollout", False))
     vllm_kwargs = dict(to_plain(get_key(config, _VLLM, {})) or {})
-    user_spec = user_speculative_config(config)
+    user_spec = vllm_kwargs.get("speculative_config")
+    if isinstance(user_spec, str):
+        import json
+
+        user_spec = json.loads(user_spec)
     verl_speculates = mtp_enable and enable_rollout  # vllm_async_server: mtp.enable and mtp.enable_rollout
     # keys of the user's speculative_config that only tune speculation verl switches on (the drafting method):
     # without verl's MTP speculation they enable nothing, but verl would still hand them to vLLM untouched

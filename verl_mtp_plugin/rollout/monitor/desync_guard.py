@@ -90,6 +90,7 @@ The guard's rules are here; the text of its messages (what a user reads when it 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import warnings
@@ -101,7 +102,6 @@ from verl_mtp_plugin.config_keys import as_bool as _truthy
 from verl_mtp_plugin.config_keys import get_key as _get
 from verl_mtp_plugin.config_keys import ROLLOUT as _RO
 from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
-from verl_mtp_plugin.config_keys import user_speculative_config
 from verl_mtp_plugin.config_keys import (
     ARGMAX_DRAFT_METRIC,
     DRAFT_METHOD_ESTIMATE_METRIC,
@@ -589,7 +589,10 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     cfg = MTPGuardConfig.from_verl_config(config)
     mtp = _get(config, _MTP) or {}
     verl_spec = _truthy(_get(mtp, "enable", False)) and _truthy(_get(mtp, "enable_rollout", False))
-    user_spec = dict(user_speculative_config(config) or {})
+    user_spec = _plain(_get(config, f"{_VLLM}.speculative_config"))
+    if isinstance(user_spec, str):
+        user_spec = json.loads(user_spec)
+    user_spec = dict(user_spec or {})
     k = user_spec.get("num_speculative_tokens")
     if k is None and verl_spec:
         k = _get(mtp, "num_speculative_tokens", 1)
