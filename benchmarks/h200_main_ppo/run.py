@@ -186,41 +186,36 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
     seqs = a.prompts * a.n
     ar = "actor_rollout_ref"
     otc = f"{ar}.actor.megatron.override_transformer_config"
+    te = getattr(a, "stack", "standins") == "te"
+    resp = int(getattr(a, "response_len", 0) or resp)
+    plen = 16
+    reward = pathlib.Path(a.reward).resolve() if getattr(a, "reward", None) else REPO / "verl_mtp_plugin/cpu/reward.py"
     out = [
         f"{ar}.model.path={assets / 'model'}",
         f"data.train_files={assets / 'data' / 'train.parquet'}",
         f"data.val_files={assets / 'data' / 'val.parquet'}",
         f"data.train_batch_size={a.prompts}",
-        "data.max_prompt_length=16",
+        f"data.max_prompt_length={plen}",
         f"data.max_response_length={resp}",
         "data.dataloader_num_workers=0",
+        f"data.seed={a.seed}",
         f"{ar}.rollout.n={a.n}",
         f"{ar}.actor.ppo_mini_batch_size={a.prompts}",
         f"{ar}.actor.optim.lr={a.lr}",
-        # forced: packed (THD) sequences need TE attention (megatron's local attention asserts on them)
-        f"{ar}.model.use_remove_padding=false",
         # parallelism (sizes)
         f"{ar}.actor.megatron.tensor_model_parallel_size={a.tp}",
         f"{ar}.actor.megatron.expert_model_parallel_size={a.ep}",
         f"{ar}.actor.megatron.sequence_parallel={'true' if a.tp > 1 else 'false'}",
         f"{ar}.rollout.tensor_model_parallel_size={a.rollout_tp}",
         f"{ar}.rollout.expert_parallel_size={a.rollout_ep}",
-        # forced: no Transformer Engine (attention), no causal_conv1d (Mamba's fused path)
-        f"{otc}.attention_backend=local",
-        f"+{otc}.use_mamba_mem_eff_path=false",
-        # tiny model: no activation recompute
-        f"{otc}.recompute_granularity=null",
-        f"{otc}.recompute_method=null",
-        f"{otc}.recompute_num_layers=null",
         # vLLM sizes
-        "actor_rollout_ref.rollout.max_model_len=64",
+        f"actor_rollout_ref.rollout.max_model_len={plen + resp if te else 64}",
         f"{ar}.rollout.max_num_seqs={seqs}",
-        f"{ar}.rollout.max_num_batched_tokens={max(2048, seqs * 16)}",
         f"{ar}.rollout.gpu_memory_utilization={a.gpu_mem}",
         f"{ar}.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size={seqs * (k + 1)}",
         f"{ar}.rollout.agent.num_workers={a.agent_workers}",
         f"{ar}.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
-        f"reward.custom_reward_function.path={REPO / 'verl_mtp_plugin/cpu/reward.py'}",
+        f"reward.custom_reward_function.path={reward}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=2",
         "trainer.nnodes=1",
@@ -237,18 +232,30 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "+verl_mtp_plugin.mtp_guard.min_drafts=1",
     ]
+    if not te:
+        out += [
+            # forced: packed (THD) sequences need TE attention (megatron's local attention asserts on them)
+            f"{ar}.model.use_remove_padding=false",
+            # forced: no Transformer Engine (attention), no causal_conv1d (Mamba's fused path)
+            f"{otc}.attention_backend=local",
+            f"+{otc}.use_mamba_mem_eff_path=false",
+            # tiny model: no activation recompute
+            f"{otc}.recompute_granularity=null",
+            f"{otc}.recompute_method=null",
+            f"{otc}.recompute_num_layers=null",
+            f"{ar}.rollout.max_num_batched_tokens={max(2048, seqs * 16)}",
+        ]
     if a.tp > 1 or a.ep > 1:
         out.append(f"{ar}.ref.megatron.tensor_model_parallel_size={a.tp}")
         out.append(f"{ar}.ref.megatron.expert_model_parallel_size={a.ep}")
     if a.no_offload:
         out += [f"{ar}.actor.megatron.param_offload=false", f"{ar}.actor.megatron.optimizer_offload=false",
                 f"{ar}.ref.megatron.param_offload=false"]
-    for key, v in CPU_PROVIDER_OVERRIDES.items():
-        if key == "sequence_parallel":
-            continue
-        out.append(f"+{otc}.{key}={str(v).lower() if isinstance(v, bool) else v}")
-        if a.tp > 1 or a.ep > 1:
-            pass
+    if not te:
+        for key, v in CPU_PROVIDER_OVERRIDES.items():
+            if key == "sequence_parallel":
+                continue
+            out.append(f"+{otc}.{key}={str(v).lower() if isinstance(v, bool) else v}")
     return out + list(a.override or [])
 
 
@@ -282,6 +289,7 @@ def run_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
     env.update({
         "VERL_USE_EXTERNAL_MODULES": "verl_h200_standins",
+        "VERL_H200_STACK": os.environ.get("VERL_H200_STACK", "standins"),
         "VLLM_USE_V2_MODEL_RUNNER": "1",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
@@ -427,6 +435,7 @@ def digest_check(events: list[dict]) -> dict:
 
 
 def cmd_run(a) -> int:
+    os.environ["VERL_H200_STACK"] = a.stack
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -562,6 +571,12 @@ def main(argv=None) -> int:
     r.add_argument("--override", action="append", help="one more Hydra override (repeatable)")
     r.add_argument("--silence-s", type=float, default=200.0, help="stop a run that prints nothing this long")
     r.add_argument("--echo", action="store_true")
+    r.add_argument("--stack", choices=("standins", "te"), default="standins",
+                   help="te: Transformer Engine, causal_conv1d and the recipe's packed batches, fused attention, "
+                        "recompute and vLLM batch sizes (../shared/tools/h200-te); standins: the TE-free set-up")
+    r.add_argument("--reward", help="reward file (default: the CPU harness's count-on reward)")
+    r.add_argument("--response-len", type=int, help="data.max_response_length (default: assets.json answer_len)")
+    r.add_argument("--seed", type=int, default=0, help="data.seed (the data order; same for every mode)")
     r.add_argument("--import-check", action="store_true",
                    help="run import_check.py first (report in <out>/import_check.json); no run if a module is missing")
     t = sub.add_parser("table", help="markdown per-step tables from summary.json files")

@@ -68,6 +68,16 @@ def install_trainer_worker_standins() -> list[str]:
 
     if not mm.HAVE_MAMBA_SSM:
         raise RuntimeError("megatron's MambaMixer sees no mamba_ssm: carry mamba_ssm (pure-Python wheel)")
+    if os.environ.get("VERL_H200_STACK") == "te":
+        # Transformer Engine and causal_conv1d are installed (../shared/tools/h200-te): megatron's own TE hybrid
+        # spec, fused attention and the fused Mamba path run as shipped; only the bare mamba_ssm package remains
+        import causal_conv1d  # noqa: F401  (fail here, not deep in the first packed forward)
+        import transformer_engine.pytorch  # noqa: F401
+
+        _INSTALLED.append("te_import_placeholder")  # the marker that this function ran (nothing installed)
+        _log(f"trainer worker: Transformer Engine stack; stand-ins: {', '.join(s for s in _INSTALLED if s != 'te_import_placeholder')}"
+             f" (mamba_mixer HAVE_MAMBA_SSM={mm.HAVE_MAMBA_SSM})")
+        return [s for s in _INSTALLED if s != "te_import_placeholder"]
     from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
 
     install_te_import_placeholder()
