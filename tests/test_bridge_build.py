@@ -80,15 +80,16 @@ def compose(name, checkpoint, extra=()):
     return compose_recipe(str(CONFIG_DIR), name, overrides + list(extra))
 
 
-def build(cfg, role, *, drop_overrides=()):
-    """verl's worker config -> engine -> provider -> model for ``role``."""
+def build(cfg, role, *, drop_overrides=(), keep_bridge=()):
+    """verl's worker config -> engine -> provider -> model for ``role``; ``keep_bridge``: CPU provider overrides
+    left out, so that Megatron-Bridge's own value reaches the engine."""
     from verl_mtp_plugin.cpu.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
 
     worker_config = verl_worker_configs(cfg, role)
     overrides = worker_config.engine_config.override_transformer_config
     for key in drop_overrides:
         overrides.pop(key, None)
-    overrides.update(cpu_build_overrides())
+    overrides.update({k: v for k, v in cpu_build_overrides().items() if k not in keep_bridge})
     return build_role(role_engine(worker_config))
 
 
@@ -297,3 +298,18 @@ def test_strict_check_accepts_the_bridge_stream_and_rejects_one_changed_name(onl
     assert sync.post_process_count == loads
     after = dict(drafter_models.drafter.named_parameters())
     assert all(torch.equal(after[n].detach(), t) for n, t in before.items())
+
+
+def test_latent_moe_checkpoint_builds_actor_and_reference_without_the_shared_expert_overlap(checkpoint):
+    """Megatron-Bridge turns the shared-expert overlap on for every Nemotron-H; megatron-core refuses it with latent
+    MoE in training and in verl's log-prob / reference passes (seen on the H200: verl's trainer stopped at its first
+    log-prob pass on a Super-width checkpoint). The plugin engine turns it off for a latent-MoE checkpoint, in the
+    actor and in the reference model (mode off), without the CPU runtime's own override of the key."""
+    from verl_mtp_plugin.engine.settings import LATENT_MOE_OVERRIDES
+
+    cfg = compose("grpo_online", checkpoint)
+    for role in ("actor", "ref"):
+        built = build(cfg, role, keep_bridge=tuple(LATENT_MOE_OVERRIDES))
+        assert built.model.config.moe_latent_size, role
+        assert built.model.config.moe_shared_expert_overlap is False, role
+        assert built.engine.engine_config.override_transformer_config["moe_shared_expert_overlap"] is False, role

@@ -159,7 +159,9 @@ def test_recipe_selects_the_plugin_engine_for_actor_and_ref(megatron_env, tiny_c
         checkpoint_config=CheckpointConfig(),
     )
     assert type(engine) is NemotronHMTPMegatronEngine and engine.mtp_mode is MTPMode.ONLINE
-    assert engine.apply_mtp_overrides() == {"mtp_detach_heads": True, "mtp_loss_scaling_factor": 0.3}
+    from verl_mtp_plugin.engine.settings import LATENT_MOE_OVERRIDES as LATENT  # the tiny checkpoint's MoE is latent
+
+    assert engine.apply_mtp_overrides() == {"mtp_detach_heads": True, "mtp_loss_scaling_factor": 0.3, **LATENT}
 
     ref_model = copy.deepcopy(model_config)
     ref_model.mtp = MtpConfig(enable=False)
@@ -171,7 +173,7 @@ def test_recipe_selects_the_plugin_engine_for_actor_and_ref(megatron_env, tiny_c
     assert ref.mtp_mode is MTPMode.OFF
     # MTP not built for the reference model (the Bridge's MTP pattern cleared too)
     assert ref.apply_mtp_overrides() == {
-        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False
+        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False, **LATENT
     }
     with ref.mtp_pass(forward_only=True) as phase:
         assert phase is Phase.REF

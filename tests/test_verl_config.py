@@ -302,6 +302,8 @@ def test_engine_side_check_on_verls_real_dataclasses(hf_dirs):
 def test_apply_mtp_overrides_writes_the_mode_fields(hf_dirs):
     from verl.workers.config import HFModelConfig, McoreEngineConfig, MtpConfig
 
+    from verl_mtp_plugin.engine.settings import LATENT_MOE_OVERRIDES as LATENT  # the test checkpoint's MoE is latent
+
     def overrides_for(mtp, existing=None):
         mc = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=mtp)
         ec = McoreEngineConfig(override_transformer_config=dict(existing or {}))
@@ -310,19 +312,21 @@ def test_apply_mtp_overrides_writes_the_mode_fields(hf_dirs):
     assert overrides_for(MtpConfig(enable=True, enable_train=True, detach_encoder=True)) == {
         "mtp_detach_heads": True,
         "mtp_loss_scaling_factor": 0.1,
+        **LATENT,
     }
     assert overrides_for(MtpConfig(enable=True, mtp_loss_scaling_factor=0.3)) == {
         "mtp_detach_heads": False,
         "mtp_loss_scaling_factor": 0.3,
+        **LATENT,
     }
     # off: Megatron-Bridge would re-append the checkpoint's MTP pattern unless it is cleared too
     assert overrides_for(MtpConfig(enable=False)) == {
-        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False
+        "mtp_num_layers": None, "mtp_hybrid_override_pattern": None, "mtp_use_repeated_layer": False, **LATENT
     }
     # a factor already in override_transformer_config is verl's (check_mtp_config keeps it): not rewritten
     assert overrides_for(
         MtpConfig(enable=True, enable_train=True, mtp_loss_scaling_factor=0.3), {"mtp_loss_scaling_factor": 0.3}
-    ) == {"mtp_loss_scaling_factor": 0.3, "mtp_detach_heads": False}
+    ) == {"mtp_loss_scaling_factor": 0.3, "mtp_detach_heads": False, **LATENT}
 
 
 def test_preflight_cli_composes_and_reports(tmp_path, hf_dirs, capsys):
@@ -583,3 +587,25 @@ def test_allowed_drafting_methods_are_vllms():
 
     assert set(typing.get_args(DraftSampleMethod)) == set(DRAFT_METHOD_ESTIMATE_METRIC)
     assert SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default == "greedy"
+
+
+def test_shared_expert_overlap_with_a_latent_moe_checkpoint_is_refused_at_start_up(verl_base, hf_dirs):
+    """megatron-core refuses the shared-expert overlap with latent MoE outside its NVLS inference dispatcher (every
+    verl pass): set explicitly, it is refused before any worker starts, naming the key; unset or false, the run
+    starts (the plugin engine turns it off)."""
+    from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, hf_latent_moe
+
+    key = "actor_rollout_ref__actor__megatron__override_transformer_config__moe_shared_expert_overlap"
+    msg = errors_of(make(verl_base, hf_dirs, **{key: True}))
+    assert "override_transformer_config.moe_shared_expert_overlap=True" in msg and "latent" in msg
+    for value in (False, None):
+        cfg = make(verl_base, hf_dirs, **({key: value} if value is not None else {}))
+        validate_verl_config(cfg)
+    import json, pathlib
+
+    hf = json.loads((pathlib.Path(hf_dirs["mtp"]) / "config.json").read_text())
+    assert hf_latent_moe(hf) and not hf_latent_moe({**hf, "moe_latent_size": None})
+    for mode in MTPMode:
+        written = apply_mtp_overrides({}, EngineMTPSettings(mode, None, False, latent_moe=True))
+        assert written["moe_shared_expert_overlap"] is False
+        assert "moe_shared_expert_overlap" not in apply_mtp_overrides({}, EngineMTPSettings(mode, None, False))

@@ -22,8 +22,10 @@ from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, mode_f
 __all__ = [
     "BRIDGE_NO_MTP_OVERRIDES",
     "EngineMTPSettings",
+    "LATENT_MOE_OVERRIDES",
     "apply_mtp_overrides",
     "engine_errors",
+    "hf_latent_moe",
     "hf_mtp_num_layers",
     "is_hybrid_hf_config",
     "model_lora_rank",
@@ -74,12 +76,33 @@ class EngineMTPSettings:
             overrides (False when the user already set it there).
         objective: the MTP block's training objective (:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`;
             :mod:`verl_mtp_plugin.objective`), ``hard_ce`` when unset.
+        latent_moe: the checkpoint's MoE layers are latent (HF ``moe_latent_size``, Nemotron 3 Super): the plugin
+            turns Megatron's shared-expert overlap off (:data:`LATENT_MOE_OVERRIDES`) unless the user set it.
     """
 
     mode: MTPMode
     mtp_loss_scaling_factor: float | None
     set_scaling_factor: bool
     objective: MTPObjective = MTPObjective.HARD_CE
+    latent_moe: bool = False
+
+
+#: ``override_transformer_config`` entries for a checkpoint with latent MoE (HF ``moe_latent_size``; Nemotron 3
+#: Super). Megatron-Bridge 0.6.2 turns the shared-expert overlap on for every Nemotron-H
+#: (``megatron/bridge/models/nemotronh/nemotron_h_bridge.py:296``), and megatron-core 0.19.2 refuses it with latent
+#: projections in training and in every forward outside its NVLS inference dispatcher
+#: (``megatron/core/transformer/moe/moe_layer.py:468-479``: verl's log-prob, reference and update passes).
+#: Measured on the H200: verl's trainer on a Super-width checkpoint stopped at its first log-prob pass.
+LATENT_MOE_OVERRIDES = {"moe_shared_expert_overlap": False}
+LATENT_MOE_KEY = f"{_MEG}.override_transformer_config.moe_shared_expert_overlap"
+
+
+def hf_latent_moe(hf_config: Any) -> bool:
+    """Whether the HF config's MoE layers project to a latent size (``moe_latent_size``)."""
+    if hf_config is None:
+        return False
+    value = hf_config.get("moe_latent_size") if isinstance(hf_config, Mapping) else getattr(hf_config, "moe_latent_size", None)
+    return bool(value)
 
 
 def objective_errors(value: Any, mode: MTPMode | None, errors: list[str], *, check_mode: bool = True) -> MTPObjective:
@@ -174,10 +197,19 @@ def engine_errors(
             f"mtp_num_hidden_layers = 0 in {_M}.path); use a checkpoint with MTP or set {_MTP}.enable=false"
         )
 
+    latent = hf_latent_moe(hf_config)
+    if latent and as_bool(overrides.get("moe_shared_expert_overlap", False)):
+        errors.append(
+            f"{LATENT_MOE_KEY}={overrides['moe_shared_expert_overlap']} with a latent-MoE checkpoint (moe_latent_size="
+            f"{hf_config.get('moe_latent_size') if isinstance(hf_config, Mapping) else getattr(hf_config, 'moe_latent_size', None)} "
+            f"in {_M}.path): megatron-core refuses the shared-expert overlap with latent projections in training and "
+            "in verl's log-prob and reference passes (moe_layer.py: it needs the NVLS inference dispatcher); remove "
+            "the override (the plugin turns the overlap off for latent MoE) or set it to false"
+        )
     scale = get_key(mtp, "mtp_loss_scaling_factor", 0.1)
     over_scale = overrides.get("mtp_loss_scaling_factor")
     if mode is MTPMode.OFF:
-        return EngineMTPSettings(mode, None, False, objective)
+        return EngineMTPSettings(mode, None, False, objective, latent)
     if int(lora_rank or 0) > 0 and mode in (MTPMode.ONLINE, MTPMode.JOINT):
         errors.append(
             f"{_M}.lora.rank={lora_rank} with MTP training ({_MTP}.enable_train=true): LoRA freezes every base "
@@ -210,7 +242,7 @@ def engine_errors(
     effective = float(over_scale if over_scale is not None else scale)
     if effective < 0:
         errors.append(f"{_MTP}.mtp_loss_scaling_factor={effective} must be >= 0")
-    return EngineMTPSettings(mode, effective, over_scale is None, objective)
+    return EngineMTPSettings(mode, effective, over_scale is None, objective, latent)
 
 
 def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPSettings:
@@ -273,7 +305,8 @@ def apply_mtp_overrides(overrides: dict, settings: EngineMTPSettings) -> dict:
     ``mtp_num_layers=1`` whenever ``mtp_use_repeated_layer`` is on, which the Bridge defaults to for
     any checkpoint with MTP layers: ``mtp_num_layers=None`` alone still builds ``model.mtp``);
     online: ``mtp_detach_heads=True``; frozen/joint: ``mtp_detach_heads=False``;
-    ``mtp_loss_scaling_factor`` unless the user set it there.
+    ``mtp_loss_scaling_factor`` unless the user set it there; a latent-MoE checkpoint (every mode, the reference
+    model's too): :data:`LATENT_MOE_OVERRIDES`.
     """
     from verl_mtp_plugin.control import configure_transformer_config
 
@@ -284,4 +317,6 @@ def apply_mtp_overrides(overrides: dict, settings: EngineMTPSettings) -> dict:
     )
     if settings.mode is MTPMode.OFF:
         overrides.update(BRIDGE_NO_MTP_OVERRIDES)
+    if settings.latent_moe:
+        overrides.update(LATENT_MOE_OVERRIDES)
     return overrides
