@@ -313,3 +313,23 @@ def test_latent_moe_checkpoint_builds_actor_and_reference_without_the_shared_exp
         assert built.model.config.moe_latent_size, role
         assert built.model.config.moe_shared_expert_overlap is False, role
         assert built.engine.engine_config.override_transformer_config["moe_shared_expert_overlap"] is False, role
+
+
+def test_without_apex_the_engine_turns_the_bridges_wgrad_fusion_off(checkpoint):
+    """Megatron-Bridge turns gradient-accumulation fusion on whenever Transformer Engine imports (here: the CPU
+    runtime's TE placeholder), and megatron-core's ColumnParallelLinear (HybridModel's output layer) then raises at
+    construction without apex's kernel (seen on the H200 with pip's TE). The plugin engine turns it off unless the
+    user set it; a user's value stands."""
+    import importlib.util
+
+    from verl_mtp_plugin.engine.megatron import WGRAD_FUSION_KEY, wgrad_fusion_override
+
+    assert importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None  # no apex on this machine
+    from megatron.bridge.utils.fusions import can_enable_gradient_accumulation_fusion
+
+    assert can_enable_gradient_accumulation_fusion()  # the Bridge's default: on
+    cfg = compose("grpo_online", checkpoint)
+    built = build(cfg, "actor", keep_bridge=(WGRAD_FUSION_KEY,))
+    assert built.model.config.gradient_accumulation_fusion is False
+    assert built.engine.engine_config.override_transformer_config[WGRAD_FUSION_KEY] is False
+    assert wgrad_fusion_override({WGRAD_FUSION_KEY: True}) == {}

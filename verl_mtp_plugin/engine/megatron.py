@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from functools import partial
 from typing import Any, Iterator
 
@@ -67,6 +68,8 @@ from verl_mtp_plugin.objective import (
     mtp_objective_scope,
     reset_objective_metrics,
 )
+
+logger = logging.getLogger(__name__)
 
 #: In-trainer acceptance metrics the engine logs (verl prefixes ``actor/``).
 ACCEPTANCE_METRICS = (
@@ -398,6 +401,35 @@ def make_mtp_pre_wrap_hook(mode: "MTPMode | str"):
     return mtp_pre_wrap_hook
 
 
+#: the override that turns Megatron's gradient-accumulation fusion off
+WGRAD_FUSION_KEY = "gradient_accumulation_fusion"
+
+
+def wgrad_fusion_override(overrides) -> dict:
+    """``{"gradient_accumulation_fusion": False}`` when this process cannot run the fusion on every layer, else
+    ``{}`` (also when the user set the key: theirs stands).
+
+    Megatron-Bridge turns the fusion on whenever Transformer Engine imports
+    (``megatron/bridge/utils/fusions.py: can_enable_gradient_accumulation_fusion``), but megatron-core's own
+    ``ColumnParallelLinear`` — the output layer of every ``HybridModel``, TE spec or not — then needs apex's
+    ``fused_weight_gradient_mlp_cuda`` and raises at construction without it
+    (``megatron/core/tensor_parallel/layers.py``). Seen on the H200 with pip's Transformer Engine and no apex:
+    verl's workers failed at model build."""
+    if WGRAD_FUSION_KEY in (overrides or {}):
+        return {}
+    import importlib.util
+
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        return {}
+    logger.warning(
+        "actor_rollout_ref.actor.megatron.override_transformer_config.%s=false: apex's fused_weight_gradient_mlp_cuda "
+        "is not installed, which megatron-core's ColumnParallelLinear (the output layer) needs for the fusion "
+        "Megatron-Bridge turns on with Transformer Engine; install apex with its CUDA extensions to keep it",
+        WGRAD_FUSION_KEY,
+    )
+    return {WGRAD_FUSION_KEY: False}
+
+
 def _set_items(target, updates: dict) -> None:
     """``target[k] = v`` for a dict or an omegaconf DictConfig (struct mode opened for new keys)."""
     try:
@@ -472,8 +504,16 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         _set_items(self.engine_config.override_transformer_config, updates)
         return updates
 
+    def apply_kernel_overrides(self) -> dict:
+        """Kernel choices this worker's libraries force, written into ``override_transformer_config`` unless the
+        user set the key (:func:`wgrad_fusion_override`)."""
+        updates = wgrad_fusion_override(self.engine_config.override_transformer_config)
+        _set_items(self.engine_config.override_transformer_config, updates)
+        return updates
+
     def _build_tf_config(self):
         self.apply_mtp_overrides()
+        self.apply_kernel_overrides()
         self.model_config.mtp = self._user_mtp  # check_mtp_config must keep the MTP layers
         try:
             super()._build_tf_config()
