@@ -300,6 +300,12 @@ def run_env() -> dict:
         "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
     })
+    if env.get("VERL_H200_STACK") == "te":
+        # verl sets VLLM_DISABLE_COMPILE_CACHE=1 unless the launching shell sets it (verl/trainer/constants_ppo.py:
+        # get_ppo_ray_runtime_env drops keys already in os.environ; verl's reason: vLLM #31199, cache corruption).
+        # Kept on here: the modes of one lease share one model, and vLLM's compile was most of the start-up
+        # (engine core 148 s of the first run's 393 s)
+        env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "0")
     return env
 
 
