@@ -125,3 +125,51 @@ def test_checkpoint_without_mtp_weights_is_refused_for_a_mode_with_mtp(mode):
 
 def test_probe_finds_the_names_it_relies_on():
     cr.probe()
+
+
+@pytest.mark.parametrize("contents", [["model", "optimizer", "extra"], ["model", "extra"], ["model"], ["hf_model"],
+                                      ["optimizer"], ["extra"], []])
+@pytest.mark.parametrize("dist", [True, False])
+def test_load_flags_from_contents_match_verls_checkpoint_manager(contents, dist):
+    """Parity with the properties of verl's MegatronCheckpointManager the engine reads at load time."""
+    from types import SimpleNamespace
+
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager as M
+
+    manager = SimpleNamespace(checkpoint_load_contents=contents, use_dist_checkpointing=dist)
+    verl_model = M.should_load_model.fget(manager) or M.should_load_hf_model.fget(manager)
+    assert cr.load_flags_from_contents(contents) == (verl_model, M.should_load_optimizer.fget(manager))
+
+
+def _checkpoint(root, step, mode):
+    actor = root / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    if mode is not None:
+        cr.write_checkpoint_mode(str(actor), mode)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return actor
+
+
+def _config(recipe, root, *overrides):
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    return compose_recipe(str(CONFIG_DIR), recipe, [f"trainer.default_local_dir={root}", *overrides])
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer.resume_mode=resume_path",)])
+def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overrides):
+    """The start-up check finds the checkpoint verl will resume and refuses the optimizer load of a frozen run in
+    mode online, naming load_contents; [model,extra] passes; resume_mode=disable is not checked."""
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    actor = _checkpoint(tmp_path, 4, "frozen")
+    extra = [f"trainer.resume_from_path={actor.parent}"] if overrides else []
+    cfg = _config("grpo_online", tmp_path, *overrides, *extra)
+    with pytest.raises(MTPConfigError, match=r"saved in MTP mode frozen.*load_contents=\[model,extra\]"):
+        validate_verl_config(cfg)
+    assert validate_verl_config(_config("grpo_online", tmp_path, *overrides, *extra,
+                                        "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]")).mode.value == "online"
+    assert validate_verl_config(_config("grpo_frozen", tmp_path, *overrides, *extra)).mode.value == "frozen"
+    validate_verl_config(_config("grpo_online", tmp_path, "trainer.resume_mode=disable"))

@@ -20,13 +20,15 @@ subfolders at every save (:func:`write_checkpoint_mode`) and checks a resume aga
 mode its block (refused).
 
 verl's private names this module relies on: the engine's ``checkpoint_mananager`` attribute (verl's spelling) and
-its manager's ``should_load_model`` / ``should_load_optimizer`` properties; megatron-core's public
+its manager's ``should_load_model`` / ``should_load_hf_model`` / ``should_load_optimizer`` properties; megatron-core's public
 ``reload_model_params(state_dict=None)``. :func:`probe` checks all of them at start-up (the engine's constructor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import os
 
@@ -36,9 +38,11 @@ __all__ = [
     "ResumeRefused",
     "check_resume",
     "load_flags",
+    "load_flags_from_contents",
     "probe",
     "read_checkpoint_mode",
     "refresh_main_params",
+    "resume_folder",
     "write_checkpoint_mode",
 ]
 
@@ -49,7 +53,7 @@ MODE_FILE = "verl_mtp_plugin.json"
 #: verl's attribute holding the engine's checkpoint manager (its spelling)
 MANAGER_ATTR = "checkpoint_mananager"
 #: the manager's properties read here
-MANAGER_FLAGS = ("should_load_model", "should_load_optimizer")
+MANAGER_FLAGS = ("should_load_model", "should_load_hf_model", "should_load_optimizer")
 #: modes whose optimizer holds the MTP block
 _TRAINED = ("online", "joint")
 
@@ -82,7 +86,35 @@ def probe() -> None:
 def load_flags(engine) -> tuple[bool, bool]:
     """(loads model weights, loads optimizer state) for the engine's resume, from verl's checkpoint manager."""
     manager = getattr(engine, MANAGER_ATTR)
-    return bool(manager.should_load_model), bool(manager.should_load_optimizer)
+    # ``hf_model`` alone loads the weights too (through the bridge, from ``actor/huggingface``)
+    return bool(manager.should_load_model or manager.should_load_hf_model), bool(manager.should_load_optimizer)
+
+
+def load_flags_from_contents(load_contents) -> tuple[bool, bool]:
+    """(loads model weights, loads optimizer state) for a ``load_contents`` list, as verl's checkpoint manager
+    decides them (``should_load_model`` / ``should_load_hf_model`` / ``should_load_optimizer``; parity test in
+    ``tests/test_checkpoint_resume.py``)."""
+    contents = [str(c) for c in (load_contents or ())]
+    return ("model" in contents or "hf_model" in contents), "optimizer" in contents
+
+
+def resume_folder(trainer_config) -> str | None:
+    """The ``global_step_N`` folder verl's trainer resumes from (``RayPPOTrainer._load_checkpoint``: ``resume_mode``
+    auto: the latest under ``default_local_dir``; ``resume_path``: ``resume_from_path``), or None (no resume, or
+    nothing there yet). Paths relative to this process's working directory, as verl's trainer resolves them."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    mode = str(trainer_config.get("resume_mode", "auto") or "auto")
+    if mode == "disable" or trainer_config.get("default_hdfs_dir") is not None:
+        return None
+    if mode == "resume_path":
+        path = trainer_config.get("resume_from_path")
+        return os.path.abspath(str(path)) if isinstance(path, str) and os.path.isdir(path) else None
+    folder = trainer_config.get("default_local_dir")
+    if folder is None:
+        return None
+    with contextlib.redirect_stdout(io.StringIO()):  # verl prints when there is no tracker file
+        return find_latest_ckpt_path(os.path.abspath(str(folder)))
 
 
 def write_checkpoint_mode(local_path: str, mode: str) -> None:
