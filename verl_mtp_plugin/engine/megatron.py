@@ -2,7 +2,7 @@
 
 :class:`NemotronHMTPMegatronEngine` is a verl ``MegatronEngineWithLMHead`` registered as
 ``model_type="nemotron_h_mtp"``, ``backend="megatron"`` (:mod:`verl_mtp_plugin.engine.registry`).
-It changes four things and inherits everything else (optimizer, checkpointing, offload, weight
+It changes five things and inherits everything else (optimizer, checkpoint formats, offload, weight
 export, micro-batching, loss post-processing) from verl:
 
 * **Build**: before verl builds the Megatron-Bridge provider it writes the mode's Megatron fields into
@@ -30,6 +30,10 @@ export, micro-batching, loss post-processing) from verl:
   (:func:`mtp_group_grad_norm`). Absent where there is no such group (frozen: no MTP parameter is
   trained; joint: the MTP gradients are part of ``grad_norm``) or when clipping is off
   (``optim.clip_grad=0``: megatron computes no group norm).
+* **Checkpoints**: each save records the MTP mode beside verl's subfolders; a load is refused before anything is
+  read when the checkpoint's mode cannot continue in this run's with ``load_contents``, and a load of the weights
+  without the optimizer refreshes the optimizer's fp32 master weights from them
+  (:mod:`verl_mtp_plugin.compat.checkpoint_resume`).
 * **verl's GPTModel MTP code stays off**: the engine keeps a private shallow copy of ``HFModelConfig``
   whose ``mtp`` block reads ``enable=false`` everywhere except inside verl's ``_build_tf_config`` (where
   ``check_mtp_config`` must see the user's block to keep the MTP layers). So verl never applies
