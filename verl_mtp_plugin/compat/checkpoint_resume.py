@@ -98,19 +98,20 @@ def load_flags_from_contents(load_contents) -> tuple[bool, bool]:
     return ("model" in contents or "hf_model" in contents), "optimizer" in contents
 
 
-def resume_folder(trainer_config) -> str | None:
-    """The ``global_step_N`` folder verl's trainer resumes from (``RayPPOTrainer._load_checkpoint``: ``resume_mode``
-    auto: the latest under ``default_local_dir``; ``resume_path``: ``resume_from_path``), or None (no resume, or
-    nothing there yet). Paths relative to this process's working directory, as verl's trainer resolves them."""
+def resume_folder(*, resume_mode, default_local_dir, resume_from_path=None, default_hdfs_dir=None) -> str | None:
+    """The ``global_step_N`` folder verl's trainer resumes from (``RayPPOTrainer._load_checkpoint``, from the
+    ``trainer.*`` keys of the same names: ``resume_mode`` auto: the latest under ``default_local_dir``;
+    ``resume_path``: ``resume_from_path``), or None (no resume, or nothing there yet). Paths relative to this
+    process's working directory, as verl's trainer resolves them."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-    mode = str(trainer_config.get("resume_mode", "auto") or "auto")
-    if mode == "disable" or trainer_config.get("default_hdfs_dir") is not None:
+    mode = str(resume_mode or "auto")
+    if mode == "disable" or default_hdfs_dir is not None:
         return None
     if mode == "resume_path":
-        path = trainer_config.get("resume_from_path")
+        path = resume_from_path
         return os.path.abspath(str(path)) if isinstance(path, str) and os.path.isdir(path) else None
-    folder = trainer_config.get("default_local_dir")
+    folder = default_local_dir
     if folder is None:
         return None
     with contextlib.redirect_stdout(io.StringIO()):  # verl prints when there is no tracker file

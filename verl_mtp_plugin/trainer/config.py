@@ -106,13 +106,14 @@ SYNC_STAGE_ENV = ENV_SYNC_STAGE
 #: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
 PLUGIN_EXTENSIONS = (WORKER_EXTENSION_CLS,)
 
+
 def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
     """The resume verl's trainer will make (``trainer.resume_mode``), checked against the MTP mode recorded in the
     actor checkpoint (:mod:`verl_mtp_plugin.compat.checkpoint_resume`; the engine checks it again before loading)."""
     from verl_mtp_plugin.compat import checkpoint_resume as cr
 
-    trainer = to_plain(get_key(config, "trainer", {})) or {}
-    folder = cr.resume_folder(trainer) if isinstance(trainer, Mapping) else None
+    folder = cr.resume_folder(**{k: get_key(config, f"trainer.{k}") for k in
+                                 ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")})
     if folder is None:
         return []
     actor = os.path.join(folder, "actor")
