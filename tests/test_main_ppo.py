@@ -23,8 +23,10 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
   trunk moving when the MTP loss does reach it). From the run's second weight update on the drafter sync
   is broken on purpose (``swap-eh@2``) with ``mtp_guard.action=fail``: step N+2's rollout runs on a
   wrongly wired drafter and the guard must stop the trainer.
-* ``frozen_resumed``: grpo_frozen continues the demo's frozen run for step N+1: the resumed rollout
-  server loads the drafter once too.
+* ``frozen_resumed``: grpo_online continues the demo's frozen run for step N+1 (a resume in another MTP mode, with
+  ``actor.checkpoint.load_contents=[model,extra]``): the trunk continues from the checkpoint's (not from the base
+  checkpoint's, where the optimizer's fp32 masters were before the resume), the MTP block trains from the
+  checkpoint's with fresh optimizer state, and the drafter is loaded at every sync.
 * ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss. Its
   actor and reference engines pack the batches (THD, ``use_remove_padding=true`` with verl's ``pad_to_length``
   bucket; the other runs use padded BSHD batches).
@@ -247,14 +249,35 @@ def test_frozen_keeps_the_mtp_block_and_syncs_the_drafter_once(frozen, assets):
     assert loads == [1.0] + [0.0] * n, loads
 
 
+def _distance(a, b):
+    return sum(float((a[k] - b[k]).abs().sum()) for k in a)
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-def test_frozen_resume_continues_from_the_saved_step(frozen, frozen_resumed, assets):
+def test_frozen_run_resumed_online_continues_from_the_checkpoints_weights(frozen, frozen_resumed, assets):
+    from trainer_runs import MODEL_ONLY
+
     n = max(frozen.metrics)
+    assert MODEL_ONLY in frozen_resumed.cmd and "grpo_online" in frozen_resumed.cmd
     assert sorted(frozen_resumed.metrics) == [n + 1] and sorted(frozen_resumed.checkpoints) == [n, n + 1]
     _assert_same_names(frozen_resumed, assets)
-    assert _changed(_split(_loaded(assets))[0], _split(_saved(frozen_resumed, n + 1))[0]) == []
+    mtp0, trunk0 = _split(_loaded(assets))
+    mtp_n, trunk_n = _split(_saved(frozen, n))
+    mtp_n1, trunk_n1 = _split(_saved(frozen_resumed, n + 1))
+    assert _changed(mtp0, mtp_n) == [] and _changed(trunk0, trunk_n)  # the checkpoint: a frozen run's
+    # the trunk moved on from the checkpoint's weights, one update away from them, not from the base checkpoint's
+    # (where the optimizer's fp32 masters stood before the resume: verl's model-only load leaves them there)
+    assert _changed(trunk_n, trunk_n1)
+    assert _distance(trunk_n1, trunk_n) < 0.5 * _distance(trunk_n1, trunk0), (
+        _distance(trunk_n1, trunk_n), _distance(trunk_n1, trunk0), _distance(trunk_n, trunk0))
+    # online now: every MTP weight matrix trained, with optimizer state of its own (the checkpoint had none)
+    assert set(_matrices(mtp_n)) <= set(_changed(mtp_n, mtp_n1))
+    m = frozen_resumed.metrics[n + 1]
+    assert m["actor/mtp_grad_norm"] > 0 and m["actor/mtp_losses/mtp_1_loss"] > 0
+    mtp_numel = sum(v.numel() for v in mtp0.values())
+    assert _optimizer_numel(frozen_resumed, n + 1) - sum(v.numel() for v in trunk0.values()) >= mtp_numel
     loads = [s["sync/drafter_loaded"] for s in _syncs(frozen_resumed)]
-    assert loads[0] == 1.0 and sum(loads) == 1.0, loads  # the resumed rollout server loads it once too
+    assert len(loads) >= 2 and loads == [1.0] * len(loads), loads  # online: the drafter loaded at every sync
     _assert_rollout_speculation(frozen_resumed)
 
 

@@ -14,7 +14,8 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 
 * ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
 * ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
-* ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs;
+* ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs (the frozen one in
+  mode online, from the checkpoint's weights);
 * ``joint``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences);
 * ``assets_tp2``: the same checkpoint built with 2 Mamba groups (megatron splits them over TP ranks);
 * ``assets_moe``: the MoE checkpoint (a trunk MoE layer and the MTP block ``*E``, as Nemotron 3 Super's), 2 Mamba
@@ -178,13 +179,18 @@ def _online_resumed(root, deps):
                 extra_overrides=[*extra, NO_KL, "trainer.save_freq=1", *GUARD_FAIL, f"{OBJECTIVE_CONFIG_KEY}={RESUMED_OBJECTIVE}"])
 
 
+#: a resume in another MTP mode loads the weights only (the optimizer state of a frozen run holds no MTP block)
+MODEL_ONLY = "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"
+
+
 def _frozen_resumed(root, deps):
+    """The demo's frozen run resumed in mode online (grpo_online) from its checkpoint's weights."""
     from verl_mtp_plugin.demo import mode_overrides
 
     frozen = demo_result(deps["demo"], "frozen")
-    recipe, extra = mode_overrides("frozen", seed=DEMO_SEED)
+    recipe, extra = mode_overrides("online", seed=DEMO_SEED)
     return _run(recipe, frozen.workdir, deps["assets"], steps=max(frozen.metrics) + 1, resume=True,
-                extra_overrides=extra, check=True)
+                extra_overrides=[*extra, MODEL_ONLY], check=True)
 
 
 def _joint(root, deps):

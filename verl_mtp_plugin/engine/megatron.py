@@ -2,7 +2,7 @@
 
 :class:`NemotronHMTPMegatronEngine` is a verl ``MegatronEngineWithLMHead`` registered as
 ``model_type="nemotron_h_mtp"``, ``backend="megatron"`` (:mod:`verl_mtp_plugin.engine.registry`).
-It changes four things and inherits everything else (optimizer, checkpointing, offload, weight
+It changes five things and inherits everything else (optimizer, checkpoint formats, offload, weight
 export, micro-batching, loss post-processing) from verl:
 
 * **Build**: before verl builds the Megatron-Bridge provider it writes the mode's Megatron fields into
@@ -30,6 +30,10 @@ export, micro-batching, loss post-processing) from verl:
   (:func:`mtp_group_grad_norm`). Absent where there is no such group (frozen: no MTP parameter is
   trained; joint: the MTP gradients are part of ``grad_norm``) or when clipping is off
   (``optim.clip_grad=0``: megatron computes no group norm).
+* **Checkpoints**: each save records the MTP mode beside verl's subfolders; a load is refused before anything is
+  read when the checkpoint's mode cannot continue in this run's with ``load_contents``, and a load of the weights
+  without the optimizer refreshes the optimizer's fp32 master weights from them
+  (:mod:`verl_mtp_plugin.compat.checkpoint_resume`).
 * **verl's GPTModel MTP code stays off**: the engine keeps a private shallow copy of ``HFModelConfig``
   whose ``mtp`` block reads ``enable=false`` everywhere except inside verl's ``_build_tf_config`` (where
   ``check_mtp_config`` must see the user's block to keep the MTP layers). So verl never applies
@@ -59,6 +63,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import BaseEngine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
 from verl_mtp_plugin.metrics import LOSS_KEY, collect_mtp_metrics, reset_mtp_metrics
@@ -496,6 +501,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         view.mtp = self._verl_mtp_view
         self.model_config = view
         self._mtp_phase: Phase | None = None
+        resume_compat.probe()  # the verl / megatron names the checkpoint overrides below rely on
 
     # ---- build -----------------------------------------------------------------------------------
     def apply_mtp_overrides(self) -> dict:
@@ -579,6 +585,27 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
             output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
         return metrics
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs) -> None:
+        """verl's save, then the MTP mode that wrote it beside verl's subfolders (read back on resume)."""
+        super().save_checkpoint(local_path, hdfs_path=hdfs_path, global_step=global_step,
+                                max_ckpt_to_keep=max_ckpt_to_keep, **kwargs)
+        if torch.distributed.get_rank() == 0:
+            resume_compat.write_checkpoint_mode(local_path, self.mtp_mode.value)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs) -> None:
+        """verl's load, refused before anything is read when the checkpoint's MTP mode cannot continue in this
+        run's mode with ``load_contents`` (:func:`~verl_mtp_plugin.compat.checkpoint_resume.check_resume`); after a
+        load of the weights without the optimizer, the optimizer's fp32 master weights are refreshed from the loaded
+        weights (verl leaves them at the base checkpoint's: the first step would undo the resume)."""
+        load_model, load_optimizer = resume_compat.load_flags(self)
+        resume_compat.check_resume(saved_mode=resume_compat.read_checkpoint_mode(local_path),
+                                   mode=self.mtp_mode.value, load_model=load_model, load_optimizer=load_optimizer,
+                                   where=local_path)
+        super().load_checkpoint(local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load, **kwargs)
+        if load_model and not load_optimizer and self.optimizer is not None:
+            resume_compat.refresh_main_params(self.optimizer)
 
     def optimizer_step(self):
         grad_norm = super().optimizer_step()

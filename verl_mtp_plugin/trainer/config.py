@@ -106,6 +106,31 @@ SYNC_STAGE_ENV = ENV_SYNC_STAGE
 #: worker extensions of the plugin (``engine_kwargs.vllm.worker_extension_cls``).
 PLUGIN_EXTENSIONS = (WORKER_EXTENSION_CLS,)
 
+
+def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
+    """The resume verl's trainer will make (``trainer.resume_mode``), checked against the MTP mode recorded in the
+    actor checkpoint (:mod:`verl_mtp_plugin.compat.checkpoint_resume`; the engine checks it again before loading)."""
+    from verl_mtp_plugin.compat import checkpoint_resume as cr
+
+    folder = cr.resume_folder(**{k: get_key(config, f"trainer.{k}") for k in
+                                 ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")})
+    if folder is None:
+        return []
+    actor = os.path.join(folder, "actor")
+    contents = get_key(config, f"{_ACTOR}.checkpoint.load_contents")
+    if contents is None:
+        from verl.trainer.config import CheckpointConfig
+
+        contents = CheckpointConfig().load_contents  # verl's default
+    load_model, load_optimizer = cr.load_flags_from_contents(as_list(contents))
+    try:
+        cr.check_resume(saved_mode=cr.read_checkpoint_mode(actor), mode=mode.value, load_model=load_model,
+                        load_optimizer=load_optimizer, where=actor)
+    except cr.ResumeRefused as e:
+        return [str(e)]
+    return []
+
+
 def _load_hf_config(path: Any, trust_remote_code: bool):
     if not path:
         return None
@@ -451,6 +476,9 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     except MTPConfigError as e:
         lines = str(e).splitlines()
         errors.extend([ln.strip()[2:] for ln in lines[1:]] if len(lines) > 1 else lines)
+
+    if selected and mode is not None:
+        errors.extend(_resume_errors(config, mode))
 
     if errors:
         raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))

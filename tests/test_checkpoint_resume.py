@@ -1,0 +1,175 @@
+"""Resuming a checkpoint (possibly saved in another MTP mode): the compat of
+:mod:`verl_mtp_plugin.compat.checkpoint_resume` with real megatron-core objects.
+
+The model-only load (``actor_rollout_ref.actor.checkpoint.load_contents`` without ``optimizer``) is checked on
+megatron's real ``DistributedOptimizer`` (bf16 model, fp32 master shards, DDP grad buffers) built by megatron's own
+``get_megatron_optimizer``, in a process of its own with the CPU runtime's trainer-worker stand-ins
+(:func:`verl_mtp_plugin.cpu.workers.install_trainer_worker_standins`: megatron's optimizer allocates on ``"cuda"`` by
+name), as in verl's trainer workers. The verl trainer resume across modes is ``frozen_resumed`` in
+``tests/test_main_ppo.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from verl_mtp_plugin.compat import checkpoint_resume as cr
+
+pytest.importorskip("megatron.core")
+
+#: the process: a tiny HybridModel in bf16 under megatron's DDP + DistributedOptimizer (torch Adam inside, the CPU
+#: runtime's); the weights are replaced as verl's model-only load does (``load_state_dict``), then one optimizer step
+#: with zero gradients and no weight decay (Adam moves nothing) shows what the step copies back from the masters
+_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from verl_mtp_plugin.cpu.tiny import init_megatron, build_tiny_hybrid
+    from verl_mtp_plugin.cpu.workers import install_trainer_worker_standins
+    from verl_mtp_plugin.compat import checkpoint_resume as cr
+
+    refresh = sys.argv[1] == "refresh"
+    install_trainer_worker_standins()
+    init_megatron(seed=3)
+    cr.probe()
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(device="cpu", config_overrides={"bf16": True, "params_dtype": torch.bfloat16})
+    model = model.to(torch.bfloat16)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, bf16=True,
+                                                 use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+    inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+    assert isinstance(inner, DistributedOptimizer), type(inner)
+    before = {k: v.detach().clone() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    # verl's model-only load: the checkpoint's weights into the model (here: the same model, every weight + 0.25)
+    loaded = {k: (v + 0.25 if v.is_floating_point() and not k.endswith("_extra_state") else v) for k, v in before.items()}
+    ddp.module.load_state_dict(loaded, strict=False)
+    if refresh:
+        cr.refresh_main_params(opt)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ok, _, _ = opt.step()
+    after = {k: v.detach() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    names = [k for k, p in ddp.module.named_parameters() if p.requires_grad]
+    res = {"step_ok": bool(ok), "n": len(names),
+           "at_loaded": sum(bool(torch.equal(after[k], loaded[k])) for k in names),
+           "at_before": sum(bool(torch.equal(after[k], before[k])) for k in names),
+           "dtypes": sorted({str(p.dtype) for p in ddp.module.parameters()})}
+    print("RESULT " + json.dumps(res))
+""")
+
+
+def _run(variant: str) -> dict:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, variant], capture_output=True, text=True, env=env,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(900)
+def test_model_only_load_refreshes_the_distributed_optimizers_fp32_masters():
+    """After a model-only load, megatron's step copies the fp32 masters back into the model: without the refresh
+    every trained weight is back at its value before the load (what verl's model-only resume did); with it the
+    weights stay the loaded ones (the step's Adam update is 0 here)."""
+    stale = _run("plain")
+    assert stale["step_ok"] and stale["dtypes"] == ["torch.bfloat16"], stale
+    assert stale["at_before"] == stale["n"] > 0 and stale["at_loaded"] == 0, stale  # the bug the refresh fixes
+    fixed = _run("refresh")
+    assert fixed["step_ok"] and fixed["at_loaded"] == fixed["n"] and fixed["at_before"] == 0, fixed
+
+
+# ---------------------------------------------------------------------------------------------- the refusals
+
+
+def test_mode_record_round_trips(tmp_path):
+    assert cr.read_checkpoint_mode(str(tmp_path)) is None
+    cr.write_checkpoint_mode(str(tmp_path), "frozen")
+    assert cr.read_checkpoint_mode(str(tmp_path)) == "frozen"
+
+
+@pytest.mark.parametrize("saved,mode", [("frozen", "online"), ("online", "frozen"), ("off", "joint"),
+                                        ("joint", "off")])
+def test_optimizer_of_another_parameter_set_is_refused_naming_load_contents(saved, mode):
+    with pytest.raises(cr.ResumeRefused, match=r"actor_rollout_ref\.actor\.checkpoint\.load_contents=\[model,extra\]"):
+        cr.check_resume(saved_mode=saved, mode=mode, load_model=saved != "off", load_optimizer=True, where="ckpt")
+
+
+@pytest.mark.parametrize("saved,mode", [("frozen", "online"), ("online", "frozen"), ("online", "joint"),
+                                        ("joint", "online"), ("frozen", "off"), ("online", "off"),
+                                        ("online", "online"), ("frozen", "frozen"), (None, "online")])
+def test_supported_resumes_pass(saved, mode):
+    # the weights alone: every mode with MTP weights in the checkpoint
+    cr.check_resume(saved_mode=saved, mode=mode, load_model=True, load_optimizer=False, where="ckpt")
+    if saved is None or (saved in ("online", "joint")) == (mode in ("online", "joint")):
+        # with the optimizer: the same parameter set in the optimizer
+        cr.check_resume(saved_mode=saved, mode=mode, load_model=True, load_optimizer=True, where="ckpt")
+
+
+@pytest.mark.parametrize("mode", ["online", "frozen", "joint"])
+def test_checkpoint_without_mtp_weights_is_refused_for_a_mode_with_mtp(mode):
+    with pytest.raises(cr.ResumeRefused, match="saved in MTP mode off: it holds no MTP weights"):
+        cr.check_resume(saved_mode="off", mode=mode, load_model=True, load_optimizer=False, where="ckpt")
+
+
+def test_probe_finds_the_names_it_relies_on():
+    cr.probe()
+
+
+@pytest.mark.parametrize("contents", [["model", "optimizer", "extra"], ["model", "extra"], ["model"], ["hf_model"],
+                                      ["optimizer"], ["extra"], []])
+@pytest.mark.parametrize("dist", [True, False])
+def test_load_flags_from_contents_match_verls_checkpoint_manager(contents, dist):
+    """Parity with the properties of verl's MegatronCheckpointManager the engine reads at load time."""
+    from types import SimpleNamespace
+
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager as M
+
+    manager = SimpleNamespace(checkpoint_load_contents=contents, use_dist_checkpointing=dist)
+    verl_model = M.should_load_model.fget(manager) or M.should_load_hf_model.fget(manager)
+    assert cr.load_flags_from_contents(contents) == (verl_model, M.should_load_optimizer.fget(manager))
+
+
+def _checkpoint(root, step, mode):
+    actor = root / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    if mode is not None:
+        cr.write_checkpoint_mode(str(actor), mode)
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return actor
+
+
+def _config(recipe, root, *overrides):
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    return compose_recipe(str(CONFIG_DIR), recipe, [f"trainer.default_local_dir={root}", *overrides])
+
+
+@pytest.mark.parametrize("overrides", [(), ("trainer.resume_mode=resume_path",)])
+def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overrides):
+    """The start-up check finds the checkpoint verl will resume and refuses the optimizer load of a frozen run in
+    mode online, naming load_contents; [model,extra] passes; resume_mode=disable is not checked."""
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    actor = _checkpoint(tmp_path, 4, "frozen")
+    extra = [f"trainer.resume_from_path={actor.parent}"] if overrides else []
+    cfg = _config("grpo_online", tmp_path, *overrides, *extra)
+    with pytest.raises(MTPConfigError, match=r"saved in MTP mode frozen.*load_contents=\[model,extra\]"):
+        validate_verl_config(cfg)
+    assert validate_verl_config(_config("grpo_online", tmp_path, *overrides, *extra,
+                                        "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]")).mode.value == "online"
+    assert validate_verl_config(_config("grpo_frozen", tmp_path, *overrides, *extra)).mode.value == "frozen"
+    validate_verl_config(_config("grpo_online", tmp_path, "trainer.resume_mode=disable"))
