@@ -69,7 +69,6 @@ from verl_mtp_plugin.config_keys import (
     OBJECTIVE_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,
-    SPEC_TUNING_KEYS,
     TRAINER_MODES,
     WORKER_EXTENSION_CLS,
     as_bool,
@@ -427,8 +426,6 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{drafter_sync_key}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
-    if drafter_sync not in (None, "online", "frozen"):
-        drafter_sync = None
     try:
         verl_config.compilation_config(config)
     except MTPConfigError as e:
