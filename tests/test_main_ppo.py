@@ -201,6 +201,10 @@ def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(on
     n = max(online.metrics)
     cmd = online_resumed.cmd  # [unshare ... (a /tmp of its own),] python -m verl.trainer.main_ppo ...
     assert cmd[cmd.index("-m") + 1] == "verl.trainer.main_ppo"
+    # verl's entry point ran the plugin's start-up check (in its task runner, before any worker)
+    from verl_mtp_plugin.compat.verl_entry import PASSED_LINE
+
+    assert PASSED_LINE in online_resumed.log_path.read_text(errors="replace"), online_resumed.describe_failure()
     # continued from the saved step N (the run ends at N+2 by the guard: see the guard's test)
     assert min(online_resumed.metrics, default=None) == n + 1, online_resumed.describe_failure()
     assert {n, n + 1} <= set(online_resumed.checkpoints)

@@ -222,7 +222,7 @@ def test_tp2_drafter_sync_reaches_every_vllm_rank_exactly(online_tp2):
 def _recipe_estimate(recipe: str) -> str:
     """The trainer's estimate matching the drafting method ``recipe`` configures (probabilistic in the shipped
     recipes: actor/mtp_expected_accept_rate)."""
-    from verl_mtp_plugin.config_keys import draft_estimate_metric
+    from verl_mtp_plugin.verl_config import draft_estimate_metric
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR
     from verl_mtp_plugin.trainer.config import compose_recipe
 

@@ -40,12 +40,12 @@ def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: 
     import os
 
     from verl_mtp_plugin.policy import format_table
-    from verl_mtp_plugin.trainer.config import compose_recipe, validate_verl_config
+    from verl_mtp_plugin.trainer.config import compose_recipe, startup_check
 
     path = os.path.abspath(path)
     name = os.path.basename(path)
     cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
-    settings = validate_verl_config(cfg)
+    settings = startup_check(cfg)  # the check both training entry points run
     if strict and settings.warnings:
         from verl_mtp_plugin.policy import MTPConfigError
 

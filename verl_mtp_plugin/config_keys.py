@@ -37,7 +37,6 @@ __all__ = [
     "WORKER_EXTENSION_CLS",
     "as_bool",
     "as_list",
-    "draft_estimate_metric",
     "get_key",
     "to_plain",
 ]
@@ -139,22 +138,3 @@ def as_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-
-
-def draft_estimate_metric(config: Any) -> str | None:
-    """The trainer's acceptance estimate that matches the drafting method a verl config gives vLLM.
-
-    ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (:data:`DRAFT_SAMPLE_METHOD_KEY`; vLLM's
-    default ``greedy`` when unset) -> :data:`DRAFT_METHOD_ESTIMATE_METRIC` (probabilistic:
-    ``actor/mtp_expected_accept_rate``; greedy: ``actor/mtp_argmax_draft_accept_rate``), as the desync guard
-    judges. None when verl does not speculate (``mtp.enable`` and ``mtp.enable_rollout`` not both true).
-    """
-    if not (as_bool(get_key(config, f"{MTP}.enable", False)) and as_bool(get_key(config, f"{MTP}.enable_rollout", False))):
-        return None
-    spec = to_plain(get_key(config, f"{VLLM_KWARGS}.speculative_config"))
-    if isinstance(spec, str):
-        import json
-
-        spec = json.loads(spec)
-    method = (spec or {}).get("draft_sample_method") if isinstance(spec, Mapping) else None
-    return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]

@@ -126,14 +126,14 @@ def estimate_metric(mode: str, extra_overrides: tuple[str, ...] = ()) -> str | N
 
     The mode's recipe is composed with the demo's overrides (:func:`mode_overrides`) and ``extra_overrides``;
     its ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (vLLM's default ``greedy`` when unset)
-    picks the metric (:func:`~verl_mtp_plugin.config_keys.draft_estimate_metric`: probabilistic ->
+    picks the metric (:func:`~verl_mtp_plugin.verl_config.draft_estimate_metric`: probabilistic ->
     ``actor/mtp_expected_accept_rate``, greedy -> ``actor/mtp_argmax_draft_accept_rate``), as the desync guard
     picks it.
 
     Returns:
         str | None: the metric as verl logs it; None when the mode does not speculate (off).
     """
-    from verl_mtp_plugin.config_keys import draft_estimate_metric
+    from verl_mtp_plugin.verl_config import draft_estimate_metric
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR
     from verl_mtp_plugin.trainer.config import compose_recipe
 

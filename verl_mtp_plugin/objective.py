@@ -47,6 +47,7 @@ import contextlib
 import torch
 
 from verl_mtp_plugin.acceptance.estimate import _all_reduce, _probs, check_temperature, group_size, vocab_parallel_log_softmax
+from verl_mtp_plugin.compat.megatron_loss import replace_language_model_loss
 from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
 from verl_mtp_plugin.policy import MTPObjective
 
@@ -279,10 +280,9 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         return value + (ce.to(value.dtype) - value).detach()
 
     handle = mtp.register_forward_hook(on_mtp_output)
-    inner.compute_language_model_loss = objective_loss
     try:
-        yield model
+        with replace_language_model_loss(inner, objective_loss):  # the Megatron patch lives in compat
+            yield model
     finally:
         handle.remove()
-        inner.__dict__.pop("compute_language_model_loss", None)
         state.clear()

@@ -63,12 +63,12 @@ from verl_mtp_plugin.config_keys import (
     DRAFT_SAMPLE_METHOD_KEY,
     ENV_DRAFTER_SYNC,
     ENV_SYNC_CHECKSUM,
+    ENV_SYNC_RECV_TIMEOUT,
     ENV_SYNC_STAGE,
     OBJECTIVE_CONFIG_KEY,
     OBJECTIVE_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,
-    SPEC_TUNING_KEYS,
     TRAINER_MODES,
     WORKER_EXTENSION_CLS,
     as_bool,
@@ -83,6 +83,7 @@ from verl_mtp_plugin.engine.settings import (
     model_lora_rank,
     strategy_error,
 )
+from verl_mtp_plugin import verl_config
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
 from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
@@ -95,6 +96,7 @@ __all__ = [
     "draft_memory",
     "main",
     "rollout_speed_warnings",
+    "startup_check",
     "validate_verl_config",
 ]
 
@@ -292,7 +294,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             lora_rank=model_lora_rank(get_key(config, _M)),
             errors=errors,
             virtual_pipeline_model_parallel_size=get_key(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
-            objective=get_key(config, OBJECTIVE_CONFIG_KEY, os.environ.get(OBJECTIVE_ENV)),
+            objective=verl_config.env_setting(config, OBJECTIVE_ENV).value,
         )
         mode = settings.mode if settings is not None else None
     else:
@@ -308,17 +310,15 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     rollout_name = str(get_key(config, f"{_RO}.name", "vllm") or "vllm")
     enable_rollout = as_bool(get_key(mtp, "enable_rollout", False))
     vllm_kwargs = dict(to_plain(get_key(config, _VLLM, {})) or {})
-    user_spec = vllm_kwargs.get("speculative_config")
-    if isinstance(user_spec, str):
-        import json
-
-        user_spec = json.loads(user_spec)
-    verl_speculates = mtp_enable and enable_rollout  # vllm_async_server: mtp.enable and mtp.enable_rollout
+    try:  # the one reader (verl_mtp_plugin.verl_config): a drafting-method-only block switches nothing on
+        user_spec = verl_config.user_speculative_config(config)
+    except MTPConfigError as e:
+        errors.append(str(e))
+        user_spec = None
+    verl_speculates = verl_config.verl_speculates(config)
     # keys of the user's speculative_config that only tune speculation verl switches on (the drafting method):
     # without verl's MTP speculation they enable nothing, but verl would still hand them to vLLM untouched
-    tuning_only = isinstance(user_spec, Mapping) and bool(user_spec) and all(
-        k in SPEC_TUNING_KEYS or v is None for k, v in user_spec.items()
-    )
+    tuning_only = verl_config.tuning_only(user_spec)
     speculation = verl_speculates or (bool(user_spec) and not tuning_only)
 
     if enable_rollout and mode is MTPMode.OFF:
@@ -412,10 +412,9 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"train and roll out from a bf16 checkpoint, or set {_MTP}.enable_rollout=false"
         )
 
-    checksum_key = f"{_ENV}.{ENV_SYNC_CHECKSUM}"
-    checksum = get_key(config, checksum_key)
-    if checksum is None and os.environ.get(ENV_SYNC_CHECKSUM):
-        checksum, checksum_key = os.environ[ENV_SYNC_CHECKSUM], f"{ENV_SYNC_CHECKSUM} (this process's environment)"
+    env = verl_config.env_settings(config)  # the recipe's ray runtime_env env_vars, else the driver's environment
+    errors += _env_errors(env, speculation=speculation, selected=selected)
+    checksum, checksum_key = env[ENV_SYNC_CHECKSUM]
     rollout_tp = int(get_key(config, f"{_RO}.tensor_model_parallel_size", 1) or 1)
     rollout_ep = int(get_key(config, f"{_RO}.expert_parallel_size", 1) or 1)
     if speculation and checksum is not None and as_bool(checksum) and (rollout_tp > 1 or rollout_ep > 1):
@@ -443,19 +442,19 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
 
-    drafter_sync = get_key(config, f"{_ENV}.{DRAFTER_SYNC_ENV}")
+    drafter_sync, drafter_sync_key = env[DRAFTER_SYNC_ENV]
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
     if drafter_sync not in (None, "online", "frozen"):
-        errors.append(f"{_ENV}.{DRAFTER_SYNC_ENV}={drafter_sync!r}: allowed values are online, frozen")
+        errors.append(f"{drafter_sync_key}={drafter_sync!r}: allowed values are online, frozen")
     elif drafter_sync == "frozen" and mode in (MTPMode.ONLINE, MTPMode.JOINT) and speculation:
         errors.append(
-            f"{_ENV}.{DRAFTER_SYNC_ENV}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
+            f"{drafter_sync_key}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
-
-    sync_stage = get_key(config, f"{_ENV}.{SYNC_STAGE_ENV}")
-    if sync_stage is not None and str(sync_stage).strip().lower() not in ("device", "host"):
-        errors.append(f"{_ENV}.{SYNC_STAGE_ENV}={sync_stage!r}: allowed values are device, host")
+    try:
+        verl_config.compilation_config(config)
+    except MTPConfigError as e:
+        errors.append(str(e))
 
     # --- trainer (rollout speculation metrics, desync guard) ---------------------------------------
     use_v1 = as_bool(get_key(config, "trainer.use_v1", True))
@@ -484,17 +483,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
     assert mode is not None
 
-    spec = None
-    if speculation:
-        spec = {
-            "method": get_key(mtp, "method", "mtp") if verl_speculates else (user_spec or {}).get("method"),
-            "num_speculative_tokens": int(get_key(mtp, "num_speculative_tokens", 1))
-            if verl_speculates
-            else (user_spec or {}).get("num_speculative_tokens"),
-            **{k: v for k, v in (user_spec or {}).items() if v is not None},
-        }
-    free_cache = as_bool(get_key(config, f"{_RO}.free_cache_engine", True))
-    sleep_level = (1 if verl_speculates else 2) if free_cache else None
+    spec = verl_config.speculative_config(config)  # verl's build_mtp_speculative_config when verl speculates
+    sleep_level = verl_config.sleep_level(config)  # verl's vLLMHttpServer._resolve_sleep_level rule
     hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
     depth = None
     if mode is not MTPMode.OFF:
@@ -502,7 +492,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         depth = int(depth) if depth is not None else None
     scale = settings.mtp_loss_scaling_factor if settings is not None else None
     warnings = tuple(
-        rollout_speed_warnings(config, num_speculative_tokens=int(spec["num_speculative_tokens"] or 1), mode=mode,
+        rollout_speed_warnings(config, num_speculative_tokens=int(spec.get("num_speculative_tokens") or 1), mode=mode,
                                trained_depth=depth)
         if spec
         else ()
@@ -534,10 +524,26 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         draft_memory=draft_memory(
             str(spec.get("draft_sample_method") or "greedy"),
             max_num_seqs=int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256),
-            k=int(spec["num_speculative_tokens"] or 1),
+            k=int(spec.get("num_speculative_tokens") or 1),
             vocab_size=getattr(hf_config, "vocab_size", None),
         ) if spec else None,
     )
+
+
+def startup_check(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
+    """The plugin's start-up check, the same under every entry point (``python -m verl_mtp_plugin.main_ppo``,
+    ``python -m verl.trainer.main_ppo`` with the plugin loaded, ``verl-mtp check``): the private internals of
+    verl / Megatron / vLLM the plugin relies on are probed (:func:`verl_mtp_plugin.compat.probes.probe_all`),
+    then the config is validated (:func:`validate_verl_config`).
+
+    Raises:
+        MTPConfigError: every problem, each naming its key (a :class:`~verl_mtp_plugin.compat.probes.CompatError`
+            names the missing internal and the installed versions).
+    """
+    from verl_mtp_plugin.compat.probes import probe_all
+
+    probe_all()
+    return validate_verl_config(config, hf_config=hf_config)
 
 
 #: vLLM's default ceiling of CUDA-graph capture sizes on Hopper (H100/H200; 1024 on Blackwell), in tokens
@@ -551,12 +557,7 @@ _EAGER_STEP = "61.6 ms vs 29.6 ms per decode step (256 sequences, k=2, 30B-A3B s
 def _capture_ceiling(config: Any, max_num_seqs: int, k: int) -> tuple[int, str]:
     """The largest decode batch (tokens) vLLM will capture in a CUDA graph, and the key that sets it."""
     sizes = to_plain(get_key(config, f"{_RO}.cudagraph_capture_sizes"))
-    comp = get_key(config, f"{_VLLM}.compilation_config", {}) or {}
-    if isinstance(comp, str):
-        import json
-
-        comp = json.loads(comp)
-    comp = dict(to_plain(comp) or {})
+    comp = verl_config.compilation_config(config)
     if sizes:
         ceiling, key = max(int(x) for x in sizes), f"{_RO}.cudagraph_capture_sizes"
     elif comp.get("cudagraph_capture_sizes"):
@@ -584,12 +585,8 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
     """
     k = int(num_speculative_tokens)
     out: list[str] = []
-    comp = get_key(config, f"{_VLLM}.compilation_config", {}) or {}
-    if isinstance(comp, str):
-        import json
-
-        comp = json.loads(comp)
-    mode_key = str((to_plain(comp) or {}).get("cudagraph_mode", "") or "").upper()
+    comp = verl_config.compilation_config(config)
+    mode_key = str(comp.get("cudagraph_mode", "") or "").upper()
     eager = as_bool(get_key(config, f"{_RO}.enforce_eager", False))
     if eager or mode_key == "NONE":
         key = f"{_RO}.enforce_eager=true" if eager else f"{_VLLM}.compilation_config.cudagraph_mode=NONE"
@@ -618,6 +615,38 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
             "(mtp_use_repeated_layer: true)"
         )
     return out
+
+
+def _env_errors(env: Mapping[str, Any], *, speculation: bool, selected: bool) -> list[str]:
+    """Values of the plugin's environment settings (:data:`verl_mtp_plugin.verl_config.PLUGIN_ENV_VARS`) that its
+    workers would refuse or misread, each naming where it is set; settings that would do nothing are warned about.
+    (``VERL_MTP_OBJECTIVE`` is checked with the engine settings, ``VERL_MTP_DRAFTER_SYNC`` below.)"""
+    errors: list[str] = []
+    stage, key = env[SYNC_STAGE_ENV]
+    if stage is not None and str(stage).strip().lower() not in ("device", "host"):
+        errors.append(f"{key}={stage!r}: allowed values are device, host")
+    checksum, key = env[ENV_SYNC_CHECKSUM]
+    if checksum is not None and str(checksum).strip().lower() not in verl_config.BOOL_WORDS:
+        errors.append(f"{key}={checksum!r}: allowed values are {', '.join(verl_config.BOOL_WORDS)}")
+    timeout, key = env[ENV_SYNC_RECV_TIMEOUT]
+    if timeout is not None and str(timeout).strip():
+        try:
+            ok = float(timeout) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            errors.append(f"{key}={timeout!r}: must be a number of seconds > 0")
+    if not errors and not speculation:
+        unused = [f"{k}" for name, (v, k) in env.items()
+                  if v is not None and name in (DRAFTER_SYNC_ENV, SYNC_STAGE_ENV, ENV_SYNC_CHECKSUM, ENV_SYNC_RECV_TIMEOUT)]
+        if unused:
+            logger.warning("verl_mtp_plugin: %s set but vLLM does not speculate (%s.enable_rollout): the drafter "
+                           "sync they tune never runs", ", ".join(unused), _MTP)
+    objective, key = env[OBJECTIVE_ENV]
+    if objective is not None and not selected:
+        logger.warning("verl_mtp_plugin: %s=%s set but %s.model_type is not %s: no plugin engine reads it",
+                       key, objective, _M, MODEL_TYPE)
+    return errors
 
 
 def _hf_quantization(hf_config: Any) -> str | None:
@@ -744,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = compose_recipe(args.config_path, args.config_name, args.overrides)
     try:
-        settings = validate_verl_config(cfg)
+        settings = startup_check(cfg)
     except MTPConfigError as e:
         print(f"verl_mtp_plugin: {e}", file=sys.stderr)
         return 1

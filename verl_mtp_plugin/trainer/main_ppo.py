@@ -5,8 +5,9 @@ Takes exactly the arguments of ``python -m verl.trainer.main_ppo`` (same Hydra c
 for verl's entry point, else to the working directory or the package, and a shipped recipe name needs no
 ``--config-path``: :func:`verl_relative_config_path`) and differs in three ways:
 
-1. the plugin's start-up check (:func:`verl_mtp_plugin.trainer.config.validate_verl_config`) runs first
-   and stops with every problem listed by key;
+1. the plugin's start-up check (:func:`verl_mtp_plugin.trainer.config.startup_check`) runs first, in the
+   driver, and stops with every problem listed by key (under verl's own entry point the same check runs in
+   the task runner before any worker: :mod:`verl_mtp_plugin.compat.verl_entry`);
 2. the task runner (verl's ``TaskRunnerV1`` Ray actor, through ``run_ppo``'s ``task_runner_class``
    argument, which verl keeps for recipes) registers the plugin's trainers in its own process
    before verl looks ``trainer.v1.trainer_mode`` up, so ``mtp_sync`` / ``mtp_colocate_async`` /
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 import hydra
@@ -28,9 +30,10 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
+from verl_mtp_plugin.compat.verl_entry import DRIVER_CHECKED_ENV
 from verl_mtp_plugin.config_keys import TRAINER_MODES
 from verl_mtp_plugin.policy import MTPConfigError
-from verl_mtp_plugin.trainer.config import validate_verl_config
+from verl_mtp_plugin.trainer.config import startup_check
 
 __all__ = ["MTPTaskRunner", "MTPTaskRunnerV1", "check", "main", "register_plugin_trainers", "verl_relative_config_path"]
 
@@ -48,6 +51,8 @@ class MTPTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's ``TaskRunnerV1`` that registers the plugin's trainers in the actor process first."""
 
     def run(self, config):
+        # the driver (main) ran the start-up check: the verl-entry hook in this actor need not repeat it
+        os.environ[DRIVER_CHECKED_ENV] = "1"
         register_plugin_trainers()
         return super().run(config)
 
@@ -63,7 +68,7 @@ def check(config) -> None:
             "runs verl's v1 trainers (rollout speculation metrics and the MTP desync guard hook into them); set "
             "trainer.use_v1=true or run python -m verl.trainer.main_ppo without them"
         )
-    settings = validate_verl_config(config)
+    settings = startup_check(config)
     mode = str(config.trainer.v1.trainer_mode)
     if settings.rollout_speculation and mode not in TRAINER_MODES:
         logger.warning(

@@ -50,7 +50,9 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_mtp_plugin.rollout.monitor.desync_guard import guard_from_verl_config
 from verl_mtp_plugin.rollout.monitor.spec_monitor import RolloutSpecMonitor
+from verl_mtp_plugin.compat.verl_entry import install as install_startup_check
 from verl_mtp_plugin.config_keys import TRAINER_MODES
+from verl_mtp_plugin.trainer.config import startup_check
 
 __all__ = [
     "MTPPPOTrainerColocateAsync",
@@ -61,6 +63,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# verl's entry point with VERL_USE_EXTERNAL_MODULES=verl_mtp_plugin.trainer.v1: the start-up check runs in the task
+# runner before the trainer builds any worker (the same check as python -m verl_mtp_plugin.main_ppo)
+install_startup_check(startup_check)
 
 
 def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True) -> RolloutSpecMonitor:

@@ -90,7 +90,6 @@ The guard's rules are here; the text of its messages (what a user reads when it 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import warnings
@@ -586,17 +585,14 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     ``build_mtp_speculative_config``). Logs a warning when speculation is on while
     ``actor_rollout_ref.rollout.disable_log_stats`` is true (verl's default): vLLM then keeps no counters.
     """
+    from verl_mtp_plugin import verl_config
+
     cfg = MTPGuardConfig.from_verl_config(config)
-    mtp = _get(config, _MTP) or {}
-    verl_spec = _truthy(_get(mtp, "enable", False)) and _truthy(_get(mtp, "enable_rollout", False))
-    user_spec = _plain(_get(config, f"{_VLLM}.speculative_config"))
-    if isinstance(user_spec, str):
-        user_spec = json.loads(user_spec)
-    user_spec = dict(user_spec or {})
-    k = user_spec.get("num_speculative_tokens")
-    if k is None and verl_spec:
-        k = _get(mtp, "num_speculative_tokens", 1)
-    speculation = verl_spec or bool(user_spec)
+    # the one reader: a drafting-method-only speculative_config does not switch speculation on
+    spec = verl_config.speculative_config(config) or {}
+    k = spec.get("num_speculative_tokens")
+    speculation = verl_config.speculation_on(config)
+    user_spec = verl_config.user_speculative_config(config) or {}
     if speculation and cfg.action != "off" and _truthy(_get(config, f"{_RO}.disable_log_stats", True)):
         logger.warning(
             "%s.disable_log_stats=true: vLLM keeps no speculative-decoding counters, so rollout acceptance "

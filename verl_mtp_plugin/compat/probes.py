@@ -1,0 +1,128 @@
+"""The private verl / vLLM / Megatron internals the plugin overrides or reads, in one list, with start-up probes.
+
+Each :class:`Joint` names an object by its dotted path and, for callables, the leading parameter names the plugin
+relies on. :func:`probe_all` (run by the start-up check, :func:`verl_mtp_plugin.trainer.config.startup_check`) imports
+each and fails with :class:`CompatError` naming the missing name or the changed signature and the installed versions
+(the plugin is tested with :data:`TESTED`). Probing a library that is not installed is skipped (vLLM is optional on a
+trainer-only host). Core module: imports the probed libraries only inside :func:`probe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+
+from verl_mtp_plugin.policy import MTPConfigError
+
+__all__ = ["JOINTS", "TESTED", "CompatError", "Joint", "installed_versions", "probe", "probe_all"]
+
+#: The releases the plugin is tested with (pyproject pins verl to this release).
+TESTED = {"verl": "0.9.1", "megatron-core": "0.19.2", "vllm": "0.31.0"}
+_DIST = {"verl": "verl", "megatron": "megatron-core", "vllm": "vllm"}
+
+
+class CompatError(MTPConfigError):
+    """An internal of verl / vLLM / Megatron the plugin relies on is missing or changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Joint:
+    lib: str  # "verl", "vllm" or "megatron" (the top-level package)
+    path: str  # dotted module path + attribute chain
+    params: tuple[str, ...] | None = None  # leading parameter names of a callable (None: not checked)
+    why: str = ""
+
+
+#: Every private joint (the compat list). Keep in sync with the code that uses them (named in ``why``).
+JOINTS = (
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension._update_weights",
+          ("self", "weights", "peft_config", "base_sync_done"), "rollout/worker/extension.py overrides it"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension.update_weights_from_ipc",
+          ("self", "peft_config", "base_sync_done", "use_shm"), "rollout/worker/extension.py overrides it"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension._get_drafter_model",
+          ("self",), "rollout/worker/extension.py overrides it"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension._get_draft_model_config",
+          ("self",), "rollout/worker/extension.py calls it"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.build_mtp_speculative_config",
+          ("method", "num_speculative_tokens", "engine_speculative_config"), "verl_config.speculative_config reuses it"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer._resolve_sleep_level",
+          ("self",), "verl_config.sleep_level mirrors it"),
+    Joint("verl", "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead._build_tf_config",
+          ("self",), "engine/megatron.py overrides it and swaps model_config.mtp around it"),
+    Joint("verl", "verl.workers.engine.base.EngineRegistry._engines", None, "engine/registry.py reads it"),
+    Joint("verl", "verl.workers.config.model.MtpConfig.__dataclass_fields__.enable_train", None,
+          "engine/megatron.py hands verl a copy of model_config.mtp with enable/enable_train off"),
+    Joint("verl", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader", ("self",),
+          "compat/verl_entry.py runs the start-up check before it"),
+    Joint("megatron", "megatron.core.models.common.language_module.language_module.LanguageModule."
+          "compute_language_model_loss", ("self", "labels", "logits"),
+          "compat/megatron_loss.py replaces it per instance for soft_ce / tv"),
+    Joint("megatron", "megatron.core.transformer.multi_token_prediction.roll_tensor",
+          ("tensor", "shifts", "dims", "cp_group", "packed_seq_params"), "objective.py calls it"),
+)
+
+
+def installed_versions() -> str:
+    out = []
+    for dist in ("verl", "megatron-core", "vllm"):
+        try:
+            out.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{dist} not installed")
+    tested = ", ".join(f"{k} {v}" for k, v in TESTED.items())
+    return f"installed: {', '.join(out)}; verl_mtp_plugin is tested with {tested}"
+
+
+def _resolve(path: str):
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for j, attr in enumerate(parts[i:], start=i):
+            if isinstance(obj, dict):
+                if attr not in obj:
+                    raise AttributeError(".".join(parts[: j + 1]))
+                obj = obj[attr]
+            elif not hasattr(obj, attr):
+                raise AttributeError(".".join(parts[: j + 1]))
+            else:
+                obj = getattr(obj, attr)
+        return obj
+    raise AttributeError(parts[0])
+
+
+def probe(lib: str, path: str, params: tuple[str, ...] | None = None, why: str = "") -> None:
+    """Check that ``path`` exists (and, for a callable, starts with ``params``); CompatError otherwise."""
+    because = f" ({why})" if why else ""
+    try:
+        obj = _resolve(path)
+    except AttributeError as e:
+        raise CompatError(f"{path}: {e.args[0]} is missing in the installed {lib}{because}; {installed_versions()}") from None
+    if params is None:
+        return
+    try:
+        names = tuple(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return
+    if names[: len(params)] != tuple(params):
+        raise CompatError(f"{path}{inspect.signature(obj)}: the plugin expects parameters ({', '.join(params)}) "
+                          f"in the installed {lib}{because}; {installed_versions()}")
+
+
+def probe_all(libs: tuple[str, ...] = ("verl", "megatron", "vllm")) -> None:
+    """Probe every joint of ``libs`` whose library is installed; one CompatError listing every failure."""
+    failures = []
+    for j in JOINTS:
+        if j.lib not in libs or importlib.util.find_spec(j.lib) is None:
+            continue
+        try:
+            probe(j.lib, j.path, j.params, j.why)
+        except CompatError as e:
+            failures.append(str(e))
+    if failures:
+        raise CompatError("verl_mtp_plugin: private internals it relies on changed:\n  - " + "\n  - ".join(failures))

@@ -1,0 +1,188 @@
+"""The one reader of the verl config settings the plugin depends on.
+
+Every part of the plugin that asks "does verl speculate?", "what speculative config does vLLM get?", "what is
+``compilation_config``?", "at which level does verl put vLLM to sleep?" or "what is the plugin's environment
+setting X?" asks this module (the start-up check, the desync guard, the drafting-method estimate).
+
+* :func:`speculative_config` is verl's own ``build_mtp_speculative_config``
+  (``verl/workers/rollout/vllm_rollout/utils.py``, what ``vLLMHttpServer`` hands vLLM when
+  ``mtp.enable and mtp.enable_rollout``), imported only when verl speculates (it imports vLLM).
+* :func:`sleep_level` is verl's ``vLLMHttpServer._resolve_sleep_level`` rule (level 1 for MTP rollout or a LoRA
+  adapter, else 2; none when ``rollout.free_cache_engine`` is false); ``tests/test_verl_config.py`` checks it
+  against verl's method.
+* A drafting-method-only ``speculative_config`` (only :data:`~verl_mtp_plugin.config_keys.SPEC_TUNING_KEYS`)
+  does NOT switch speculation on: it only tunes the speculation verl switches on.
+
+Bad values raise :class:`~verl_mtp_plugin.policy.MTPConfigError` naming the key. Core module: imports verl
+only inside functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from verl_mtp_plugin.config_keys import (
+    DRAFT_METHOD_ESTIMATE_METRIC,
+    ENV_DRAFTER_SYNC,
+    ENV_SYNC_CHECKSUM,
+    ENV_SYNC_RECV_TIMEOUT,
+    ENV_SYNC_STAGE,
+    MODEL,
+    MTP,
+    OBJECTIVE_ENV,
+    RAY_ENV_VARS,
+    ROLLOUT,
+    SPEC_TUNING_KEYS,
+    VLLM_KWARGS,
+    as_bool,
+    get_key,
+    to_plain,
+)
+from verl_mtp_plugin.policy import MTPConfigError
+
+__all__ = [
+    "BOOL_WORDS",
+    "PLUGIN_ENV_VARS",
+    "EnvSetting",
+    "compilation_config",
+    "draft_estimate_metric",
+    "env_setting",
+    "env_settings",
+    "json_block",
+    "sleep_level",
+    "speculation_on",
+    "speculative_config",
+    "user_speculative_config",
+    "verl_speculates",
+]
+
+#: Words a boolean environment setting may take (what :func:`~verl_mtp_plugin.config_keys.as_bool` reads).
+BOOL_WORDS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+#: Every environment variable the plugin reads outside its CPU runtime and test helpers.
+PLUGIN_ENV_VARS = (OBJECTIVE_ENV, ENV_DRAFTER_SYNC, ENV_SYNC_CHECKSUM, ENV_SYNC_STAGE, ENV_SYNC_RECV_TIMEOUT)
+
+
+def json_block(config: Any, key: str) -> dict | None:
+    """A mapping setting that verl's command line also accepts as a JSON string (``speculative_config``,
+    ``compilation_config``): a plain dict, None when unset; MTPConfigError naming ``key`` otherwise."""
+    raw = to_plain(get_key(config, key))
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else None
+        except ValueError as e:
+            raise MTPConfigError(f"{key}={raw!r} is not valid JSON ({e}); give a mapping") from None
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise MTPConfigError(f"{key}={raw!r}: must be a mapping (got {type(value).__name__})")
+    return dict(value)
+
+
+def user_speculative_config(config: Any) -> dict | None:
+    """The user's ``...engine_kwargs.vllm.speculative_config`` as a dict (JSON string decoded); None when unset."""
+    return json_block(config, f"{VLLM_KWARGS}.speculative_config")
+
+
+def compilation_config(config: Any) -> dict:
+    """``...engine_kwargs.vllm.compilation_config`` as a dict ({} when unset)."""
+    return json_block(config, f"{VLLM_KWARGS}.compilation_config") or {}
+
+
+def verl_speculates(config: Any) -> bool:
+    """verl's condition (``vllm_async_server``): ``mtp.enable and mtp.enable_rollout``."""
+    return as_bool(get_key(config, f"{MTP}.enable", False)) and as_bool(get_key(config, f"{MTP}.enable_rollout", False))
+
+
+def tuning_only(spec: Mapping | None) -> bool:
+    """``spec`` sets only keys that tune speculation (the drafting method) and switches nothing on."""
+    return bool(spec) and all(k in SPEC_TUNING_KEYS or v is None for k, v in spec.items())
+
+
+def speculation_on(config: Any) -> bool:
+    """vLLM drafts: verl speculates, or a user ``speculative_config`` that is more than tuning switches it on
+    behind verl's back (refused by the start-up check)."""
+    spec = user_speculative_config(config)
+    return verl_speculates(config) or (bool(spec) and not tuning_only(spec))
+
+
+def speculative_config(config: Any) -> dict | None:
+    """The ``speculative_config`` vLLM gets: verl's ``build_mtp_speculative_config`` when verl speculates, the
+    user's block when it alone switches speculation on, None otherwise."""
+    spec = user_speculative_config(config)
+    if verl_speculates(config):
+        from verl.workers.rollout.vllm_rollout.utils import build_mtp_speculative_config
+
+        return build_mtp_speculative_config(
+            get_key(config, f"{MTP}.method", "mtp"), int(get_key(config, f"{MTP}.num_speculative_tokens", 1)), spec
+        )
+    if spec and not tuning_only(spec):
+        return {k: v for k, v in spec.items() if v is not None}
+    return None
+
+
+def _lora_as_adapter(config: Any) -> bool:
+    """verl's ``vLLMHttpServer.lora_as_adapter`` on the model config."""
+    lora = to_plain(get_key(config, f"{MODEL}.lora", {})) or {}
+    rank = int(get_key(config, f"{MODEL}.lora_rank", 0) or 0)
+    return (rank > 0 or int(lora.get("rank", 0) or 0) > 0) and not lora.get("merge", False)
+
+
+def sleep_level(config: Any) -> int | None:
+    """The vLLM sleep level verl uses (``vLLMHttpServer._resolve_sleep_level``); None when it never sleeps
+    (``rollout.free_cache_engine=false``). NPU hosts (always 1 in verl) are not supported by the plugin."""
+    if not as_bool(get_key(config, f"{ROLLOUT}.free_cache_engine", True)):
+        return None
+    return 1 if verl_speculates(config) or _lora_as_adapter(config) else 2
+
+
+class EnvSetting(tuple):
+    """``(value, key)``: a plugin environment setting's raw value and where it was set (for messages)."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: str | None, key: str):
+        return super().__new__(cls, (value, key))
+
+    @property
+    def value(self) -> str | None:
+        return self[0]
+
+    @property
+    def key(self) -> str:
+        return self[1]
+
+
+def env_setting(config: Any, name: str, environ: Mapping[str, str] | None = None) -> EnvSetting:
+    """A plugin environment setting as its Ray workers see it: the recipe's
+    ``ray_kwargs.ray_init.runtime_env.env_vars.<name>`` (Ray gives it precedence), else the driver's environment
+    (Ray workers inherit it); ``value`` None when set in neither."""
+    environ = os.environ if environ is None else environ
+    key = f"{RAY_ENV_VARS}.{name}"
+    value = get_key(config, key)
+    if value is not None:
+        return EnvSetting(str(value), key)
+    if environ.get(name) is not None:
+        return EnvSetting(str(environ[name]), f"{name} (this process's environment)")
+    return EnvSetting(None, key)
+
+
+def env_settings(config: Any, environ: Mapping[str, str] | None = None) -> dict[str, EnvSetting]:
+    """:func:`env_setting` for every name in :data:`PLUGIN_ENV_VARS`."""
+    return {name: env_setting(config, name, environ) for name in PLUGIN_ENV_VARS}
+
+
+def draft_estimate_metric(config: Any) -> str | None:
+    """The trainer's acceptance estimate that matches the drafting method a verl config gives vLLM.
+
+    ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (:data:`DRAFT_SAMPLE_METHOD_KEY`; vLLM's
+    default ``greedy`` when unset) -> :data:`DRAFT_METHOD_ESTIMATE_METRIC` (probabilistic:
+    ``actor/mtp_expected_accept_rate``; greedy: ``actor/mtp_argmax_draft_accept_rate``), as the desync guard
+    judges. None when verl does not speculate (``mtp.enable`` and ``mtp.enable_rollout`` not both true).
+    """
+    if not verl_speculates(config):
+        return None
+    method = (user_speculative_config(config) or {}).get("draft_sample_method")
+    return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]
