@@ -96,3 +96,79 @@ def test_delta_sharded_without_speculation_is_accepted(recipe):
                 **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "delta_sharded"})
     cfg = _with(cfg, **{"actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config": None})
     assert _outcome(cfg) == "ok"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a vLLM worker that dies mid-update
+
+_RECEIVER = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
+
+    seen = []
+
+    def on_bucket(weights, is_last):
+        seen.append(len(weights))
+        print("bucket", len(seen), flush=True)
+        if len(seen) == 2:  # the worker dies while it holds the second bucket (before acknowledging it)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with _verl_platform():
+        BucketedWeightReceiver(sys.argv[1], torch.device("cpu"), use_shm=True).receive_weights(on_bucket)
+    """
+)
+
+BOUND_S = 20.0  # from the receiver's death to the error in the sender's hands (2-core machine under load)
+
+
+def _send_to_dying_receiver(tmp_path, handle):
+    """verl's real BucketedWeightSender streams 6 buckets to verl's real receiver in another process, which
+    SIGKILLs itself on the second; returns (the sender's error or None, seconds from death to error, alive)."""
+    import asyncio
+
+    import torch
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
+
+    script = tmp_path / "receiver.py"
+    script.write_text(_RECEIVER)
+    proc = subprocess.Popen([sys.executable, str(script), handle], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    box = {}
+
+    def send():
+        weights = [(f"w{i}", torch.full((1 << 18,), float(i))) for i in range(6)]  # 1 MiB each: one bucket each
+        try:
+            with _verl_platform():
+                asyncio.run(BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True).async_send_weights(iter(weights)))
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+        box["t"] = time.monotonic()
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    proc.wait(timeout=120)
+    died = time.monotonic()
+    t.join(BOUND_S)
+    return box.get("error"), (box["t"] - died) if "t" in box else None, t.is_alive(), proc.returncode
+
+
+def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tmp_path):
+    """verl's sender waits for each acknowledgement in a blocking recv with no timeout: without the plugin's
+    watch (installed with the plugin's engine registration) a receiver that dies mid-update leaves it waiting
+    forever. With it the sender raises WeightReceiverLostError within seconds, naming the socket."""
+    from verl_mtp_plugin.compat.verl_weight_sender import WeightReceiverLostError, install, installed, probe
+
+    assert probe() == []
+    install()
+    assert installed()
+    handle = f"ipc://{tmp_path}/w.sock"
+    err, took, alive, rc = _send_to_dying_receiver(tmp_path, handle)
+    assert rc == -9, rc  # the receiver really died (SIGKILL)
+    assert not alive, "the sender still waits for the dead receiver"
+    assert isinstance(err, WeightReceiverLostError), err
+    assert took < BOUND_S
+    assert handle in str(err) and "disconnected after 2 acknowledged message(s)" in str(err), err

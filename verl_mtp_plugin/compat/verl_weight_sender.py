@@ -6,8 +6,8 @@ sends) for the vLLM worker's acknowledgement of every bucket. When the vLLM work
 (killed, out of memory, a crash in a kernel) no acknowledgement ever comes and the trainer waits forever: the
 RPC future that would report the worker's death is awaited only after the sender returns.
 
-:func:`install` wraps the sender's socket (``BucketedWeightSender._init_socket``, the one private method this
-module touches) so that each acknowledgement is waited for in short polls while a ZMQ socket monitor watches the
+:func:`install` wraps the sender's socket (``BucketedWeightSender._init_socket``; ``_cleanup`` keeps that error from being replaced by a clean-up
+error: the two private methods this module touches) so that each acknowledgement is waited for in short polls while a ZMQ socket monitor watches the
 connection: when the receiver's end of the IPC connection disconnects (the OS closes it when the process dies),
 the sender raises :class:`WeightReceiverLostError` naming the socket and how far the update got. A live receiver
 that takes long to load a bucket is waited for as before (no timeout). Installed in every process that imports
@@ -44,6 +44,7 @@ class _WatchedReqSocket:
         self._peers = 0
         self._lost = 0
         self._acks = 0
+        self.lost_error: WeightReceiverLostError | None = None
 
     def _drain_events(self) -> None:
         import zmq
@@ -70,12 +71,13 @@ class _WatchedReqSocket:
                 return out
             self._drain_events()
             if self._lost and self._peers <= 0:
-                raise WeightReceiverLostError(
+                self.lost_error = WeightReceiverLostError(
                     f"weight update aborted: the vLLM worker receiving it ({self._handle}) disconnected after "
                     f"{self._acks} acknowledged message(s) and before acknowledging the next: its process died "
                     "(killed, out of memory or crashed; its cause is in the vLLM worker's log). The rollout holds "
                     "a partial update; restart the run (from the last checkpoint)"
                 )
+                raise self.lost_error
 
     def close(self, *args, **kwargs):
         try:
@@ -121,20 +123,34 @@ def install() -> bool:
     cls = _sender_cls()
     if getattr(cls._init_socket, _MARK, False):
         return True
-    original = cls._init_socket
+    original, original_cleanup = cls._init_socket, cls._cleanup
 
     def _init_socket(self):
         original(self)
-        self.socket = _WatchedReqSocket(self.socket, self.zmq_handle)
+        self.socket = self._verl_mtp_watch = _WatchedReqSocket(self.socket, self.zmq_handle)
 
-    setattr(_init_socket, _MARK, True)
-    _init_socket.__wrapped__ = original
-    cls._init_socket = _init_socket
+    def _cleanup(self):
+        # verl cleans up in ``finally``: with the shared-memory transport the dead receiver's resource tracker
+        # may already have unlinked the segment, and that FileNotFoundError would replace the real error
+        watch = getattr(self, "_verl_mtp_watch", None)
+        try:
+            return original_cleanup(self)
+        except Exception as e:  # noqa: BLE001
+            if watch is None or watch.lost_error is None:
+                raise
+            logger.warning("verl_mtp_plugin: weight sender clean-up after a lost receiver: %s: %s", type(e).__name__, e)
+
+    for fn, orig in ((_init_socket, original), (_cleanup, original_cleanup)):
+        setattr(fn, _MARK, True)
+        fn.__wrapped__ = orig
+    cls._init_socket, cls._cleanup = _init_socket, _cleanup
     return True
 
 
 def uninstall() -> None:
     """Restore verl's ``_init_socket`` (tests)."""
     cls = _sender_cls()
-    if getattr(cls._init_socket, _MARK, False):
-        cls._init_socket = cls._init_socket.__wrapped__
+    for name in ("_init_socket", "_cleanup"):
+        fn = getattr(cls, name)
+        if getattr(fn, _MARK, False):
+            setattr(cls, name, fn.__wrapped__)
