@@ -172,3 +172,88 @@ def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tm
     assert isinstance(err, WeightReceiverLostError), err
     assert took < BOUND_S
     assert handle in str(err) and "disconnected after 2 acknowledged message(s)" in str(err), err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# two jobs on one host; quantized checkpoints named by a hub id
+
+
+def test_a_run_that_starts_its_own_ray_cluster_is_warned_about_the_shared_weight_socket(recipe):
+    """Ray gives the first job of every fresh cluster the same id and verl names the weight socket after it:
+    the plugin's entry point warns (naming the socket and the fix) unless the run joins a running cluster."""
+    import ray
+    from verl.workers.rollout.vllm_rollout import vllm_rollout, utils
+
+    from verl_mtp_plugin.trainer.main_ppo import shared_weight_socket_warning
+
+    # the premise, in verl's source: both ends derive the socket from the Ray job id
+    assert "rl-colocate-zmq-{job_id}" in inspect.getsource(vllm_rollout.ServerAdapter.__init__)
+    assert "VERL_RAY_JOB_ID" in inspect.getsource(utils)
+    text = shared_weight_socket_warning(recipe, environ={})
+    assert "/tmp/rl-colocate-zmq-<Ray job id>" in text and "+ray_kwargs.ray_init.address=auto" in text
+    assert shared_weight_socket_warning(recipe, environ={"RAY_ADDRESS": "10.0.0.1:6379"}) is None
+    assert shared_weight_socket_warning(_with(recipe, ray_kwargs__ray_init__address="auto"), environ={}) is None
+    assert ray.__version__  # the fix names Ray's own option
+
+
+def _quantized_hf_dir(root):
+    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+
+    path = write_hf_config_dir(root, pattern="M*-E/*E")
+    import json
+
+    cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else None
+    cfg = cfg or json.loads((__import__("pathlib").Path(path) / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (__import__("pathlib").Path(path) / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_quantized_checkpoint_named_by_a_hub_id_is_refused_at_start_up_from_the_local_cache(recipe, tmp_path,
+                                                                                              monkeypatch):
+    """A hub id whose config.json is in the local Hugging Face cache is read from there (no network) and a
+    quantized one refused naming the key; an id not in the cache is left to the first sync."""
+    import pathlib
+    import shutil
+
+    hub = tmp_path / "hub"
+    snap = hub / "models--acme--tiny-fp8" / "snapshots" / ("0" * 40)
+    src = pathlib.Path(_quantized_hf_dir(tmp_path / "src"))
+    snap.mkdir(parents=True)
+    shutil.copy(src / "config.json", snap / "config.json")
+    (hub / "models--acme--tiny-fp8" / "refs").mkdir()
+    (hub / "models--acme--tiny-fp8" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(hub))
+    out = _outcome(_with(recipe, actor_rollout_ref__model__path="acme/tiny-fp8"))
+    assert "actor_rollout_ref.model.path=acme/tiny-fp8" in out and "quant_method='fp8'" in out, out
+    assert _outcome(_with(recipe, actor_rollout_ref__model__path="acme/not-in-the-cache")) == "ok"
+
+
+def test_the_first_sync_refuses_a_quantized_checkpoint_from_the_config_vllm_loaded(tmp_path):
+    """The extension's refusal reads vLLM's own ModelConfig of the checkpoint (quantization from its HF
+    config) before any weight is loaded; an unquantized checkpoint passes."""
+    from vllm.config import ModelConfig
+
+    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_plugin.rollout.worker.extension import quantized_checkpoint_error
+
+    plain = write_hf_config_dir(tmp_path / "plain", pattern="M*-E/*E")
+    q = _quantized_hf_dir(tmp_path / "q")
+    from types import SimpleNamespace
+
+    def vllm_config(path, **kw):
+        try:
+            mc = ModelConfig(model=str(path), tokenizer=None, skip_tokenizer_init=True, **kw)
+        except Exception:  # noqa: BLE001 - vLLM validates the method against the platform: its HF config still holds it
+            from transformers import AutoConfig
+
+            mc = SimpleNamespace(model=str(path), quantization=None, hf_config=AutoConfig.from_pretrained(str(path)))
+        return SimpleNamespace(model_config=mc)
+
+    assert quantized_checkpoint_error(vllm_config(plain)) is None
+    text = quantized_checkpoint_error(vllm_config(q))
+    assert text and "'fp8'" in text and "refused before any weight was loaded" in text, text
