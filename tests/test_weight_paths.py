@@ -174,6 +174,18 @@ def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tm
     assert handle in str(err) and "disconnected after 2 acknowledged message(s)" in str(err), err
 
 
+def test_the_plugins_registration_with_verl_installs_the_watch():
+    """verl imports the plugin (``external_lib``) in its workers after itself, which registers the engine
+    (:func:`verl_mtp_plugin.engine.registry.register`): that registration installs the watch."""
+    from verl_mtp_plugin.compat.verl_weight_sender import installed, uninstall
+    from verl_mtp_plugin.engine.registry import register
+
+    uninstall()
+    assert not installed()
+    register()
+    assert installed()
+
+
 # --------------------------------------------------------------------------------------------------------------
 # two jobs on one host; quantized checkpoints named by a hub id
 
