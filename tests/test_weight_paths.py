@@ -269,3 +269,15 @@ def test_the_first_sync_refuses_a_quantized_checkpoint_from_the_config_vllm_load
     assert quantized_checkpoint_error(vllm_config(plain)) is None
     text = quantized_checkpoint_error(vllm_config(q))
     assert text and "'fp8'" in text and "refused before any weight was loaded" in text, text
+
+
+def test_the_plugins_trainer_refuses_the_weight_path_also_under_verls_entry_point(recipe):
+    """``python -m verl.trainer.main_ppo`` runs no start-up check: the plugin's trainer class (registered with verl)
+    refuses a weight path that would leave the drafter stale in its constructor, before any worker starts."""
+    import verl_mtp_plugin.trainer.v1 as v1
+
+    cls = v1.MTPPPOTrainerSeparateAsync
+    cfg = _with(recipe, trainer__v1__trainer_mode="mtp_separate_async",
+                **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "delta_sharded"})
+    with pytest.raises(MTPConfigError, match="delta_sharded with MTP speculation"):
+        cls.__init__(cls.__new__(cls), cfg)
