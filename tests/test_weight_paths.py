@@ -143,7 +143,8 @@ def _send_to_dying_receiver(tmp_path, handle):
         weights = [(f"w{i}", torch.full((1 << 18,), float(i))) for i in range(6)]  # 1 MiB each: one bucket each
         try:
             with _verl_platform():
-                asyncio.run(BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True).async_send_weights(iter(weights)))
+                sender = BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True)
+                asyncio.run(sender.async_send_weights(iter(weights)))
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
         box["t"] = time.monotonic()

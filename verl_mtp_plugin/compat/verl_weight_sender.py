@@ -6,13 +6,15 @@ sends) for the vLLM worker's acknowledgement of every bucket. When the vLLM work
 (killed, out of memory, a crash in a kernel) no acknowledgement ever comes and the trainer waits forever: the
 RPC future that would report the worker's death is awaited only after the sender returns.
 
-:func:`install` wraps the sender's socket (``BucketedWeightSender._init_socket``; ``_cleanup`` keeps that error from being replaced by a clean-up
-error: the two private methods this module touches) so that each acknowledgement is waited for in short polls while a ZMQ socket monitor watches the
-connection: when the receiver's end of the IPC connection disconnects (the OS closes it when the process dies),
+:func:`install` wraps the sender's socket (``BucketedWeightSender._init_socket``) so that each acknowledgement is
+waited for in short polls while a ZMQ socket monitor watches the connection: when the receiver's end of the IPC connection disconnects (the OS closes it when the process dies),
 the sender raises :class:`WeightReceiverLostError` naming the socket and how far the update got. A live receiver
 that takes long to load a bucket is waited for as before (no timeout). Installed in every process that imports
 the plugin after verl (:func:`verl_mtp_plugin.engine.registry.register`), i.e. the trainer's workers that send.
-:func:`probe` checks at start-up that verl still has what the wrapper relies on.
+:func:`probe` checks at start-up that verl still has what the wrapper relies on. ``_cleanup`` is wrapped too: with
+the shared-memory transport the dead receiver's resource tracker may have unlinked the segment already, and verl's
+clean-up (in ``finally``) would replace the real error by a ``FileNotFoundError``. These two private methods are all
+this module touches.
 """
 
 from __future__ import annotations
