@@ -103,7 +103,7 @@ def test_delta_sharded_without_speculation_is_accepted(recipe):
 
 _RECEIVER = textwrap.dedent(
     """
-    import os, signal, sys, torch
+    import os, signal, sys, threading, torch
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
     from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
 
@@ -112,8 +112,11 @@ _RECEIVER = textwrap.dedent(
     def on_bucket(weights, is_last):
         seen.append(len(weights))
         print("bucket", len(seen), flush=True)
-        if len(seen) == 2:  # the worker dies while it holds the second bucket (before acknowledging it)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if len(seen) == 2:
+            if sys.argv[2] == "holding":  # dies while it holds the second bucket (before acknowledging it)
+                os.kill(os.getpid(), signal.SIGKILL)
+            # "idle": dies once it has acknowledged it, while it waits for the third (the trainer is slow)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
     with _verl_platform():
         BucketedWeightReceiver(sys.argv[1], torch.device("cpu"), use_shm=True).receive_weights(on_bucket)
@@ -123,7 +126,7 @@ _RECEIVER = textwrap.dedent(
 BOUND_S = 20.0  # from the receiver's death to the error in the sender's hands (2-core machine under load)
 
 
-def _send_to_dying_receiver(tmp_path, handle):
+def _send_to_dying_receiver(tmp_path, handle, when="holding"):
     """verl's real BucketedWeightSender streams 6 buckets to verl's real receiver in another process, which
     SIGKILLs itself on the second; returns (the sender's error or None, seconds from death to error, alive)."""
     import asyncio
@@ -135,16 +138,20 @@ def _send_to_dying_receiver(tmp_path, handle):
 
     script = tmp_path / "receiver.py"
     script.write_text(_RECEIVER)
-    proc = subprocess.Popen([sys.executable, str(script), handle], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), handle, when], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     box = {}
 
     def send():
-        weights = [(f"w{i}", torch.full((1 << 18,), float(i))) for i in range(6)]  # 1 MiB each: one bucket each
+        def weights():  # 1 MiB each: one bucket each; the third bucket goes 3 s late (the worker dies meanwhile)
+            for i in range(6):
+                if i == 3 and when == "idle":  # a bucket goes out when the next tensor does not fit
+                    time.sleep(3.0)
+                yield f"w{i}", torch.full((1 << 18,), float(i))
         try:
             with _verl_platform():
                 sender = BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True)
-                asyncio.run(sender.async_send_weights(iter(weights)))
+                asyncio.run(sender.async_send_weights(weights()))
         except BaseException as e:  # noqa: BLE001
             box["error"] = e
         box["t"] = time.monotonic()
@@ -157,7 +164,8 @@ def _send_to_dying_receiver(tmp_path, handle):
     return box.get("error"), (box["t"] - died) if "t" in box else None, t.is_alive(), proc.returncode
 
 
-def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tmp_path):
+@pytest.mark.parametrize("when", ["holding", "idle"])
+def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tmp_path, when):
     """verl's sender waits for each acknowledgement in a blocking recv with no timeout: without the plugin's
     watch (installed with the plugin's engine registration) a receiver that dies mid-update leaves it waiting
     forever. With it the sender raises WeightReceiverLostError within seconds, naming the socket."""
@@ -167,12 +175,14 @@ def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tm
     install()
     assert installed()
     handle = f"ipc://{tmp_path}/w.sock"
-    err, took, alive, rc = _send_to_dying_receiver(tmp_path, handle)
+    err, took, alive, rc = _send_to_dying_receiver(tmp_path, handle, when)
     assert rc == -9, rc  # the receiver really died (SIGKILL)
     assert not alive, "the sender still waits for the dead receiver"
     assert isinstance(err, WeightReceiverLostError), err
     assert took < BOUND_S
-    assert handle in str(err) and "disconnected after 2 acknowledged message(s)" in str(err), err
+    # acknowledged: the buffer set-up, then bucket 1 (holding: dies with bucket 2) or buckets 1 and 2 (idle)
+    acks, waiting = {"holding": (2, "before acknowledging"), "idle": (3, "before the next message")}[when]
+    assert handle in str(err) and f"disconnected after {acks} acknowledged message(s), {waiting}" in str(err), err
 
 
 def test_the_plugins_registration_with_verl_installs_the_watch():

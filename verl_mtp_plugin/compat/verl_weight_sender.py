@@ -63,6 +63,17 @@ class _WatchedReqSocket:
                 self._peers -= 1
                 self._lost += 1
 
+    def _check(self, waiting_for: str) -> None:
+        self._drain_events()
+        if self._lost and self._peers <= 0:
+            self.lost_error = WeightReceiverLostError(
+                f"weight update aborted: the vLLM worker receiving it ({self._handle}) disconnected after "
+                f"{self._acks} acknowledged message(s), {waiting_for}: its process died (killed, out of memory or "
+                "crashed; its cause is in the vLLM worker's log). The rollout holds a partial update; restart the "
+                "run (from the last checkpoint)"
+            )
+            raise self.lost_error
+
     def recv(self, *args, **kwargs):
         import zmq
 
@@ -71,15 +82,22 @@ class _WatchedReqSocket:
                 out = self._sock.recv(*args, **kwargs)
                 self._acks += 1
                 return out
-            self._drain_events()
-            if self._lost and self._peers <= 0:
-                self.lost_error = WeightReceiverLostError(
-                    f"weight update aborted: the vLLM worker receiving it ({self._handle}) disconnected after "
-                    f"{self._acks} acknowledged message(s) and before acknowledging the next: its process died "
-                    "(killed, out of memory or crashed; its cause is in the vLLM worker's log). The rollout holds "
-                    "a partial update; restart the run (from the last checkpoint)"
-                )
-                raise self.lost_error
+            self._check("before acknowledging the next")
+
+    def _send(self, method: str, *args, **kwargs):
+        # a REQ socket whose only peer is gone blocks in send (no pipe to queue into): wait for room in polls too
+        import zmq
+
+        while True:
+            self._check("before the next message could be sent to it")
+            if self._sock.poll(POLL_MS, zmq.POLLOUT):
+                return getattr(self._sock, method)(*args, **kwargs)
+
+    def send(self, *args, **kwargs):
+        return self._send("send", *args, **kwargs)
+
+    def send_pyobj(self, *args, **kwargs):
+        return self._send("send_pyobj", *args, **kwargs)
 
     def close(self, *args, **kwargs):
         try:
