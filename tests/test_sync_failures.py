@@ -215,8 +215,10 @@ def _adapter_update(env, weights):
 
     from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
+    from verl_mtp_plugin.compat.verl_weight_sender import install
     from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
 
+    assert install()  # as in the trainer's workers (the plugin's registration with verl installs it)
     calls = []
 
     async def execute_method(method, non_block=False, kwargs=None, **_):
