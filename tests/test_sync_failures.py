@@ -204,3 +204,81 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     err, took = _timed_failure(lambda: eng.sync(_stream(env)))
     assert took < BOUND_S and err.phase == "load", (took, err)
     assert "conv1d.weight" in str(err) and "param_data.shape == loaded_weight.shape" in str(err), str(err)
+
+
+def _adapter_update(env, weights):
+    """verl's real ``ServerAdapter.update_weights`` (what ``CheckpointEngineWorker.update_weights`` calls for the
+    nccl / nixl / mooncake / kimi / hccl checkpoint engines, wire format ``named_tensors``) on this engine: its
+    ``_execute_method`` starts the worker RPC as verl's does (non-blocking), the rest is verl's code."""
+    import asyncio
+    import threading
+
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    from verl_mtp_plugin.compat.verl_weight_sender import install
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+
+    assert install()  # as in the trainer's workers (the plugin's registration with verl installs it)
+    calls = []
+
+    async def execute_method(method, non_block=False, kwargs=None, **_):
+        calls.append((method, dict(kwargs or {})))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run():
+            try:
+                with _verl_platform():
+                    out = env.eng.llm.collective_rpc(method, kwargs=kwargs or {})
+                loop.call_soon_threadsafe(fut.set_result, out)
+            except BaseException as e:  # noqa: BLE001
+                loop.call_soon_threadsafe(fut.set_exception, e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+    adapter = SimpleNamespace(
+        _execute_method=execute_method, zmq_handle=env.eng.rpc("_get_zmq_handle"), use_shm=env.eng.use_shm,
+        config=SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=16)),
+        _has_server=False, replica_rank=0, rollout_rank=0,
+    )
+    with _verl_platform(), cpu_conv_pack(env.eng.conv_pack):
+        asyncio.run(ServerAdapter.update_weights(adapter, iter(weights), global_steps=3, wire_format="named_tensors"))
+    env.eng.llm.reset_prefix_cache()
+    return calls
+
+
+def test_verls_checkpoint_engine_path_reaches_the_extension_and_syncs_the_drafter(env):
+    """The rollout side of verl's nccl/nixl/... checkpoint engines (``ServerAdapter.update_weights``) calls
+    ``update_weights_from_ipc(use_shm=...)`` with no other argument; the plugin's extension takes it, routes the
+    MTP tensors to the drafter only and verifies them: the drafter then holds exactly the changed MTP block."""
+    from verl_mtp_plugin.export import hf_mtp_digests
+
+    stream = _stream(env)
+    changed = [(n, t * 1.5 if n.startswith("mtp.") else t) for n, t in stream]
+    before = env.eng.rpc("mtp_drafter_digests")
+    calls = _adapter_update(env, changed)
+    assert calls == [("update_weights_from_ipc", {"use_shm": env.eng.use_shm})]
+    metrics = env.eng.rpc("mtp_sync_metrics")
+    assert metrics["sync/drafter_loaded"] == 1.0 and metrics["sync/bytes_drafter"] > 0, metrics
+    after = env.eng.rpc("mtp_drafter_digests")
+    want = hf_mtp_digests([(n, t) for n, t in changed if n.startswith("mtp.")])
+    assert after != before and {k: after[k] for k in want} == want
+    _restores(env)
+
+
+def test_the_first_sync_refuses_a_quantized_checkpoint_before_loading_any_weight(env, monkeypatch):
+    """A checkpoint the start-up check could not read (a hub id not in the local cache) that vLLM loaded
+    quantized: the update is refused from vLLM's own model config before any tensor is loaded (the stream is
+    drained, the trainer's sender finishes) and the error names the quantization."""
+    model_config = env.eng.worker.model_runner.vllm_config.model_config
+    monkeypatch.setattr(model_config, "quantization", "fp8")
+    before = env.eng.rpc("mtp_drafter_digests")
+    stream = [(n, t * 1.5) for n, t in _stream(env)]
+    err, took = _timed_failure(lambda: env.eng.sync(stream))
+    assert took < BOUND_S and err.phase == "setup", err
+    assert "quantization='fp8'" in str(err) and "no weights were loaded" in str(err), err
+    assert env.eng.rpc("mtp_drafter_digests") == before
+    assert _greedy(env) == env.good_greedy  # the target was not touched either
+    monkeypatch.undo()
+    _restores(env)

@@ -424,7 +424,9 @@ def test_plugin_task_runner_resolves_plugin_modes_in_its_ray_actor(cluster):
     assert issubclass(MTPTaskRunner, TaskRunnerV1.__ray_actor_class__)
     # separate_async checks train_batch_size == parameter_sync_step (4) * ppo_mini_batch_size (2) in its
     # constructor: reaching that check proves the lookup found the plugin class (a verl subclass)
-    cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async"])
+    # (a checkpoint engine separate_async accepts: the plugin's trainer refuses naive there itself)
+    cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async",
+                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
     with pytest.raises(ray.exceptions.RayTaskError, match="Unknown trainer 'mtp_separate_async'"):
         ray.get(TaskRunnerV1.remote().run.remote(cfg))
     with pytest.raises(ray.exceptions.RayTaskError, match="train_batch_size must equal parameter_sync_step"):

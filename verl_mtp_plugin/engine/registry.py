@@ -108,4 +108,8 @@ def register() -> bool:
             )
     for (backend, device), cls in todo:
         EngineRegistry.register(model_type=MODEL_TYPE, backend=backend, device=device)(cls)
+    # the trainer's weight sender fails in seconds when the vLLM worker receiving an update dies
+    from verl_mtp_plugin.compat.verl_weight_sender import install as _watch_weight_receiver
+
+    _watch_weight_receiver()
     return bool(todo)

@@ -441,6 +441,9 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
+    errors += _weight_path_errors(config, speculation=speculation)
+    if hf_config is None:
+        errors += _hub_quantization_errors(config, speculation=speculation, extension=extension)
 
     drafter_sync, drafter_sync_key = env[DRAFTER_SYNC_ENV]
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
@@ -658,6 +661,91 @@ def _hf_quantization(hf_config: Any) -> str | None:
         return None
     method = q.get("quant_method") if isinstance(q, Mapping) else getattr(q, "quant_method", None)
     return str(method or "unknown")
+
+
+#: ``actor_rollout_ref.rollout.checkpoint_engine.backend``: how the trainer's weights reach vLLM.
+CHECKPOINT_BACKEND_KEY = f"{_RO}.checkpoint_engine.backend"
+#: verl 0.9.1 backends whose rollout side is ``CheckpointEngineWorker.update_weights`` ->
+#: ``ServerAdapter.update_weights`` -> the worker RPC ``update_weights_from_ipc(use_shm=...)``: the plugin's
+#: extension receives the stream and syncs the drafter (``naive`` is the colocated actor-side call of the same RPC).
+IPC_BACKENDS = ("naive", "nccl", "nixl", "mooncake", "kimi", "hccl")
+#: verl 0.9.1's delta backend: ``ServerAdapter._update_delta_weights`` -> the worker's ``update_verl_delta_weights``
+#: -> vLLM's weight-transfer engine (``start_weight_update`` / ``update_weights``), which bypasses the extension.
+DELTA_BACKENDS = ("delta_sharded",)
+#: trainer modes whose rollout replicas share the training GPUs; verl's v1 ``PPOTrainer._setup`` builds their
+#: checkpoint manager with ``backend = "naive"`` whatever ``checkpoint_engine.backend`` says.
+COLOCATED_TRAINER_MODES = ("sync", "colocate_async", "mtp_sync", "mtp_colocate_async")
+SEPARATE_TRAINER_MODES = ("separate_async", "mtp_separate_async")
+
+
+def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
+    """Every weight path verl 0.9.1 can take syncs the drafter through the plugin's extension, or is refused.
+
+    * ``sync`` / ``colocate_async`` (and the plugin's ``mtp_*`` trainers on them): verl's v1 trainer forces the
+      colocated ``naive`` path (the actor's ``update_weights`` -> ``update_weights_from_ipc``) for the hybrid
+      replicas; ``checkpoint_engine.backend`` is not used for them.
+    * ``separate_async``: the standalone replicas are updated through ``checkpoint_engine.backend``: verl
+      refuses ``naive`` there (an assert after the whole start-up), the IPC backends reach the extension,
+      ``delta_sharded`` goes through vLLM's weight-transfer engine, which never calls the extension: the
+      drafter would keep stale MTP weights with no error.
+    """
+    backend = str(get_key(config, CHECKPOINT_BACKEND_KEY, "naive") or "naive")
+    use_v1 = as_bool(get_key(config, "trainer.use_v1", True))
+    mode = str(get_key(config, "trainer.v1.trainer_mode", "sync") or "sync") if use_v1 else None
+    errors: list[str] = []
+    separate = mode in SEPARATE_TRAINER_MODES
+    if separate and backend == "naive":
+        errors.append(
+            f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}=naive: verl's separate_async trainer "
+            "updates its standalone rollout through a checkpoint engine and refuses naive (an assert after the "
+            f"whole start-up); set {CHECKPOINT_BACKEND_KEY} to one of {', '.join(IPC_BACKENDS[1:])}"
+        )
+    if not speculation:
+        return errors
+    if backend in DELTA_BACKENDS and (separate or mode is None):
+        errors.append(
+            f"{CHECKPOINT_BACKEND_KEY}={backend} with MTP speculation: verl sends delta updates through vLLM's "
+            "weight-transfer engine (update_verl_delta_weights -> start_weight_update / update_weights), which "
+            "never reaches the plugin's update_weights_from_ipc: vLLM's MTP drafter would keep stale weights with "
+            f"no error; use one of {', '.join(IPC_BACKENDS[1:])} (or {_MTP}.enable_rollout=false)"
+        )
+    elif backend not in IPC_BACKENDS + DELTA_BACKENDS and (separate or mode is None):
+        errors.append(
+            f"{CHECKPOINT_BACKEND_KEY}={backend!r} with MTP speculation: a checkpoint engine the plugin does not "
+            "know (custom_backend_module); whether its updates reach the drafter cannot be checked, so it is "
+            f"refused; use one of {', '.join(IPC_BACKENDS[1:])} (verl 0.9.1's backends that end in the plugin's "
+            "update_weights_from_ipc)"
+        )
+    return errors
+
+
+def _hub_quantization_errors(config: Any, *, speculation: bool, extension: Any) -> list[str]:
+    """A quantized checkpoint named by a hub id (or any path whose ``config.json`` is not a local file):
+    its HF config read from the local Hugging Face cache (no network); when it is not there, the plugin's
+    vLLM extension refuses the first sync from the config vLLM loaded, before any weight is loaded
+    (:func:`verl_mtp_plugin.rollout.worker.extension.quantized_checkpoint_error`)."""
+    path = get_key(config, f"{_M}.path")
+    if not (speculation and extension in PLUGIN_EXTENSIONS and path):
+        return []
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(
+            str(path), trust_remote_code=as_bool(get_key(config, f"{_M}.trust_remote_code", False)),
+            local_files_only=True,
+        )
+    except Exception:  # noqa: BLE001 - not in the local cache: the first sync refuses it
+        return []
+    quant = _hf_quantization(hf)
+    if not quant:
+        return []
+    return [
+        f"the checkpoint {_M}.path={path} (its HF config from the local Hugging Face cache) is quantized "
+        f"(quantization_config.quant_method={quant!r}) and MTP speculation syncs the trained MTP block into vLLM's "
+        f"drafter ({_VLLM}.worker_extension_cls={extension}): the trainer exports bf16 MTP tensors, which a "
+        f"quantized drafter cannot load exactly; train and roll out from a bf16 checkpoint, or set "
+        f"{_MTP}.enable_rollout=false"
+    ]
 
 
 def _critic_in_use(config: Any) -> bool:

@@ -35,7 +35,15 @@ from verl_mtp_plugin.config_keys import TRAINER_MODES
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.trainer.config import startup_check
 
-__all__ = ["MTPTaskRunner", "MTPTaskRunnerV1", "check", "main", "register_plugin_trainers", "verl_relative_config_path"]
+__all__ = [
+    "MTPTaskRunner",
+    "MTPTaskRunnerV1",
+    "check",
+    "main",
+    "register_plugin_trainers",
+    "shared_weight_socket_warning",
+    "verl_relative_config_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,33 @@ class MTPTaskRunner(TaskRunnerV1.__ray_actor_class__):
 MTPTaskRunnerV1 = ray.remote(MTPTaskRunner)
 
 
+def shared_weight_socket_warning(config, environ=None) -> str | None:
+    """The hazard of a job that starts its own Ray cluster, in words (None when it joins an existing one).
+
+    verl 0.9.1 names its colocated weight-transfer socket after the Ray job id
+    (``/tmp/rl-colocate-zmq-{job id}-replica-{r}-rank-{k}.sock``: ``ServerAdapter.zmq_handle`` on the trainer side,
+    the worker extension's ``_get_zmq_handle`` from ``VERL_RAY_JOB_ID`` on vLLM's side), and Ray numbers jobs per
+    cluster: the first job of every fresh cluster is ``01000000``. Ray has no way to choose a job id, and verl
+    derives both ends from it, so the plugin cannot give the run a handle of its own; a job that joins a running
+    cluster (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``) gets a job id no other job of that cluster has.
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    address = config.get("ray_kwargs", {}).get("ray_init", {}).get("address") if hasattr(config, "get") else None
+    if address or environ.get("RAY_ADDRESS"):
+        return None
+    return (
+        "this run starts its own Ray cluster (ray_kwargs.ray_init.address and RAY_ADDRESS unset), whose first job id "
+        "is the same in every fresh cluster; verl names its weight-transfer socket after it "
+        "(/tmp/rl-colocate-zmq-<Ray job id>-replica-<r>-rank-<k>.sock), so a second job started the same way on "
+        "this host shares the socket: a weight update can hang or load the other job's weights. One job per host "
+        "is safe; for more, start one Ray cluster per host (ray start --head) and pass "
+        "+ray_kwargs.ray_init.address=auto (every job then gets its own job id), or give each job its own /tmp "
+        "(a container or a mount namespace)"
+    )
+
+
 def check(config) -> None:
     """The plugin's start-up checks for this entry point (raises :class:`MTPConfigError`)."""
     if not config.trainer.use_v1:
@@ -69,6 +104,9 @@ def check(config) -> None:
             "trainer.use_v1=true or run python -m verl.trainer.main_ppo without them"
         )
     settings = startup_check(config)
+    hazard = shared_weight_socket_warning(config)
+    if hazard:
+        logger.warning("verl_mtp_plugin: %s", hazard)
     mode = str(config.trainer.v1.trainer_mode)
     if settings.rollout_speculation and mode not in TRAINER_MODES:
         logger.warning(

@@ -89,6 +89,19 @@ def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True)
     )
 
 
+def _refuse_weight_paths(config) -> None:
+    """The start-up check's weight-path part (:func:`verl_mtp_plugin.trainer.config._weight_path_errors`), for
+    runs started by ``python -m verl.trainer.main_ppo``: raises MTPConfigError before any worker starts."""
+    from verl_mtp_plugin.config_keys import MTP, as_bool, get_key
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import _weight_path_errors
+
+    speculation = as_bool(get_key(config, f"{MTP}.enable", False)) and as_bool(get_key(config, f"{MTP}.enable_rollout", False))
+    errors = _weight_path_errors(config, speculation=speculation)
+    if errors:
+        raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
+
+
 class MTPRolloutMetricsMixin:
     """Adds the rollout speculation monitor to a verl v1 trainer (put it before the verl class).
 
@@ -115,6 +128,8 @@ class MTPRolloutMetricsMixin:
             )
 
     def __init__(self, config):
+        # the weight path must reach the drafter also when verl's own entry point (no start-up check) built us
+        _refuse_weight_paths(config)
         # verl code that reads the settings block by the configured mode name (rollout skip cache:
         # trainer.v1.<trainer_mode>.parameter_sync_step) must find the base mode's block
         with open_dict(config):

@@ -54,7 +54,7 @@ from verl_mtp_plugin.rollout.worker.drafter_sync import (
     text_config,
 )
 
-__all__ = ["MTPColocateWorkerExtension"]
+__all__ = ["MTPColocateWorkerExtension", "quantized_checkpoint_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,31 @@ def _drafter_loaded_at_start(vllm_config: Any) -> bool:
     else:
         load_config = get_draft_load_config(vllm_config)
     return "dummy" not in str(load_config.load_format).lower()
+
+
+def quantized_checkpoint_error(vllm_config: Any) -> str | None:
+    """Why the drafter sync refuses this engine's checkpoint, from the config vLLM loaded: a quantized
+    checkpoint (``model_config.quantization``, or ``quantization_config`` in the HF config vLLM read), whose
+    drafter cannot load the trainer's bf16 MTP tensors exactly. None when unquantized.
+
+    The start-up check refuses a quantized local checkpoint (and a hub id in the local Hugging Face cache);
+    a hub id it cannot resolve without network is refused here, at the first sync, before any weight is
+    loaded."""
+    model_config = getattr(vllm_config, "model_config", None)
+    method = getattr(model_config, "quantization", None)
+    hf = getattr(model_config, "hf_config", None)
+    q = getattr(hf, "quantization_config", None) if hf is not None else None
+    if q and not method:
+        method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+        method = method or "unknown"
+    if not method:
+        return None
+    model = getattr(model_config, "model", None)
+    return (
+        f"the checkpoint vLLM loaded ({model}) is quantized (quantization={method!r}): the trainer exports bf16 MTP "
+        "tensors, which the quantized MTP drafter cannot load exactly; refused before any weight was loaded. "
+        "Train and roll out from a bf16 checkpoint, or set actor_rollout_ref.model.mtp.enable_rollout=false"
+    )
 
 
 _DRAIN = object()  # active-sync marker: receive the stream, load nothing
@@ -224,6 +249,10 @@ def _build_extension_class() -> type:
             return super()._use_mtp_drafter_weight_sync()
 
         def _mtp_begin_update(self) -> MTPDrafterSync | None:
+            if self._mtp_speculation_method() == "mtp":
+                refusal = quantized_checkpoint_error(self.model_runner.vllm_config)
+                if refusal is not None:
+                    raise MTPSyncError(refusal, phase="setup")
             sync = self._mtp_drafter_sync()
             if sync is not None:
                 sync.begin()
