@@ -34,6 +34,8 @@ CORE = (
     "verl_mtp_plugin.compat.megatron_loss",
     "verl_mtp_plugin.compat.probes",
     "verl_mtp_plugin.compat.verl_entry",
+    "verl_mtp_plugin.compat.checkpoint_resume",
+    "verl_mtp_plugin.compat.verl_weight_sender",
     "verl_mtp_plugin.verl_config",
     "verl_mtp_plugin.export",
     "verl_mtp_plugin.export.names",
