@@ -45,26 +45,7 @@ if str(REPO) not in sys.path:
 SUPER_WIDTHS = dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_query_groups=2,
                     mamba_head_dim=64, mamba_state_dim=128, mamba_num_groups=8, moe_latent_size=1024,
                     moe_ffn_hidden_size=2688, moe_shared_expert_intermediate_size=5376, ffn_hidden_size=2688)
-REPEAT = 0.7
-
-
-def response(a: int, b: int, n: int, rng: random.Random, repeat: float) -> list[int]:
-    digits = [a, b]
-    for _ in range(n):
-        digits.append(digits[-2] if rng.random() < repeat else (digits[-1] + 1) % 10)
-    return digits[2:]
-
-
-def task_rows(n: int, split: str, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a = rng.randint(0, 9)
-        b = (a + rng.randint(1, 9)) % 10
-        rows.append({"data_source": "count_on_long", "prompt": [{"role": "user", "content": f"count {a} {b}"}],
-                     "ability": "count", "reward_model": {"style": "rule", "ground_truth": str(b)},
-                     "extra_info": {"split": split, "index": i}})
-    return rows
+REPEAT = 0.7  # the demo's warm-up mixture (verl_mtp_plugin.cpu.assets.WARMUP_REPEAT)
 
 
 def count_params(model) -> dict:
@@ -104,7 +85,7 @@ def main(argv=None) -> int:
     import torch
 
     from verl_mtp_plugin.control import configure_transformer_config, hybrid_forward
-    from verl_mtp_plugin.cpu.assets import demo_tokenizer
+    from verl_mtp_plugin.cpu.assets import demo_tokenizer, task_rows, warmup_response
     from verl_mtp_plugin.cpu.vllm_engine import write_model_dir
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
@@ -141,7 +122,7 @@ def main(argv=None) -> int:
         for _ in range(a.batch):
             p, x, y = prompts[rng.randrange(len(prompts))]
             n = rng.randint(a.min_len, a.max_len)
-            rows.append(p + [digit_ids[d] for d in response(x, y, n, rng, repeat)] + [eos])
+            rows.append(p + [digit_ids[d] for d in warmup_response(x, y, rng, n=n, repeat=repeat)] + [eos])
             lens.append(len(rows[-1]))
         s = max(lens)
         ids = torch.full((a.batch, s), pad, dtype=torch.long)
