@@ -27,6 +27,14 @@ MODES = ("sync", "colocate_async", "mtp_sync", "mtp_colocate_async", "separate_a
 BACKENDS = (*IPC_BACKENDS, "delta_sharded")
 
 
+@pytest.fixture(autouse=True)
+def _no_plugin_settings_in_this_process(monkeypatch):
+    """The start-up check also reads the plugin's settings from this process's environment; earlier tests in the same
+    process (the in-process vLLM engines of the CPU runtime) set some of them, which the recipes here do not."""
+    for key in [k for k in os.environ if k.startswith("VERL_MTP_")]:
+        monkeypatch.delenv(key)
+
+
 @pytest.fixture(scope="module")
 def recipe():
     """The shipped grpo_online recipe, composed as verl's entry point composes it (speculation on, the
