@@ -11,9 +11,9 @@ import itertools
 import types
 
 import pytest
-from omegaconf import OmegaConf, open_dict
 
 from verl_mtp_plugin import verl_config
+from verl_mtp_plugin.testing import config_with
 from verl_mtp_plugin.compat import probes, verl_entry
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.recipe_paths import CONFIG_DIR
@@ -29,12 +29,7 @@ def base():
     return compose_ppo_trainer(["model_engine=megatron", "actor_rollout_ref.rollout.name=vllm"])
 
 
-def with_(cfg, **updates):
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-    with open_dict(cfg):
-        for k, v in updates.items():
-            OmegaConf.update(cfg, k.replace("__", "."), v, force_add=True)
-    return cfg
+with_ = config_with  # verl_mtp_plugin.testing
 
 
 def online(overrides=()):

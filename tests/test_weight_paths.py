@@ -12,8 +12,9 @@ import threading
 import time
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
+from verl_mtp_plugin.testing import config_with
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.trainer.config import (
     CHECKPOINT_BACKEND_KEY,
@@ -42,12 +43,7 @@ def recipe():
     return compose_recipe(str(CONFIG_DIR), "grpo_online")
 
 
-def _with(cfg, **updates):
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-    with open_dict(cfg):
-        for k, v in updates.items():
-            OmegaConf.update(cfg, k.replace("__", "."), v, force_add=True)
-    return cfg
+_with = config_with  # verl_mtp_plugin.testing
 
 
 def _outcome(cfg):

@@ -20,6 +20,7 @@ from verl_mtp_plugin.cpu.tiny import (
 )
 
 __all__ = [
+    "config_with",
     "ENV_INIT_METHOD",
     "LatentLinearRef",
     "TinyHybridSpec",
@@ -33,6 +34,17 @@ __all__ = [
     "rendezvous",
     "reset_mtp_globals",
 ]
+
+
+def config_with(cfg, **updates):
+    """A copy of an omegaconf config with dotted-key updates (``a__b__c=v`` sets ``a.b.c``; new keys allowed)."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    with open_dict(cfg):
+        for k, v in updates.items():
+            OmegaConf.update(cfg, k.replace("__", "."), v, force_add=True)
+    return cfg
 
 
 def destroy_megatron() -> None:
