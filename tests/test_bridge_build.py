@@ -332,4 +332,6 @@ def test_without_apex_the_engine_turns_the_bridges_wgrad_fusion_off(checkpoint):
     built = build(cfg, "actor", keep_bridge=(WGRAD_FUSION_KEY,))
     assert built.model.config.gradient_accumulation_fusion is False
     assert built.engine.engine_config.override_transformer_config[WGRAD_FUSION_KEY] is False
-    assert wgrad_fusion_override({WGRAD_FUSION_KEY: True}) == {}
+    assert wgrad_fusion_override({WGRAD_FUSION_KEY: False}) == {}
+    with pytest.raises(MTPConfigError, match="override_transformer_config.gradient_accumulation_fusion=True"):
+        wgrad_fusion_override({WGRAD_FUSION_KEY: True})  # would raise deep in megatron's model build

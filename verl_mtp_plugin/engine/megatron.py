@@ -420,11 +420,18 @@ def wgrad_fusion_override(overrides) -> dict:
     ``fused_weight_gradient_mlp_cuda`` and raises at construction without it
     (``megatron/core/tensor_parallel/layers.py``). Seen on the H200 with pip's Transformer Engine and no apex:
     verl's workers failed at model build."""
-    if WGRAD_FUSION_KEY in (overrides or {}):
-        return {}
     import importlib.util
 
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        return {}
+    if WGRAD_FUSION_KEY in (overrides or {}):
+        if overrides[WGRAD_FUSION_KEY]:
+            raise MTPConfigError(
+                f"actor_rollout_ref.actor.megatron.override_transformer_config.{WGRAD_FUSION_KEY}="
+                f"{overrides[WGRAD_FUSION_KEY]}: apex's fused_weight_gradient_mlp_cuda is not installed on this worker, "
+                "and megatron-core's ColumnParallelLinear (HybridModel's output layer) needs it for the fusion; remove "
+                "the override (the plugin turns the fusion off) or install apex with its CUDA extensions"
+            )
         return {}
     logger.warning(
         "actor_rollout_ref.actor.megatron.override_transformer_config.%s=false: apex's fused_weight_gradient_mlp_cuda "
