@@ -3,6 +3,7 @@
 # whole pipeline in the background and returns; later calls poll it with `super_session.sh poll`.
 #   bash benchmarks/h200_main_ppo/super_session.sh start "MODES" [extra run.py args]   (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
+#   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
 set -u
@@ -12,6 +13,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCC
 case "${1:-}" in
 start)
   mkdir -p $S
+  if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then cat .h200-cache/cache.tgz.part* | tar xzf - -C /; echo "caches restored"; fi
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   bash /tmp/te/te_on_h200.sh > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   tail -3 $S/install.log; tail -3 $S/te.log
@@ -30,10 +32,19 @@ PIPE
   echo "pipeline started: pid $!"
   ;;
 poll)
-  mkdir -p "$OUT/sess"
-  for f in $S/*.log $S/t_* /tmp/super/assets.json $S/run/*.log $S/run/summary.json; do [ -f "$f" ] && cp "$f" "$OUT/sess/"; done
+  # one archive (the device returns at most 8 files): the pipeline's logs, verl's per-step metrics and the plugin's
+  # sync events of every mode so far, so a lease that ends mid-run still brings back every finished step
+  mkdir -p $S/pack && for d in /tmp/h200_main_ppo/*/; do m=$(basename $d)
+    for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack 2>/dev/null) \
+    -C /tmp/super assets.json 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log 2>/dev/null
   ;;
-*) echo "usage: super_session.sh start|poll"; exit 2 ;;
+cache)
+  # Triton's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (start restores them)
+  tar czf /tmp/cache.tgz -C / root/.triton/cache root/.cache/vllm 2>/dev/null; ls -la /tmp/cache.tgz
+  mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
+  ;;
+*) echo "usage: super_session.sh start|poll|cache"; exit 2 ;;
 esac
