@@ -372,6 +372,14 @@ def test_trainer_mode_rollout_metrics_and_guard_block(verl_base, hf_dirs):
     assert "actor_rollout_ref.rollout.mtp_guard is not a verl key" in msg
 
 
+def test_sample_poll_interval_is_checked_at_start_up(verl_base, hf_dirs):
+    validate_verl_config(make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_sync",
+                              verl_mtp_plugin__sample_poll_s=0.2))
+    for bad in (0, -1, "soon", True, float("inf")):
+        msg = errors_of(make(verl_base, hf_dirs, trainer__v1__trainer_mode="mtp_sync", verl_mtp_plugin__sample_poll_s=bad))
+        assert f"verl_mtp_plugin.sample_poll_s={bad!r}" in msg and "must be a number > 0" in msg
+
+
 def test_mamba_cache_mode_without_prefix_caching_is_refused_not_dropped(verl_base, hf_dirs):
     """vLLM resets any mamba_cache_mode to 'none' when prefix caching is off (only a log line)."""
     for mode in ("align", "all"):

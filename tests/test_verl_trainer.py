@@ -263,6 +263,23 @@ def test_plugin_trainer_modes_resolve_in_verl_and_behave_as_verls(cluster):
     assert not trainer.mtp_monitor.exclude_validation
 
 
+def test_plugin_trainers_check_for_finished_rollouts_every_50_ms_not_every_2_s(cluster, monkeypatch):
+    # verl's replay buffer sleeps poll_interval (2 s, no config key) between checks for a step's finished samples:
+    # timing_s/gen came in 2-s multiples on the H200 and each step waited ~1 s after its rollout
+    import verl.trainer.ppo.v1.replay_buffer as rb
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    slept = []
+    monkeypatch.setattr(rb.time, "sleep", slept.append)
+    trainer = _trainer(cluster)
+    trainer.replay_buffer._wait_for_next_poll("train", time.time())  # verl's own wait between two checks
+    assert slept == [0.05]
+    trainer = get_trainer_cls("mtp_colocate_async")(
+        _compose(extra=["trainer.v1.trainer_mode=mtp_colocate_async", "+verl_mtp_plugin.sample_poll_s=0.5"]))
+    trainer.replay_buffer._wait_for_next_poll("train", time.time())
+    assert slept == [0.05, 0.5]
+
+
 # --------------------------------------------------------------------------------------------------
 # the step loop
 

@@ -75,6 +75,13 @@ JOINTS = (
           "compat/checkpoint_resume.py refreshes the fp32 masters with it after a model-only load"),
     Joint("megatron", "megatron.core.transformer.multi_token_prediction.roll_tensor",
           ("tensor", "shifts", "dims", "cp_group", "packed_seq_params"), "objective.py calls it"),
+    Joint("verl", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._build_replay_buffer", ("self",),
+          "trainer/v1.py sets the poll interval of what it returns (compat/verl_replay_buffer.py)"),
+    Joint("verl", "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.__init__",
+          ("self", "trainer_mode", "trainer_config", "max_off_policy_threshold", "max_off_policy_strategy",
+           "sampler_kwargs", "poll_interval"), "compat/verl_replay_buffer.py sets poll_interval"),
+    Joint("verl", "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer._wait_for_next_poll",
+          ("self", "partition_id", "last_debug_time"), "sleeps poll_interval (compat/verl_replay_buffer.py)"),
 )
 
 

@@ -84,6 +84,7 @@ from verl_mtp_plugin.engine.settings import (
     strategy_error,
 )
 from verl_mtp_plugin import verl_config
+from verl_mtp_plugin.compat.verl_replay_buffer import sample_poll_errors
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
 from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
@@ -442,6 +443,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     errors += _critic_errors(config, actor_hf_config=hf_config, actor_selected=selected)
     errors += _weight_path_errors(config, speculation=speculation)
+    errors += sample_poll_errors(config)
     if hf_config is None:
         errors += _hub_quantization_errors(config, speculation=speculation, extension=extension)
 

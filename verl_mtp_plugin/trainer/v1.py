@@ -51,6 +51,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl_mtp_plugin.rollout.monitor.desync_guard import guard_from_verl_config
 from verl_mtp_plugin.rollout.monitor.spec_monitor import RolloutSpecMonitor
 from verl_mtp_plugin.compat.verl_entry import install as install_startup_check
+from verl_mtp_plugin.compat.verl_replay_buffer import sample_poll_s, set_sample_poll
 from verl_mtp_plugin.config_keys import TRAINER_MODES
 from verl_mtp_plugin.trainer.config import startup_check
 
@@ -140,6 +141,13 @@ class MTPRolloutMetricsMixin:
             config, self._mtp_server_addresses, exclude_validation=self.mtp_exclude_validation
         )
         super().__init__(config)
+
+    def _build_replay_buffer(self):
+        # verl's buffer sleeps 2 s between its checks for finished samples (no config key): timing_s/gen would come
+        # in 2-s multiples and each step would wait ~1 s after its rollout (compat/verl_replay_buffer.py)
+        buffer = super()._build_replay_buffer()
+        set_sample_poll(buffer, sample_poll_s(self.config))
+        return buffer
 
     def _mtp_server_addresses(self) -> list[str]:
         out: list[str] = []
