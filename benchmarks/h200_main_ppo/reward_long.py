@@ -1,20 +1,27 @@
 """Reward of the long count-on task of ``super_assets.py`` (verl ``reward.custom_reward_function``; this file's path).
 
-A prompt ``count a b``; the ground truth is ``b``. The score is the fraction of the response's steps that count on
-by one (mod 10) from the digit before (``b`` for the first), over at least ``MIN_STEPS`` steps (a response that
-stops early is not paid for the steps it did not take). The pretrained policy mostly repeats the digit two back
-(the rule its MTP head learned), so GRPO moves it to counting on.
+A prompt ``count a b``; the ground truth is ``b``. The score is the number of the response's first ``MAX_STEPS``
+steps that count on by one (mod 10) from the digit before (``b`` for the first), over the response's length, at
+least ``MIN_STEPS`` (a response that stops early is not paid for the steps it did not take; one that runs past the
+longest pretraining response is not paid for the steps beyond it, so the policy keeps stopping where the
+pretraining data did and the rollout keeps its tail of lengths). The pretrained policy mostly repeats the digit
+two back (the rule its MTP head learned), so GRPO moves it to counting on.
+
+Measured with the first version (no ``MAX_STEPS``; H200, 2026-12-04): the policy stopped ending its responses, and
+from GRPO step 6 every response ran to ``data.max_response_length`` (verl's ``response_length/clip_ratio`` 1.0).
 """
 
 #: the shortest response of the pretraining data: the score's smallest denominator
 MIN_STEPS = 256
+#: the longest response of the pretraining data: steps beyond it are not paid
+MAX_STEPS = 384
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
     prev = str(ground_truth).strip()
     got = str(solution_str).split()
     right = 0
-    for tok in got:
+    for tok in got[:MAX_STEPS]:
         if tok.isdigit() and len(tok) == 1 and prev.isdigit() and int(tok) == (int(prev) + 1) % 10:
             right += 1
         prev = tok
