@@ -544,6 +544,47 @@ def cmd_table(a) -> int:
     return 0
 
 
+def cmd_plot(a) -> int:
+    """The picture of the modes' runs (``run.py plot OUT.png SUMMARY [SUMMARY ...]``), one line per mode (a mode
+    found in several summaries: the last one given): the reward, vLLM's first-draft acceptance (dotted: the
+    trainer's overlap estimate) and verl's ``timing_s/gen`` per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, tuple[str, dict]] = {}
+    for path in a.summaries:
+        for mode, r in json.loads(pathlib.Path(path).read_text())["runs"].items():
+            if r.get("metrics"):
+                runs[mode] = (path, {int(k): v for k, v in r["metrics"].items()})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("critic/score/mean", "reward (mean score)"),
+              ("rollout/spec_accept_rate_pos_0", "vLLM first-draft acceptance"),
+              ("timing_s/gen", "verl timing_s/gen (s)")]
+    colors = {"online": "tab:blue", "frozen": "tab:orange", "off": "tab:gray"}
+    for ax, (key, title) in zip(axes, panels):
+        for mode, (_, m) in runs.items():
+            steps = [s for s in sorted(m) if key in m[s]]
+            if not steps:
+                continue
+            ax.plot(steps, [m[s][key] for s in steps], marker="o", ms=3, label=mode, color=colors.get(mode))
+            if key == "rollout/spec_accept_rate_pos_0":
+                est = [s for s in steps if "actor/mtp_expected_accept_rate" in m[s]]
+                if est:
+                    ax.plot(est, [m[s]["actor/mtp_expected_accept_rate"] for s in est], ls=":",
+                            color=colors.get(mode), label=f"{mode}: trainer's estimate")
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(a.title)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+    print(f"wrote {a.out} ({', '.join(f'{k}: {v[0]}' for k, v in runs.items())})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -587,7 +628,13 @@ def main(argv=None) -> int:
                    help="run import_check.py first (report in <out>/import_check.json); no run if a module is missing")
     t = sub.add_parser("table", help="markdown per-step tables from summary.json files")
     t.add_argument("summaries", nargs="+")
+    t = sub.add_parser("plot", help="reward, first-draft acceptance and gen time per step of the modes' runs")
+    t.add_argument("out")
+    t.add_argument("summaries", nargs="+")
+    t.add_argument("--title", default="verl's trainer on the H200, Nemotron 3 Super's widths (2.07 B)")
     a = ap.parse_args(argv)
+    if a.cmd == "plot":
+        return cmd_plot(a)
     if a.cmd == "table":
         return cmd_table(a)
     if a.cmd == "assets":
