@@ -131,6 +131,29 @@ def test_a_valid_schedule_reaches_vllms_speculative_config_and_verl_mtp_check(mo
     assert "spec_schedule: 1-64: k=2, 65-256: k=1" in report
 
 
+def test_verls_server_path_hands_the_schedule_to_vllms_command_line():
+    """What verl's vLLMHttpServer does with the recipe: RolloutConfig (engine_kwargs), build_mtp_speculative_config,
+    build_cli_args_from_config (JSON), then vLLM's own argument parser."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.vllm_rollout.utils import build_cli_args_from_config, build_mtp_speculative_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cfg = _recipe([SCHEDULE])
+    rollout = cfg.actor_rollout_ref.rollout
+    with open_dict(rollout):
+        rollout.mtp = cfg.actor_rollout_ref.model.mtp  # as verl's worker does before building the server config
+    rc = omega_conf_to_dataclass(rollout, dataclass_type=RolloutConfig)
+    spec = build_mtp_speculative_config(rc.mtp.method, rc.mtp.num_speculative_tokens,
+                                        rc.engine_kwargs["vllm"]["speculative_config"])
+    ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        build_cli_args_from_config({"speculative_config": spec}))
+    assert ns.speculative_config["num_speculative_tokens_per_batch_size"] == [[1, 64, 2], [65, 256, 1]]
+    assert ns.speculative_config["num_speculative_tokens"] == 2
+
+
 @pytest.mark.parametrize("overrides,needle", [
     ([f"+{KEY}=[[1,64,3],[65,256,1]]"], "ask for more drafts than actor_rollout_ref.model.mtp.num_speculative_tokens=2"),
     ([f"+{KEY}=[[1,64,2],[66,256,1]]"], "gap between [1, 64, 2] and [66, 256, 1]"),

@@ -32,6 +32,10 @@ verl keys read (verl 0.9.1 names):
   MTP objective, :mod:`verl_mtp_plugin.objective`; read by the plugin engine in every worker)
 * ``actor_rollout_ref.rollout.{temperature,max_num_seqs}`` and
   ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (vLLM's drafting method)
+* ``...engine_kwargs.vllm.speculative_config.num_speculative_tokens_per_batch_size`` (k chosen by batch size,
+  :mod:`verl_mtp_plugin.spec_schedule`) with ``actor_rollout_ref.rollout.data_parallel_size``,
+  ``...engine_kwargs.vllm.{data_parallel_size,max_num_seqs,optimization_level,compilation_config.cudagraph_mode}``,
+  ``rollout.enforce_eager`` and ``ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_V2_MODEL_RUNNER``
 
 verl 0.9.1 has no sleep-level key: ``vLLMHttpServer._resolve_sleep_level`` picks level 1 when
 ``mtp.enable and mtp.enable_rollout`` and level 2 otherwise (when ``rollout.free_cache_engine`` and
