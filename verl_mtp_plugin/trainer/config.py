@@ -89,7 +89,7 @@ from verl_mtp_plugin.engine.settings import (
     strategy_error,
 )
 from verl_mtp_plugin import verl_config
-from verl_mtp_plugin.spec_schedule import Schedule, format_schedule, schedule_errors
+from verl_mtp_plugin.spec_schedule import Schedule, dense_lookup, format_schedule, schedule_errors
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
 from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
@@ -698,12 +698,17 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
         )
     else:
         max_num_seqs = int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256)
-        need = max_num_seqs * (k + 1)
+        need, what = max_num_seqs * (k + 1), f"{_RO}.max_num_seqs={max_num_seqs} x (k+1)={k + 1}"
+        if schedule:  # the largest decode step is where n x (k_n + 1) peaks, not at max_num_seqs x (k + 1)
+            lookup = dense_lookup(schedule, max_num_seqs, k)
+            n_peak = max(range(1, max_num_seqs + 1), key=lambda n: n * (lookup[n] + 1))
+            need = n_peak * (lookup[n_peak] + 1)
+            what = f"{n_peak} running requests x (k+1)={lookup[n_peak] + 1} under {SPEC_SCHEDULE_KEY}"
         ceiling, key = _capture_ceiling(config, max_num_seqs, k)
         if ceiling < need:
             out.append(
-                f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {_RO}.max_num_seqs={max_num_seqs} x "
-                f"(k+1)={k + 1} = {need}: full decode steps with speculation run without CUDA graphs (measured: "
+                f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {what} = {need}: full decode steps "
+                f"with speculation run without CUDA graphs (measured: "
                 f"{_EAGER_STEP}); set {_VLLM}.compilation_config.max_cudagraph_capture_size: {need} (or more), "
                 f"or lower {_RO}.max_num_seqs"
             )
