@@ -49,6 +49,7 @@ CORE = (
     "verl_mtp_plugin.objective",
     "verl_mtp_plugin.config_keys",
     "verl_mtp_plugin.recipe_paths",
+    "verl_mtp_plugin.spec_schedule",
 )
 #: Edge sub-package -> the other edge sub-packages it may import (verl's trainer drives its workers).
 EDGES = {

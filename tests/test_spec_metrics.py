@@ -396,10 +396,20 @@ def test_per_position_aggregation_agrees_across_vllm_paths():
     from_stats = SpecDecodeCounts.from_stats(stats)
     assert total_counts(per_request) == from_stats
 
+    # vLLM's per-step stats say how many verify steps drafted each position (these drafts vary in length):
+    # the per-position rate counts only those; the counters' totals alone give vLLM's unconditional rate
+    drafted = from_stats.drafted_per_pos
+    assert len(drafted) == K and sum(drafted) == from_stats.num_draft_tokens and drafted[0] == from_stats.num_drafts
     rates = per_position_rates(from_stats)
-    assert len(rates) == K and all(a >= b for a, b in zip(rates, rates[1:]))  # accepted drafts are a prefix
+    assert rates == pytest.approx([a / d for a, d in zip(from_stats.accepted_per_pos, drafted)], rel=1e-12)
     assert sum(from_stats.accepted_per_pos) == from_stats.num_accepted_tokens
-    assert 1.0 + sum(rates) == pytest.approx(from_stats.accept_length, rel=1e-12)
+    n = from_stats.num_drafts
+    assert 1.0 + sum(r * d / n for r, d in zip(rates, drafted)) == pytest.approx(from_stats.accept_length, rel=1e-12)
+    totals_only = SpecDecodeCounts(n, from_stats.num_draft_tokens, from_stats.num_accepted_tokens,
+                                   from_stats.accepted_per_pos)
+    unconditional = per_position_rates(totals_only)
+    assert all(a >= b for a, b in zip(unconditional, unconditional[1:]))  # accepted drafts are a prefix
+    assert 1.0 + sum(unconditional) == pytest.approx(from_stats.accept_length, rel=1e-12)
 
 
 @pytest.mark.vllm

@@ -31,6 +31,7 @@ __all__ = [
     "PLUGIN_LIB",
     "RAY_ENV_VARS",
     "ROLLOUT",
+    "SPEC_SCHEDULE_KEY",
     "SPEC_TUNING_KEYS",
     "TRAINER_MODES",
     "VLLM_KWARGS",
@@ -63,7 +64,10 @@ DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": 
 DRAFT_SAMPLE_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
 #: Keys of ``engine_kwargs.vllm.speculative_config`` that only tune the MTP speculation verl switches on (they
 #: enable nothing by themselves); with verl's speculation off the start-up check asks to drop the whole key.
-SPEC_TUNING_KEYS = ("draft_sample_method",)
+SPEC_TUNING_KEYS = ("draft_sample_method", "num_speculative_tokens_per_batch_size")
+#: Where a recipe lets vLLM choose the speculation depth k from the number of running requests (vLLM's
+#: ``SpeculativeConfig.num_speculative_tokens_per_batch_size``, ``[[lo, hi, k], ...]``; :mod:`verl_mtp_plugin.spec_schedule`).
+SPEC_SCHEDULE_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens_per_batch_size"
 #: The MTP objective of online / joint (:mod:`verl_mtp_plugin.objective`): an environment variable of every Ray
 #: worker, set in the recipe's ``ray_kwargs.ray_init.runtime_env.env_vars`` (:data:`OBJECTIVE_CONFIG_KEY`). verl 0.9.1
 #: cannot carry it in ``actor_rollout_ref.model.mtp``: its vLLM server builds the model config by merging into

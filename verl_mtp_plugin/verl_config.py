@@ -52,6 +52,7 @@ __all__ = [
     "env_settings",
     "json_block",
     "sleep_level",
+    "speculation_depths",
     "speculation_on",
     "speculative_config",
     "user_speculative_config",
@@ -121,6 +122,31 @@ def speculative_config(config: Any) -> dict | None:
     if spec and not tuning_only(spec):
         return {k: v for k, v in spec.items() if v is not None}
     return None
+
+
+def max_num_seqs(config: Any) -> int:
+    """The largest batch vLLM schedules: ``...engine_kwargs.vllm.max_num_seqs`` (verl spreads engine_kwargs over
+    its own arguments) else ``actor_rollout_ref.rollout.max_num_seqs`` (verl's default 256)."""
+    value = get_key(config, f"{VLLM_KWARGS}.max_num_seqs")
+    if value is None:
+        value = get_key(config, f"{ROLLOUT}.max_num_seqs", 256)
+    return int(value or 256)
+
+
+def speculation_depths(config: Any) -> tuple[int, ...]:
+    """The distinct numbers of drafts per verify step vLLM uses (ascending): ``(k,)`` for a fixed ``k``; with
+    ``...speculative_config.num_speculative_tokens_per_batch_size`` the ``k > 0`` of its ranges
+    (:func:`verl_mtp_plugin.spec_schedule.schedule_depths`); ``()`` without speculation. MTPConfigError naming the
+    key for a schedule the start-up check refuses."""
+    from verl_mtp_plugin import spec_schedule
+
+    spec = speculative_config(config)
+    if not spec:
+        return ()
+    k = int(spec.get("num_speculative_tokens") or 1)
+    raw = spec.get("num_speculative_tokens_per_batch_size")
+    schedule = spec_schedule.parse_schedule(raw) if raw is not None else None
+    return spec_schedule.schedule_depths(schedule, max_num_seqs(config), k)
 
 
 def _lora_as_adapter(config: Any) -> bool:

@@ -32,6 +32,10 @@ verl keys read (verl 0.9.1 names):
   MTP objective, :mod:`verl_mtp_plugin.objective`; read by the plugin engine in every worker)
 * ``actor_rollout_ref.rollout.{temperature,max_num_seqs}`` and
   ``...engine_kwargs.vllm.speculative_config.draft_sample_method`` (vLLM's drafting method)
+* ``...engine_kwargs.vllm.speculative_config.num_speculative_tokens_per_batch_size`` (k chosen by batch size,
+  :mod:`verl_mtp_plugin.spec_schedule`) with ``actor_rollout_ref.rollout.data_parallel_size``,
+  ``...engine_kwargs.vllm.{data_parallel_size,max_num_seqs,optimization_level,compilation_config.cudagraph_mode}``,
+  ``rollout.enforce_eager`` and ``ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_V2_MODEL_RUNNER``
 
 verl 0.9.1 has no sleep-level key: ``vLLMHttpServer._resolve_sleep_level`` picks level 1 when
 ``mtp.enable and mtp.enable_rollout`` and level 2 otherwise (when ``rollout.free_cache_engine`` and
@@ -61,6 +65,7 @@ from verl_mtp_plugin.config_keys import (
     BACKEND,
     DRAFT_METHOD_ESTIMATE_METRIC,
     DRAFT_SAMPLE_METHOD_KEY,
+    SPEC_SCHEDULE_KEY,
     ENV_DRAFTER_SYNC,
     ENV_SYNC_CHECKSUM,
     ENV_SYNC_RECV_TIMEOUT,
@@ -85,6 +90,7 @@ from verl_mtp_plugin.engine.settings import (
 )
 from verl_mtp_plugin import verl_config
 from verl_mtp_plugin.compat.verl_replay_buffer import sample_poll_errors
+from verl_mtp_plugin.spec_schedule import Schedule, dense_lookup, format_schedule, schedule_errors
 from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, mode_from_verl_mtp, run_mtp_forward
 from verl_mtp_plugin.rollout.monitor.desync_guard import MTPGuardConfig
 
@@ -179,6 +185,9 @@ class ResolvedMTPSettings:
             each naming its keys; logged at start-up, printed by ``verl-mtp check``.
         objective: the MTP block's training objective (``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE``;
             only online and joint train with it).
+        spec_schedule: the drafts per verify step vLLM picks by the number of running requests
+            (``...speculative_config.num_speculative_tokens_per_batch_size``, :mod:`verl_mtp_plugin.spec_schedule`),
+            as ``"1-64: k=3, 65-256: k=1"``; None: a fixed ``k`` (``mtp.num_speculative_tokens``).
         draft_sample_method: vLLM's drafting method (``...speculative_config.draft_sample_method``; vLLM's
             default ``greedy`` when unset), None without speculation.
         draft_memory: what the drafting method costs in vLLM memory (:func:`draft_memory`), None without
@@ -205,6 +214,7 @@ class ResolvedMTPSettings:
     rollout_metrics: bool = False
     warnings: tuple[str, ...] = ()
     objective: MTPObjective = MTPObjective.HARD_CE
+    spec_schedule: str | None = None
     draft_sample_method: str | None = None
     draft_memory: str | None = None
 
@@ -432,6 +442,11 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{DRAFT_SAMPLE_METHOD_KEY}={draft_method!r}: allowed values are {', '.join(DRAFT_METHOD_ESTIMATE_METRIC)} "
             "(vLLM's SpeculativeConfig.draft_sample_method)"
         )
+    schedule, schedule_errs = (
+        _schedule_errors(config, user_spec, vllm_kwargs) if verl_speculates and isinstance(user_spec, Mapping)
+        else (None, [])
+    )
+    errors += schedule_errs
     objective = settings.objective if settings is not None else MTPObjective.HARD_CE
     temperature = get_key(config, f"{_RO}.temperature", 1.0)
     if objective is not MTPObjective.HARD_CE and temperature is not None and float(temperature) <= 0:
@@ -498,7 +513,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     scale = settings.mtp_loss_scaling_factor if settings is not None else None
     warnings = tuple(
         rollout_speed_warnings(config, num_speculative_tokens=int(spec.get("num_speculative_tokens") or 1), mode=mode,
-                               trained_depth=depth)
+                               trained_depth=depth, schedule=schedule)
         if spec
         else ()
     )
@@ -525,6 +540,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         rollout_metrics=bool(speculation and trainer_mode in TRAINER_MODES),
         warnings=warnings,
         objective=objective,
+        spec_schedule=format_schedule(schedule),
         draft_sample_method=str(spec.get("draft_sample_method") or "greedy") if spec else None,
         draft_memory=draft_memory(
             str(spec.get("draft_sample_method") or "greedy"),
@@ -549,6 +565,87 @@ def startup_check(config: Any, *, hf_config: Any = None) -> ResolvedMTPSettings:
 
     probe_all()
     return validate_verl_config(config, hf_config=hf_config)
+
+
+#: vLLM's CUDA-graph modes that capture full graphs (``CUDAGraphMode.has_full_cudagraphs``); unset is vLLM 0.31's
+#: default at its default optimization level (-O2): ``FULL_AND_PIECEWISE``.
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+#: The first vLLM release with the guard against the V2 runner's failing decode-graph capture for a batch-size
+#: schedule with an MTP drafter and full CUDA graphs.
+SCHEDULE_FULL_GRAPH_FIXED_IN = (0, 33)
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _vllm_release() -> str | None:
+    """The installed vLLM's version (``0.31.0+cpu`` for the CPU build); None when vLLM is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _full_graphs(config: Any, vllm_kwargs: Mapping[str, Any]) -> tuple[bool, str]:
+    """vLLM will capture full CUDA graphs, and the key that decides it."""
+    if as_bool(get_key(config, f"{_RO}.enforce_eager", False)):
+        return False, f"{_RO}.enforce_eager=true"
+    mode = verl_config.compilation_config(config).get("cudagraph_mode")
+    if mode is None:
+        level = vllm_kwargs.get("optimization_level")
+        if level is not None and str(level).upper().lstrip("O") in ("0", "1"):
+            return False, f"{_VLLM}.optimization_level={level}"
+        return True, f"{_VLLM}.compilation_config.cudagraph_mode (unset: vLLM's default FULL_AND_PIECEWISE)"
+    name = str(getattr(mode, "name", mode)).upper()
+    return name in FULL_GRAPH_MODES, f"{_VLLM}.compilation_config.cudagraph_mode={name}"
+
+
+def _v2_runner(config: Any) -> tuple[bool, str]:
+    """vLLM's V2 model runner will run (``VLLM_USE_V2_MODEL_RUNNER``; unset: vLLM 0.31's default on CUDA)."""
+    value, key = verl_config.env_setting(config, V2_RUNNER_ENV)
+    if value is None:
+        return True, f"{key} (unset: vLLM's default on CUDA)"
+    return as_bool(value), f"{key}={value}"
+
+
+def _schedule_errors(config: Any, user_spec: Mapping[str, Any], vllm_kwargs: Mapping[str, Any], *,
+                     vllm_release: str | None = None) -> tuple[Schedule | None, list[str]]:
+    """``...speculative_config.num_speculative_tokens_per_batch_size`` (:mod:`verl_mtp_plugin.spec_schedule`): the
+    schedule and the problems vLLM would meet silently or after the model load, each naming its keys."""
+    raw = user_spec.get("num_speculative_tokens_per_batch_size")
+    if raw is None:
+        return None, []
+    if "num_speculative_tokens" in user_spec and user_spec["num_speculative_tokens"] is not None:
+        k, k_key = user_spec["num_speculative_tokens"], f"{_VLLM}.speculative_config.num_speculative_tokens"
+    else:
+        k, k_key = get_key(config, f"{_MTP}.num_speculative_tokens", 1), f"{_MTP}.num_speculative_tokens"
+    schedule, errors = schedule_errors(raw, num_speculative_tokens=int(k or 1),
+                                       max_num_seqs=verl_config.max_num_seqs(config), k_key=k_key)
+    dp_key = f"{_VLLM}.data_parallel_size" if vllm_kwargs.get("data_parallel_size") is not None else f"{_RO}.data_parallel_size"
+    dp = int(get_key(config, dp_key, 1) or 1)
+    if dp > 1:
+        errors.append(
+            f"{SPEC_SCHEDULE_KEY} with {dp_key}={dp}: vLLM drops the schedule when data parallelism is on (its ranks "
+            f"could pick different k and deadlock) and drafts a fixed k={k} with only a log line; refused so the "
+            f"recipe says what runs: drop the schedule or set {dp_key}=1"
+        )
+    release = _vllm_release() if vllm_release is None else vllm_release
+    if release is not None and "+cpu" not in release:
+        from packaging.version import Version
+
+        full, full_key = _full_graphs(config, vllm_kwargs)
+        v2, v2_key = _v2_runner(config)
+        if full and v2 and Version(release).release[:2] < SCHEDULE_FULL_GRAPH_FIXED_IN:
+            fixed = ".".join(map(str, SCHEDULE_FULL_GRAPH_FIXED_IN))
+            errors.append(
+                f"{SPEC_SCHEDULE_KEY} with MTP on vLLM's V2 model runner ({v2_key}) and full CUDA graphs ({full_key}) "
+                f"on vLLM {release}: the decode-graph capture for the schedule's k can fail an assert "
+                f"(InputBatch.make_dummy) when the engine starts, after the model load; the guard is in vLLM {fixed}. "
+                f"Set {_VLLM}.compilation_config.cudagraph_mode=PIECEWISE, or run the V1 runner "
+                f"(ray_kwargs.ray_init.runtime_env.env_vars.{V2_RUNNER_ENV}='0', which lowers full graphs to piecewise "
+                "for a schedule itself), or drop the schedule"
+            )
+    return schedule, errors
 
 
 #: vLLM's default ceiling of CUDA-graph capture sizes on Hopper (H100/H200; 1024 on Blackwell), in tokens
@@ -579,14 +676,16 @@ def _capture_ceiling(config: Any, max_num_seqs: int, k: int) -> tuple[int, str]:
 
 
 def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MTPMode | None,
-                           trained_depth: int | None) -> list[str]:
+                           trained_depth: int | None, schedule: Schedule | None = None) -> list[str]:
     """Rollout settings that run but silently cost speed while vLLM speculates with ``k`` MTP drafts.
 
     * ``rollout.enforce_eager`` or ``compilation_config.cudagraph_mode: NONE``: no CUDA graphs at all;
     * a CUDA-graph capture ceiling below ``max_num_seqs * (k + 1)`` tokens: a full decode step (every
       sequence verifying k drafts) is larger than any captured graph and runs without one;
     * online / joint mode with ``k`` larger than the MTP depth the trainer trains: vLLM applies the MTP
-      block k times recursively, and drafts past the trained depth come from inputs it never learned.
+      block k times recursively, and drafts past the trained depth come from inputs it never learned;
+    * a batch-size schedule (``num_speculative_tokens_per_batch_size``) on vLLM's V1 runner with full CUDA graphs:
+      vLLM lowers the CUDA-graph mode to ``PIECEWISE`` for it.
     """
     k = int(num_speculative_tokens)
     out: list[str] = []
@@ -601,12 +700,17 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
         )
     else:
         max_num_seqs = int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256)
-        need = max_num_seqs * (k + 1)
+        need, what = max_num_seqs * (k + 1), f"{_RO}.max_num_seqs={max_num_seqs} x (k+1)={k + 1}"
+        if schedule:  # the largest decode step is where n x (k_n + 1) peaks, not at max_num_seqs x (k + 1)
+            lookup = dense_lookup(schedule, max_num_seqs, k)
+            n_peak = max(range(1, max_num_seqs + 1), key=lambda n: n * (lookup[n] + 1))
+            need = n_peak * (lookup[n_peak] + 1)
+            what = f"{n_peak} running requests x (k+1)={lookup[n_peak] + 1} under {SPEC_SCHEDULE_KEY}"
         ceiling, key = _capture_ceiling(config, max_num_seqs, k)
         if ceiling < need:
             out.append(
-                f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {_RO}.max_num_seqs={max_num_seqs} x "
-                f"(k+1)={k + 1} = {need}: full decode steps with speculation run without CUDA graphs (measured: "
+                f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {what} = {need}: full decode steps "
+                f"with speculation run without CUDA graphs (measured: "
                 f"{_EAGER_STEP}); set {_VLLM}.compilation_config.max_cudagraph_capture_size: {need} (or more), "
                 f"or lower {_RO}.max_num_seqs"
             )
@@ -619,6 +723,17 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
             f"depths); set num_speculative_tokens <= {trained_depth} or train mtp_num_layers={k} "
             "(mtp_use_repeated_layer: true)"
         )
+    if schedule and not eager and mode_key != "NONE":
+        full, full_key = _full_graphs(config, dict(to_plain(get_key(config, _VLLM, {})) or {}))
+        v2, v2_key = _v2_runner(config)
+        release = _vllm_release()
+        if full and not v2 and release is not None and "+cpu" not in release:
+            out.append(
+                f"{SPEC_SCHEDULE_KEY} on vLLM's V1 runner ({v2_key}) with full CUDA graphs ({full_key}): vLLM lowers the "
+                "CUDA-graph mode to PIECEWISE for a batch-size schedule (every step pays the graph breaks at attention); "
+                f"weigh it against the schedule's gain, or run the V2 runner with {_VLLM}.compilation_config."
+                "cudagraph_mode=PIECEWISE on vLLM < 0.33"
+            )
     return out
 
 

@@ -81,12 +81,16 @@ def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True)
     Raises:
         MTPConfigError: an invalid guard block.
     """
+    from verl_mtp_plugin import verl_config
+
     guard = guard_from_verl_config(config)
+    depths = verl_config.speculation_depths(config) if guard.speculation else ()
     return RolloutSpecMonitor(
         addresses,
         guard=guard if guard.config.action != "off" else None,
         speculation=guard.speculation,
         exclude_validation=exclude_validation,
+        depths=depths if len(depths) > 1 else None,  # k chosen by batch size (num_speculative_tokens_per_batch_size)
     )
 
 

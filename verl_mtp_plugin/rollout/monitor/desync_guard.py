@@ -118,6 +118,7 @@ from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     ACCEPT_LENGTH_KEY,
     ACCEPT_RATE_KEY,
     COUNTER_RESET_KEY,
+    MEAN_DRAFT_TOKENS_KEY,
     NUM_DRAFTS_KEY,
     position_rates_from_metrics,
     scalar_metric,
@@ -190,18 +191,19 @@ def speedup_from_accept_length(accept_length: float, k: int, draft_cost: float) 
 
     Args:
         accept_length (float): measured tokens per verify step ``L`` (bonus token included).
-        k (int): draft tokens per verify step (``num_speculative_tokens``).
+        k (float): draft tokens per verify step (``num_speculative_tokens``; with ``k`` chosen by batch size the
+            step's mean, ``rollout/spec_mean_draft_tokens``).
         draft_cost (float): cost ``c`` of one draft step relative to one target step.
 
     Returns:
         float: the speedup (``< 1`` means speculation slows decoding down).
     """
-    return float(accept_length) / (1.0 + int(k) * float(draft_cost))
+    return float(accept_length) / (1.0 + float(k) * float(draft_cost))
 
 
-def breakeven_accept_length(k: int, draft_cost: float) -> float:
+def breakeven_accept_length(k: float, draft_cost: float) -> float:
     """Accepted length at which speculation with ``k`` drafts breaks even: ``1 + k * c``."""
-    return 1.0 + int(k) * float(draft_cost)
+    return 1.0 + float(k) * float(draft_cost)
 
 
 def expected_all_position_rate(alpha: float, k: int) -> float:
@@ -355,6 +357,9 @@ class MTPDesyncGuard:
         speculation (bool): MTP rollout is on; when False the guard does nothing.
         draft_sample_method (str): vLLM ``speculative_config.draft_sample_method`` (``greedy``, vLLM's
             default, or ``probabilistic``); selects the estimate when ``expected_key`` is None.
+        variable_k (bool): vLLM picks ``k`` by batch size (``num_speculative_tokens_per_batch_size``): the speed-up
+            estimate costs a verify step at the step's mean drafts ``rollout/spec_mean_draft_tokens`` instead of
+            ``k`` (``num_speculative_tokens``, the largest).
 
     Attributes:
         last_message (str | None): the last warning/error text.
@@ -367,6 +372,7 @@ class MTPDesyncGuard:
         num_speculative_tokens: int | None = None,
         speculation: bool = True,
         draft_sample_method: str = "greedy",
+        variable_k: bool = False,
     ):
         if config is None:
             config = MTPGuardConfig()
@@ -378,6 +384,7 @@ class MTPDesyncGuard:
         self.num_speculative_tokens = num_speculative_tokens
         self.speculation = bool(speculation)
         self.draft_sample_method = str(draft_sample_method or "greedy")
+        self.variable_k = bool(variable_k)
         self.last_message: str | None = None
         self.reset()
 
@@ -461,6 +468,13 @@ class MTPDesyncGuard:
         self.missing_streak = 0
 
         k = len(pos) or self.num_speculative_tokens or 1
+        mean_k = scalar_metric(metrics, MEAN_DRAFT_TOKENS_KEY)
+        cost_k: float = k
+        if self.variable_k and mean_k is not None and mean_k > 0:
+            # k chosen by batch size: a verify step drafts num_draft_tokens / num_drafts on average, and the
+            # per-position rates stop where vLLM's totals cannot say how many steps drafted a position
+            cost_k = mean_k
+            k = self.num_speculative_tokens or k
         alpha, key = self._expected(metrics)
         if pos:
             measured, expected, basis = pos[0], alpha, "first draft position (rollout/spec_accept_rate_pos_0)"
@@ -495,12 +509,12 @@ class MTPDesyncGuard:
         # slow-speculation rule
         slow_msg = None
         if length is not None:
-            speedup = speedup_from_accept_length(length, k, cfg.draft_cost)
+            speedup = speedup_from_accept_length(length, cost_k, cfg.draft_cost)
             out[_GUARD_PREFIX + "est_speedup"] = speedup
-            out[_GUARD_PREFIX + "breakeven_accept_length"] = breakeven_accept_length(k, cfg.draft_cost)
+            out[_GUARD_PREFIX + "breakeven_accept_length"] = breakeven_accept_length(cost_k, cfg.draft_cost)
             self.slow_streak = self.slow_streak + 1 if speedup < cfg.min_speedup else 0
             if _due(self.slow_streak, cfg.patience) and not desync:  # a desync report already explains a slow rollout
-                slow_msg = self._slow_message(step, length, k, pos, speedup)
+                slow_msg = self._slow_message(step, length, cost_k, pos, speedup)
 
         method_msg = self._draft_method_step(metrics, step, measured, desync, out)
 
@@ -547,7 +561,7 @@ class MTPDesyncGuard:
             zero_streak=self.zero_streak, reset_steps=self._reset_steps,
         )
 
-    def _slow_message(self, step, length: float, k: int, pos: list[float], speedup: float) -> str:
+    def _slow_message(self, step, length: float, k: float, pos: list[float], speedup: float) -> str:
         c = self.config.draft_cost
         options = [(0, 1.0)] + [
             (kk, speedup_from_accept_length(1.0 + sum(pos[:kk]), kk, c)) for kk in range(1, len(pos) + 1)
@@ -604,4 +618,5 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
         num_speculative_tokens=int(k) if k is not None else None,
         speculation=speculation,
         draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
+        variable_k=speculation and len(verl_config.speculation_depths(config)) > 1,
     )

@@ -135,7 +135,7 @@ def slow_message(
     step: Any,
     *,
     length: float,
-    k: int,
+    k: float,
     speedup: float,
     breakeven: float,
     options: list[tuple[int, float]],
@@ -155,11 +155,13 @@ def slow_message(
         str: the message.
     """
     c = cfg.draft_cost
+    k_text = f"{k}" if float(k).is_integer() else f"{k:.2f}"
+    mean = "" if float(k).is_integer() else " (the mean per verify step, k chosen by batch size)"
     lines = [
         f"MTP speculation is estimated to slow the rollout down at step {step} ({slow_streak} consecutive "
-        f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k} draft tokens at draft "
+        f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k_text} draft tokens{mean} at draft "
         f"cost c = {c} ({GUARD_CONFIG_PATH}.draft_cost): speedup ~= L / (1 + k*c) = {length:.3f} / "
-        f"(1 + {k}*{c}) = {speedup:.3f} < {cfg.min_speedup}; break-even L = 1 + k*c = {breakeven:.3f}."
+        f"(1 + {k_text}*{c}) = {speedup:.3f} < {cfg.min_speedup}; break-even L = 1 + k*c = {breakeven:.3f}."
     ]
     if options:
         table = ", ".join(f"k={kk}: {s:.3f}" for kk, s in options)

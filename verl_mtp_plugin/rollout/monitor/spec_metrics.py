@@ -37,9 +37,20 @@ token, the one vLLM's MTP drafter proposes with the MTP block's depth-1 predicti
 ``rollout/spec_accept_rate``        accepted draft tokens / proposed draft tokens (verl's name).
 ``rollout/spec_accept_length``      1 + accepted draft tokens / verify steps ("drafts"): tokens
                                     emitted per target forward, bonus token included (verl's name).
-``rollout/spec_accept_rate_pos_{k}`` verify steps whose draft ``k`` was accepted / verify steps
-                                    (vLLM's per-position rate: unconditional, so it decreases with
-                                    ``k`` and ``1 + sum_k rate_pos_k == spec_accept_length``).
+``rollout/spec_accept_rate_pos_{k}`` verify steps whose draft ``k`` was accepted / verify steps that
+                                    drafted position ``k``. With a fixed ``k`` every verify step drafts
+                                    every position: vLLM's per-position rate (unconditional, so it
+                                    decreases with ``k`` and ``1 + sum_k rate_pos_k ==
+                                    spec_accept_length``). With ``k`` chosen by batch size
+                                    (``num_speculative_tokens_per_batch_size``) a step at a small ``k``
+                                    does not draft the later positions and must not count against them:
+                                    the denominator is the exact per-position count where vLLM gives it
+                                    (its per-step ``SpecDecodingStats``, per-request ``detailed``
+                                    statistics), else what the totals and the schedule's depths determine
+                                    (:func:`verl_mtp_plugin.spec_schedule.drafted_per_position`); a
+                                    position they cannot determine gets no key.
+``rollout/spec_mean_draft_tokens``  draft tokens / verify steps: the ``k`` the step drafted with on
+                                    average (a fixed ``k``, or the schedule's mix).
 ``rollout/spec_num_drafts``         verify steps with at least one draft token this step.
 ``rollout/spec_num_draft_tokens``   draft tokens proposed this step.
 ``rollout/spec_num_accepted_tokens`` draft tokens accepted this step.
@@ -75,6 +86,7 @@ __all__ = [
     "NUM_ACCEPTED_KEY",
     "NUM_DRAFTS_KEY",
     "NUM_DRAFT_TOKENS_KEY",
+    "MEAN_DRAFT_TOKENS_KEY",
     "VLLM_ACCEPTED_PER_POS",
     "VLLM_NUM_ACCEPTED",
     "VLLM_NUM_DRAFTS",
@@ -84,6 +96,7 @@ __all__ = [
     "SpecDecodeStep",
     "counts_from_prometheus_text",
     "counts_from_vllm_metrics",
+    "drafted_counts",
     "merge_spec_metrics",
     "per_position_rates",
     "position_rates_from_metrics",
@@ -106,6 +119,7 @@ NUM_DRAFTS_KEY = "rollout/spec_num_drafts"
 NUM_DRAFT_TOKENS_KEY = "rollout/spec_num_draft_tokens"
 NUM_ACCEPTED_KEY = "rollout/spec_num_accepted_tokens"
 COUNTER_RESET_KEY = "rollout/spec_counter_reset"
+MEAN_DRAFT_TOKENS_KEY = "rollout/spec_mean_draft_tokens"
 
 #: vLLM 0.31.0 Prometheus metric names (``SpecDecodingProm``; exposed with a ``_total`` suffix).
 VLLM_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
@@ -149,21 +163,25 @@ class SpecDecodeCounts:
         accepted_per_pos (tuple[int, ...]): verify steps whose draft at position ``k`` was accepted,
             ``k = 0 .. num_speculative_tokens - 1`` (accepted drafts are a prefix, so this is
             non-increasing and sums to ``num_accepted_tokens``).
+        drafted_per_pos (tuple[int, ...]): verify steps that drafted position ``k`` (sums to
+            ``num_draft_tokens``); ``()`` when the source does not say (vLLM's Prometheus counters, per-request
+            ``summary`` statistics of steps with different ``k``). Not part of equality: two sources of the same
+            drafts compare equal whether or not they carry it.
     """
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
+    drafted_per_pos: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             object.__setattr__(self, f, _as_count(getattr(self, f), f))
-        object.__setattr__(
-            self,
-            "accepted_per_pos",
-            tuple(_as_count(v, f"accepted_per_pos[{i}]") for i, v in enumerate(self.accepted_per_pos)),
-        )
+        for f in ("accepted_per_pos", "drafted_per_pos"):
+            object.__setattr__(
+                self, f, tuple(_as_count(v, f"{f}[{i}]") for i, v in enumerate(getattr(self, f)))
+            )
 
     # ---- construction from vLLM objects -----------------------------------------------------------
     @classmethod
@@ -174,6 +192,7 @@ class SpecDecodeCounts:
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
             accepted_per_pos=tuple(stats.num_accepted_tokens_per_pos),
+            drafted_per_pos=tuple(getattr(stats, "num_draft_tokens_per_pos", None) or ()),
         )
 
     @classmethod
@@ -214,11 +233,19 @@ class SpecDecodeCounts:
         hist = list(obj.histogram)
         num_spec = len(hist) - 1
         per_pos = tuple(sum(hist[j] for j in range(k + 1, len(hist))) for k in range(num_spec))
+        steps = list(getattr(obj, "per_step_drafted", None) or ())  # vLLM's "detailed" level
+        if steps:
+            drafted = tuple(sum(1 for d in steps if d > k) for k in range(num_spec))
+        elif obj.num_draft_tokens == sum(hist) * num_spec:  # every verify step drafted every position
+            drafted = (sum(hist),) * num_spec
+        else:
+            drafted = ()
         return cls(
             num_drafts=sum(hist),
             num_draft_tokens=obj.num_draft_tokens,
             num_accepted_tokens=sum(j * c for j, c in enumerate(hist)),
             accepted_per_pos=per_pos,
+            drafted_per_pos=drafted,
         )
 
     # ---- arithmetic ----------------------------------------------------------------------------------
@@ -233,6 +260,7 @@ class SpecDecodeCounts:
             self.num_draft_tokens + other.num_draft_tokens,
             self.num_accepted_tokens + other.num_accepted_tokens,
             tuple(x + y for x, y in zip(a, b)),
+            _sum_drafted(self, other),
         )
 
     def went_backwards_from(self, previous: "SpecDecodeCounts") -> bool:
@@ -252,11 +280,16 @@ class SpecDecodeCounts:
         """``self - previous`` for a counter that did not go backwards (see :meth:`went_backwards_from`)."""
         pad = max(0, len(self.accepted_per_pos) - len(previous.accepted_per_pos))
         prev_pos = previous.accepted_per_pos + (0,) * pad
+        drafted = ()
+        if self.drafted_per_pos and (previous.drafted_per_pos or not previous.num_drafts):
+            prev_d = previous.drafted_per_pos + (0,) * max(0, len(self.drafted_per_pos) - len(previous.drafted_per_pos))
+            drafted = tuple(c - p for c, p in zip(self.drafted_per_pos, prev_d))
         return SpecDecodeCounts(
             self.num_drafts - previous.num_drafts,
             self.num_draft_tokens - previous.num_draft_tokens,
             self.num_accepted_tokens - previous.num_accepted_tokens,
             tuple(c - p for c, p in zip(self.accepted_per_pos, prev_pos)),
+            drafted,
         )
 
     # ---- ratios -----------------------------------------------------------------------------------------
@@ -271,11 +304,43 @@ class SpecDecodeCounts:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
-def per_position_rates(counts: SpecDecodeCounts) -> list[float]:
-    """vLLM's per-position acceptance: ``accepted_per_pos[k] / num_drafts`` (empty without drafts)."""
+def _sum_drafted(a: SpecDecodeCounts, b: SpecDecodeCounts) -> tuple[int, ...]:
+    """Per-position drafted counts of ``a + b``: known when both know them (a span without drafts is neutral)."""
+    if (a.num_drafts and not a.drafted_per_pos) or (b.num_drafts and not b.drafted_per_pos):
+        return ()
+    n = max(len(a.drafted_per_pos), len(b.drafted_per_pos))
+    x = a.drafted_per_pos + (0,) * (n - len(a.drafted_per_pos))
+    y = b.drafted_per_pos + (0,) * (n - len(b.drafted_per_pos))
+    return tuple(i + j for i, j in zip(x, y))
+
+
+def drafted_counts(counts: SpecDecodeCounts, depths: Sequence[int] | None = None) -> list[float | None]:
+    """Verify steps that drafted each position: the counts' own ``drafted_per_pos`` when known; else, with the
+    schedule's ``depths`` (:func:`verl_mtp_plugin.spec_schedule.schedule_depths`), what vLLM's totals determine
+    (:func:`~verl_mtp_plugin.spec_schedule.drafted_per_position`, ``None`` where they cannot); else (a fixed
+    ``k``) every verify step."""
+    n = len(counts.accepted_per_pos)
+    if counts.drafted_per_pos:
+        return [float(d) for d in (counts.drafted_per_pos + (0,) * n)[:n]]
+    if depths is not None and len(set(depths)) > 1:
+        from verl_mtp_plugin.spec_schedule import drafted_per_position
+
+        return list(drafted_per_position(counts.num_drafts, counts.num_draft_tokens, n, depths))
+    return [float(counts.num_drafts)] * n
+
+
+def per_position_rates(counts: SpecDecodeCounts, depths: Sequence[int] | None = None) -> list[float]:
+    """Per-position acceptance: ``accepted_per_pos[k] /`` verify steps that drafted position ``k``
+    (:func:`drafted_counts`); up to the first position whose drafted count is unknown or zero (empty without
+    drafts). With a fixed ``k`` this is vLLM's ``accepted_per_pos[k] / num_drafts``."""
     if not counts.num_drafts:
         return []
-    return [c / counts.num_drafts for c in counts.accepted_per_pos]
+    out: list[float] = []
+    for acc, drafted in zip(counts.accepted_per_pos, drafted_counts(counts, depths)):
+        if not drafted:
+            break
+        out.append(min(acc / drafted, 1.0))
+    return out
 
 
 def total_counts(counts: Iterable[SpecDecodeCounts]) -> SpecDecodeCounts:
@@ -482,13 +547,16 @@ whole history.
 # metric dicts
 
 
-def spec_metrics_from_counts(counts: SpecDecodeCounts, *, reset: bool | None = None) -> dict[str, float]:
+def spec_metrics_from_counts(counts: SpecDecodeCounts, *, reset: bool | None = None,
+                             depths: Sequence[int] | None = None) -> dict[str, float]:
     """Metric dict of one step's totals (token-weighted, vLLM's own aggregation).
 
     Args:
         counts (SpecDecodeCounts): the step's totals.
         reset (bool | None): the step's counter-reset flag (``rollout/spec_counter_reset``); None
             leaves the key out.
+        depths: the distinct ``k`` vLLM drafts with (a batch-size schedule; None: a fixed ``k``), for the
+            per-position denominators (:func:`per_position_rates`).
 
     Returns:
         dict[str, float]: counts always; ``rollout/spec_accept_rate``, ``rollout/spec_accept_length``
@@ -504,7 +572,8 @@ def spec_metrics_from_counts(counts: SpecDecodeCounts, *, reset: bool | None = N
     if counts.num_drafts and counts.num_draft_tokens:
         out[ACCEPT_RATE_KEY] = float(counts.accept_rate)
         out[ACCEPT_LENGTH_KEY] = float(counts.accept_length)
-        for k, r in enumerate(per_position_rates(counts)):
+        out[MEAN_DRAFT_TOKENS_KEY] = counts.num_draft_tokens / counts.num_drafts
+        for k, r in enumerate(per_position_rates(counts, depths)):
             out[ACCEPT_RATE_POS_KEY.format(k=k)] = r
     return out
 
@@ -529,7 +598,7 @@ def verl_spec_fields(obj: Any) -> dict[str, int]:
     }
 
 
-def spec_metrics_from_requests(requests: Iterable[Any]) -> dict[str, float]:
+def spec_metrics_from_requests(requests: Iterable[Any], *, depths: Sequence[int] | None = None) -> dict[str, float]:
     """Metric dict from per-request statistics, with verl's per-request aggregation.
 
     ``rollout/spec_accept_rate`` = mean over requests of ``accepted / draft_tokens`` and
@@ -558,7 +627,7 @@ def spec_metrics_from_requests(requests: Iterable[Any]) -> dict[str, float]:
         )
     n = len(present)
     total = total_counts(present)
-    out = spec_metrics_from_counts(total)
+    out = spec_metrics_from_counts(total, depths=depths)
     rates = [c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0 for c in present]
     lengths = [1.0 + c.num_accepted_tokens / c.num_drafts if c.num_drafts else 0.0 for c in present]
     out[ACCEPT_RATE_KEY] = sum(rates) / n

@@ -54,6 +54,10 @@ class RolloutSpecMonitor:
         read_counters: ``addresses -> snapshot``; default :func:`~verl_mtp_plugin.rollout.monitor.spec_metrics.scrape_spec_counters`
             (HTTP ``/metrics``). In-process engines can pass
             ``lambda _: counts_from_vllm_metrics(llm.get_metrics())``.
+        depths: the distinct ``k`` vLLM drafts with when it picks ``k`` by batch size
+            (:func:`verl_mtp_plugin.verl_config.speculation_depths`); the per-position rates are normalized by the
+            verify steps that drafted each position (:func:`~verl_mtp_plugin.rollout.monitor.spec_metrics.per_position_rates`).
+            None: a fixed ``k``.
 
     Attributes:
         pending_error (MTPDesyncError | None): set by :meth:`step_metrics` with ``raise_now=False``.
@@ -67,12 +71,14 @@ class RolloutSpecMonitor:
         speculation: bool = True,
         exclude_validation: bool = True,
         read_counters: Callable[[list[str]], Snapshot] | None = None,
+        depths: Iterable[int] | None = None,
     ):
         self._addresses = addresses
         self.guard = guard
         self.speculation = bool(speculation)
         self.exclude_validation = bool(exclude_validation)
         self._read = read_counters or scrape_spec_counters
+        self.depths = tuple(depths) if depths is not None else None
         self._tracker = SpecDecodeCounterTracker()
         self._pending = SpecDecodeCounts()
         self._pending_reset = False
@@ -135,7 +141,7 @@ class RolloutSpecMonitor:
         if self._paused:  # step_metrics without resume(): the next window starts now
             self._tracker.set_baseline(self._snapshot())
             self._paused = False
-        added = merge_spec_metrics(metrics, spec_metrics_from_counts(counts, reset=reset))
+        added = merge_spec_metrics(metrics, spec_metrics_from_counts(counts, reset=reset, depths=self.depths))
         if self.guard is not None:
             try:
                 guard_metrics = self.guard.observe(metrics, step)
