@@ -279,7 +279,7 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         virtual_pipeline_model_parallel_size=get_key(engine_config, "virtual_pipeline_model_parallel_size"),
         objective=os.environ.get(OBJECTIVE_ENV),
         check_objective_mode=False,
-        objective_key=f"{OBJECTIVE_ENV} (this worker's environment: {OBJECTIVE_CONFIG_KEY} or the driver's)",
+        objective_key=OBJECTIVE_ENV,  # this worker's environment (the recipe's env_vars key or the driver's, unknown here)
     )
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
