@@ -136,50 +136,147 @@ def test_drafter_settings_without_speculation_are_warned_about(caplog):
 # --------------------------------------------------------------------- one check for every entry point
 
 
+@pytest.fixture(autouse=True)
+def _no_plugin_settings_in_this_process(monkeypatch):
+    """The start-up check also reads the plugin's settings from this process's environment; in-process vLLM engines
+    of earlier tests leave some there."""
+    import os
+
+    for key in [k for k in os.environ if k.startswith("VERL_MTP_")]:
+        monkeypatch.delenv(key)
+
+
 BAD = [f"+{ENV}.VERL_MTP_SYNC_STAGE=gpu", "actor_rollout_ref.model.mtp.enable=false"]
+#: bad inputs every entry point refuses (one or more per kind of check)
+PARITY_BAD = {
+    "env setting and MTP mode": BAD,
+    "non-integer num_speculative_tokens": ["actor_rollout_ref.model.mtp.num_speculative_tokens=1.5"],
+    "boolean given as a word": ["actor_rollout_ref.model.mtp.enable_train=maybe"],
+    "unknown objective": [f"{ENV}.VERL_MTP_OBJECTIVE=bogus"],
+    "drafter sync value": [f"{ENV}.VERL_MTP_DRAFTER_SYNC=sometimes"],
+}
 
 
-def _hook_message(cfg, monkeypatch):
+@pytest.fixture
+def verl_hooks(monkeypatch):
+    """verl's two trainer steps the hooks run before (v1 ``PPOTrainer._init_dataloader``, legacy
+    ``RayPPOTrainer.__init__``) replaced by recorders (restored after the test), with the plugin's hooks installed
+    around them as the task runner installs them."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
     calls = []
-    monkeypatch.setattr(PPOTrainer, "_init_dataloader", lambda self: calls.append(self), raising=True)
-    assert verl_entry.install(startup_check) and verl_entry.installed()
+    monkeypatch.setattr(PPOTrainer, "_init_dataloader", lambda self: calls.append(("v1", self)))
+    monkeypatch.setattr(RayPPOTrainer, "__init__", lambda self, config, *a, **k: calls.append(("legacy", config)))
+    assert verl_entry.install(startup_check) and verl_entry.installed("v1") and verl_entry.installed("legacy")
+    return calls
+
+
+def _hook_message(cfg, calls, kind="v1"):
+    """What verl's task runner meets: the v1 trainer's ``_init_dataloader`` or the legacy ``RayPPOTrainer(config=...)``."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    calls.clear()
     trainer = types.SimpleNamespace(config=cfg)
     try:
-        PPOTrainer._init_dataloader(trainer)
+        if kind == "v1":
+            PPOTrainer._init_dataloader(trainer)
+        else:
+            RayPPOTrainer.__init__(object.__new__(RayPPOTrainer), config=cfg, tokenizer=None,
+                                   role_worker_mapping={}, resource_pool_manager=None)
     except MTPConfigError as e:
         assert calls == []  # refused before verl's own step (and so before any worker)
         return str(e)
-    assert calls == [trainer]
+    assert [c[0] for c in calls] == [kind]
     return None
 
 
-def test_every_entry_point_refuses_the_same_config_with_the_same_message(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("case", sorted(PARITY_BAD))
+def test_every_entry_point_refuses_the_same_config_with_the_same_message(case, verl_hooks, capsys):
+    """verl-mtp check, python -m verl_mtp_plugin.main_ppo and python -m verl.trainer.main_ppo (v1 and legacy
+    trainer) refuse the same bad inputs with the same message."""
     from verl_mtp_plugin.cli import main as cli_main
     from verl_mtp_plugin.trainer.main_ppo import check as plugin_entry_check
 
+    bad = PARITY_BAD[case]
     with pytest.raises(MTPConfigError) as e:
-        plugin_entry_check(online(BAD))
+        plugin_entry_check(online(bad))
     plugin_msg = str(e.value)
-    assert "VERL_MTP_SYNC_STAGE='gpu'" in plugin_msg and "enable_train=true needs" in plugin_msg
-    assert _hook_message(online(BAD), monkeypatch) == plugin_msg  # python -m verl.trainer.main_ppo
-    assert cli_main(["check", str(CONFIG_DIR / "grpo_online.yaml"), *BAD]) == 2  # verl-mtp check
+    assert plugin_msg.startswith("invalid verl config for verl_mtp_plugin:\n  - ")
+    assert _hook_message(online(bad), verl_hooks) == plugin_msg  # python -m verl.trainer.main_ppo, v1 trainer
+    assert cli_main(["check", str(CONFIG_DIR / "grpo_online.yaml"), *bad]) == 2  # verl-mtp check
     assert plugin_msg in capsys.readouterr().err
-    # and a good config passes the hook into verl's own step
-    monkeypatch.delenv(verl_entry.DRIVER_CHECKED_ENV, raising=False)
-    assert _hook_message(online(), monkeypatch) is None
+    # the legacy trainer: verl's entry refuses it with the same message; the plugin's entry, which runs the v1
+    # trainers only, adds its own line for trainer.use_v1=false after it
+    legacy = [*bad, "trainer.use_v1=false", "trainer.v1.trainer_mode=sync"]
+    legacy_msg = _hook_message(online(legacy), verl_hooks, "legacy")
+    assert legacy_msg is not None
+    assert cli_main(["check", str(CONFIG_DIR / "grpo_online.yaml"), *legacy]) == 2
+    assert legacy_msg in capsys.readouterr().err
+    with pytest.raises(MTPConfigError) as e:
+        plugin_entry_check(online(legacy))
+    assert str(e.value).startswith(legacy_msg + "\n  - trainer.use_v1=false: python -m verl_mtp_plugin.main_ppo")
 
 
-def test_the_hook_is_installed_by_the_plugins_import_in_verls_task_runner():
-    """verl's trainer imports external_lib (HFModelConfig in _init_tokenizer) with its trainer base loaded."""
+def test_a_good_config_passes_both_hooks_into_verls_own_step(verl_hooks, capsys):
+    assert _hook_message(online(), verl_hooks) is None
+    legacy = online(["trainer.use_v1=false", "trainer.v1.trainer_mode=sync"])
+    assert _hook_message(legacy, verl_hooks, "legacy") is None
+    assert capsys.readouterr().out.count(verl_entry.PASSED_LINE) == 2
+
+
+def test_the_check_runs_once_under_the_plugins_entry(verl_hooks, monkeypatch, capsys):
+    """python -m verl_mtp_plugin.main_ppo checks in the driver and marks the config; its task runner (where the
+    verl-entry hook is installed too) gets the config through Ray (pickled) and does not check it again."""
+    import cloudpickle
+
+    import verl_mtp_plugin.trainer.config as tc
+    import verl_mtp_plugin.trainer.main_ppo as entry
+
+    checked = []
+    real = tc.validate_verl_config
+    monkeypatch.setattr(tc, "validate_verl_config", lambda cfg, **kw: checked.append(cfg) or real(cfg, **kw))
+    shipped = []
+    monkeypatch.setattr(entry, "run_ppo", lambda config, task_runner_class: shipped.append(
+        cloudpickle.loads(cloudpickle.dumps(config))))
+    monkeypatch.setattr(entry, "validate_config", lambda **kw: None)  # verl's own validation: not under test here
+    entry.main(online())  # the plugin entry's Hydra main, given the composed config
+    assert len(checked) == 1 and len(shipped) == 1
+    assert _hook_message(shipped[0], verl_hooks) is None  # the task runner's hook: verl's step runs, no check
+    assert len(checked) == 1 and verl_entry.PASSED_LINE not in capsys.readouterr().out
+    # a config that did not pass through the plugin's entry is checked by the hook
+    assert _hook_message(online(), verl_hooks) is None and len(checked) == 2
+
+
+def test_no_environment_variable_skips_the_check_under_verls_entry(verl_hooks, monkeypatch):
+    """Only a config the plugin's entry checked is skipped: a leftover or exported variable (the earlier marker,
+    VERL_MTP_STARTUP_CHECKED=1) does not switch the check off."""
+    monkeypatch.setenv("VERL_MTP_STARTUP_CHECKED", "1")
+    assert "VERL_MTP_SYNC_STAGE='gpu'" in (_hook_message(online(BAD), verl_hooks) or "")
+    assert "VERL_MTP_SYNC_STAGE='gpu'" in (_hook_message(online(BAD), verl_hooks, "legacy") or "")
+
+
+def test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners():
+    """verl's task runners import external_lib (HFModelConfig) with their trainer modules loaded: the v1 trainer base
+    (TaskRunnerV1) or the legacy ray_trainer (main_ppo_v0.TaskRunner); VERL_USE_EXTERNAL_MODULES imports the plugin's
+    trainers with verl."""
+    import os
     import subprocess
     import sys
 
-    code = ("import verl.trainer.ppo.v1.trainer_base, importlib; importlib.import_module('verl_mtp_plugin'); "
-            "from verl_mtp_plugin.compat import verl_entry; print(verl_entry.installed())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    show = "from verl_mtp_plugin.compat import verl_entry; print(verl_entry.installed('v1'), verl_entry.installed('legacy'))"
+    runs = {
+        "True True": "import verl.trainer.ppo.v1.trainer_base, importlib; importlib.import_module('verl_mtp_plugin'); ",
+        "False True": "import verl.trainer.main_ppo_v0, importlib; importlib.import_module('verl_mtp_plugin'); ",
+    }
+    for want, code in runs.items():
+        out = subprocess.run([sys.executable, "-c", code + show], capture_output=True, text=True, timeout=600)
+        assert out.stdout.strip().splitlines()[-1] == want, (code, out.stderr[-2000:])
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_mtp_plugin.trainer.v1")
+    out = subprocess.run([sys.executable, "-c", "import verl; " + show], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.stdout.strip().splitlines()[-1] == "True True", out.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------- private joints
@@ -217,3 +314,115 @@ def test_the_objective_patches_megatron_only_through_compat():
 
     src = pathlib.Path(objective.__file__).read_text()
     assert "replace_language_model_loss" in src and ".compute_language_model_loss =" not in src
+
+
+def test_a_missing_vllm_internal_fails_the_start_up_check_naming_it_and_the_versions(monkeypatch):
+    """The vLLM internals the worker extension / drafter sync read are probed at start-up (in the driver, before
+    any vLLM engine starts): a renamed one is reported with its name and the installed releases."""
+    import importlib.metadata
+
+    import vllm.model_executor.model_loader.reload as reload
+
+    monkeypatch.delattr(reload, "finalize_layerwise_reload")
+    with pytest.raises(probes.CompatError) as e:
+        startup_check(online())
+    msg = str(e.value)
+    assert "vllm.model_executor.model_loader.reload.finalize_layerwise_reload is missing in the installed vllm" in msg
+    assert f"vllm {importlib.metadata.version('vllm')}" in msg and "tested with" in msg
+
+
+def test_a_changed_vllm_signature_fails_naming_the_parameters(monkeypatch):
+    import vllm.config
+
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", lambda config, check_compile=False: None)
+    with pytest.raises(probes.CompatError) as e:
+        probes.probe_all(("vllm",))
+    assert "set_current_vllm_config(config, check_compile=False): the plugin expects parameters (vllm_config)" in str(e.value)
+
+
+def test_every_vllm_name_the_rollout_worker_imports_is_a_probed_joint():
+    """Each ``from vllm.X import Y`` in the plugin's vLLM worker code has its joint in compat/probes.py."""
+    import pathlib
+    import re
+
+    import verl_mtp_plugin.rollout.worker as worker
+
+    joints = {j.path for j in probes.JOINTS if j.lib == "vllm"}
+    imported = set()
+    for path in pathlib.Path(worker.__file__).parent.glob("*.py"):
+        for mod, grouped, names in re.findall(r"from (vllm[\w.]*) import (?:\(([^)]*)\)|([\w, ]+))", path.read_text()):
+            imported |= {f"{mod}.{n.strip()}" for n in (grouped or names).split(",") if n.strip()}
+    assert imported and imported <= joints, sorted(imported - joints)
+
+
+# --------------------------------------------------------------- numbers, booleans and enums refused by key
+
+
+MTPK = "actor_rollout_ref.model.mtp"
+
+
+@pytest.mark.parametrize("override,needle", [
+    (f"{MTPK}.num_speculative_tokens=1.5", f"{MTPK}.num_speculative_tokens=1.5: must be an integer >= 1"),
+    (f"{MTPK}.num_speculative_tokens=two", f"{MTPK}.num_speculative_tokens='two': must be an integer >= 1"),
+    (f"{MTPK}.num_speculative_tokens=true", f"{MTPK}.num_speculative_tokens=True: must be an integer >= 1"),
+    (f"{MTPK}.num_speculative_tokens=0", f"{MTPK}.num_speculative_tokens=0: must be an integer >= 1"),
+    (f"{MTPK}.num_speculative_tokens=null", f"{MTPK}.num_speculative_tokens=null: give a value"),
+    (f"{MTPK}.enable_train=maybe", f"{MTPK}.enable_train='maybe': must be a boolean"),
+    (f"{MTPK}.enable_rollout=2", f"{MTPK}.enable_rollout=2: must be a boolean"),
+    (f"{MTPK}.mtp_loss_scaling_factor=abc", f"{MTPK}.mtp_loss_scaling_factor='abc': must be a number >= 0"),
+    (f"{MTPK}.method=medusa", f"{MTPK}.method='medusa' is not one of vLLM's MTP methods"),
+    ("actor_rollout_ref.rollout.temperature=hot", "actor_rollout_ref.rollout.temperature='hot': must be a number"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=x",
+     "actor_rollout_ref.rollout.tensor_model_parallel_size='x': must be an integer >= 1"),
+    ("actor_rollout_ref.rollout.expert_parallel_size=-2",
+     "actor_rollout_ref.rollout.expert_parallel_size=-2: must be an integer >= 1"),
+    ("actor_rollout_ref.rollout.max_num_seqs=1.5", "actor_rollout_ref.rollout.max_num_seqs=1.5: must be an integer"),
+    ("actor_rollout_ref.rollout.max_num_batched_tokens=x", "actor_rollout_ref.rollout.max_num_batched_tokens='x'"),
+    ("+actor_rollout_ref.rollout.cudagraph_capture_sizes=[8,big]", "actor_rollout_ref.rollout.cudagraph_capture_sizes="),
+    ("actor_rollout_ref.rollout.free_cache_engine=maybe", "actor_rollout_ref.rollout.free_cache_engine='maybe'"),
+    ("actor_rollout_ref.model.lora_rank=x", "actor_rollout_ref.model.lora_rank='x': must be an integer >= 0"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=x",
+     "actor_rollout_ref.actor.megatron.context_parallel_size='x': must be an integer >= 1"),
+    ("trainer.use_v1=maybe", "trainer.use_v1='maybe': must be a boolean"),
+])
+def test_bad_numbers_booleans_and_methods_are_refused_at_start_up_naming_the_key(override, needle):
+    """Each escaped before as a raw ValueError/TypeError (int('two')) or was read silently as something else
+    (as_bool('maybe') is False, 1.5 speculative tokens reached vLLM)."""
+    with pytest.raises(MTPConfigError) as e:
+        startup_check(online([override]))
+    assert needle in str(e.value)
+
+
+def test_every_typed_key_of_the_shipped_recipes_and_verls_defaults_is_accepted(base):
+    from verl_mtp_plugin.recipe_paths import RECIPES
+
+    assert verl_config.value_errors(base) == []
+    for name in RECIPES:
+        assert verl_config.value_errors(compose_recipe(str(CONFIG_DIR), name)) == [], name
+
+
+# ------------------------------------------------------ environment settings named by where they are set
+
+
+BAD_ENV = {"VERL_MTP_OBJECTIVE": "bogus", "VERL_MTP_DRAFTER_SYNC": "sometimes", "VERL_MTP_SYNC_CHECKSUM": "maybe",
+           "VERL_MTP_SYNC_STAGE": "gpu", "VERL_MTP_SYNC_RECV_TIMEOUT_S": "soon"}
+
+
+def test_every_plugin_environment_setting_has_a_bad_value_case():
+    assert set(BAD_ENV) == set(verl_config.PLUGIN_ENV_VARS)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ENV))
+def test_a_bad_environment_setting_is_refused_naming_where_it_was_set(name, monkeypatch):
+    """Set in the recipe (ray_kwargs.ray_init.runtime_env.env_vars): the error names that config key. Set only in the
+    driver's environment (which the Ray workers inherit): the error says it came from the environment variable."""
+    bad = BAD_ENV[name]
+    key = f"{ENV}.{name}"
+    with pytest.raises(MTPConfigError) as e:
+        startup_check(online([f"++{key}={bad}"]))
+    assert f"{key}={bad!r}" in str(e.value)
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(MTPConfigError) as e:
+        startup_check(online([f"~{key}"] if name in ("VERL_MTP_OBJECTIVE", "VERL_MTP_DRAFTER_SYNC") else []))
+    msg = str(e.value)
+    assert f"{name} (this process's environment)={bad!r}" in msg and key not in msg

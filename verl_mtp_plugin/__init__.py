@@ -82,9 +82,9 @@ if "verl" in _sys.modules:
     from verl_mtp_plugin.engine.registry import register as _register_with_verl
 
     _register_with_verl()
-    if "verl.trainer.ppo.v1.trainer_base" in _sys.modules:
-        # verl's task runner (python -m verl.trainer.main_ppo): its trainer imports external_lib while it builds
-        # the tokenizer, before any worker; the plugin's start-up check runs next (compat/verl_entry.py)
+    if "verl.trainer.ppo.v1.trainer_base" in _sys.modules or "verl.trainer.ppo.ray_trainer" in _sys.modules:
+        # verl's task runner (python -m verl.trainer.main_ppo, v1 or legacy trainer): it imports external_lib while
+        # it builds the tokenizer, before any worker; the plugin's start-up check runs next (compat/verl_entry.py)
         from verl_mtp_plugin.compat.verl_entry import install as _install_startup_check
         from verl_mtp_plugin.trainer.config import startup_check as _startup_check
 

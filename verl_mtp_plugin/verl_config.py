@@ -24,6 +24,9 @@ import os
 from typing import Any, Mapping
 
 from verl_mtp_plugin.config_keys import (
+    ACTOR_MEGATRON,
+    CRITIC,
+    CRITIC_MEGATRON,
     DRAFT_METHOD_ESTIMATE_METRIC,
     ENV_DRAFTER_SYNC,
     ENV_SYNC_CHECKSUM,
@@ -44,6 +47,7 @@ from verl_mtp_plugin.policy import MTPConfigError
 
 __all__ = [
     "BOOL_WORDS",
+    "VALUE_KEYS",
     "PLUGIN_ENV_VARS",
     "EnvSetting",
     "compilation_config",
@@ -56,6 +60,7 @@ __all__ = [
     "speculation_on",
     "speculative_config",
     "user_speculative_config",
+    "value_errors",
     "verl_speculates",
 ]
 
@@ -212,3 +217,112 @@ def draft_estimate_metric(config: Any) -> str | None:
         return None
     method = (user_speculative_config(config) or {}).get("draft_sample_method")
     return DRAFT_METHOD_ESTIMATE_METRIC[str(method or "greedy")]
+
+
+# ----------------------------------------------------------------------------------- typed values
+
+
+#: The numeric and boolean verl keys the plugin reads, each with its kind: ``("int", minimum)``, ``("float",
+#: minimum)``, ``("bool", None)``, ``("ints", minimum)`` (a list of ints). Unset / null keys are left to verl's
+#: defaults, except the ones in :data:`_NOT_NULL` (the plugin or verl turns them into numbers as they are).
+VALUE_KEYS: dict[str, tuple[str, float | None]] = {
+    f"{MTP}.num_speculative_tokens": ("int", 1),
+    f"{MTP}.mtp_loss_scaling_factor": ("float", 0),
+    **{f"{MTP}.{k}": ("bool", None) for k in ("enable", "enable_train", "enable_rollout", "detach_encoder")},
+    f"{MODEL}.lora_rank": ("int", 0),
+    f"{MODEL}.lora.rank": ("int", 0),
+    f"{MODEL}.lora.merge": ("bool", None),
+    f"{MODEL}.use_fused_kernels": ("bool", None),
+    f"{MODEL}.trust_remote_code": ("bool", None),
+    f"{ACTOR_MEGATRON}.context_parallel_size": ("int", 1),
+    f"{ACTOR_MEGATRON}.virtual_pipeline_model_parallel_size": ("int", 1),
+    f"{ACTOR_MEGATRON}.override_transformer_config.mtp_num_layers": ("int", 1),
+    **{f"{ACTOR_MEGATRON}.{k}": ("bool", None) for k in ("vanilla_mbridge", "dynamic_context_parallel", "qat.enable")},
+    f"{ROLLOUT}.temperature": ("float", 0),
+    f"{ROLLOUT}.tensor_model_parallel_size": ("int", 1),
+    f"{ROLLOUT}.expert_parallel_size": ("int", 1),
+    f"{ROLLOUT}.max_num_seqs": ("int", 1),
+    f"{ROLLOUT}.max_num_batched_tokens": ("int", 1),
+    f"{ROLLOUT}.cudagraph_capture_sizes": ("ints", 1),
+    **{f"{ROLLOUT}.{k}": ("bool", None) for k in ("free_cache_engine", "enable_sleep_mode", "enable_prefix_caching",
+                                                    "enforce_eager")},
+    f"{VLLM_KWARGS}.enable_prefix_caching": ("bool", None),
+    "trainer.use_v1": ("bool", None),
+    f"{CRITIC}.enable": ("bool", None),
+    f"{CRITIC}.model.mtp.enable": ("bool", None),
+    f"{CRITIC}.model.trust_remote_code": ("bool", None),
+    f"{CRITIC_MEGATRON}.vanilla_mbridge": ("bool", None),
+    f"{CRITIC_MEGATRON}.virtual_pipeline_model_parallel_size": ("int", 1),
+}
+_NOT_NULL = (f"{MTP}.num_speculative_tokens",)
+
+
+def _int_value(raw: Any) -> int | None:
+    """``raw`` as an int when it is one (an int, not a bool, or a string of digits); None otherwise."""
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str) and raw.strip().lstrip("+-").isdigit():
+        return int(raw.strip())
+    return None
+
+
+def _float_value(raw: Any) -> float | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw)
+        except ValueError:
+            return None
+    return None
+
+
+def value_error(key: str, raw: Any, kind: str, minimum: float | None = None) -> str | None:
+    """Why ``raw`` is not a valid ``kind`` value for ``key`` (None when it is), naming the key."""
+    if raw is None:
+        return f"{key}=null: give a value (or drop the override for verl's default)" if key in _NOT_NULL else None
+    if kind == "bool":
+        if isinstance(raw, bool) or (isinstance(raw, int) and raw in (0, 1)):
+            return None
+        if isinstance(raw, str) and raw.strip().lower() in BOOL_WORDS:
+            return None
+        return f"{key}={raw!r}: must be a boolean (true or false)"
+    if kind == "ints":
+        items = to_plain(raw)
+        if not isinstance(items, (list, tuple)):
+            return f"{key}={raw!r}: must be a list of integers"
+        bad = [x for x in items if _int_value(x) is None or (minimum is not None and _int_value(x) < minimum)]
+        return f"{key}={items!r}: every entry must be an integer >= {minimum:g} (got {bad!r})" if bad else None
+    value = _int_value(raw) if kind == "int" else _float_value(raw)
+    what = "an integer" if kind == "int" else "a number"
+    if value is None:
+        return f"{key}={raw!r}: must be {what}" + (f" >= {minimum:g}" if minimum is not None else "")
+    if minimum is not None and value < minimum:
+        return f"{key}={raw!r}: must be {what} >= {minimum:g}"
+    return None
+
+
+def value_errors(config: Any) -> list[str]:
+    """Every key of :data:`VALUE_KEYS` whose value is not of its kind (or below its minimum), naming the key; and
+    ``mtp.method`` when verl speculates with a method that is not one of vLLM's MTP methods."""
+    errors = [e for key, (kind, minimum) in VALUE_KEYS.items()
+              if (e := value_error(key, get_key(config, key), kind, minimum)) is not None]
+    method = get_key(config, f"{MTP}.method")
+    if method is not None and not isinstance(method, str):
+        errors.append(f"{MTP}.method={method!r}: must be a string (mtp)")
+    elif method is not None and not errors and verl_speculates(config):
+        try:
+            from typing import get_args
+
+            from vllm.config.speculative import MTPModelTypes
+        except ImportError:  # a trainer-only host: vLLM checks it where it runs
+            return errors
+        allowed = get_args(MTPModelTypes)
+        if method not in allowed:
+            errors.append(f"{MTP}.method={method!r} is not one of vLLM's MTP methods ({', '.join(allowed)}): the "
+                          "plugin syncs the trained MTP block into vLLM's MTP drafter; use mtp")
+    return errors

@@ -55,8 +55,12 @@ JOINTS = (
     Joint("verl", "verl.workers.engine.base.EngineRegistry._engines", None, "engine/registry.py reads it"),
     Joint("verl", "verl.workers.config.model.MtpConfig.__dataclass_fields__.enable_train", None,
           "engine/megatron.py hands verl a copy of model_config.mtp with enable/enable_train off"),
+    Joint("verl", "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension._use_mtp_drafter_weight_sync",
+          ("self",), "rollout/worker/extension.py overrides and calls it"),
     Joint("verl", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._init_dataloader", ("self",),
           "compat/verl_entry.py runs the start-up check before it"),
+    Joint("verl", "verl.trainer.ppo.ray_trainer.RayPPOTrainer.__init__", ("self", "config"),
+          "compat/verl_entry.py runs the start-up check before it (legacy trainer, trainer.use_v1=false)"),
     Joint("megatron", "megatron.core.models.common.language_module.language_module.LanguageModule."
           "compute_language_model_loss", ("self", "labels", "logits"),
           "compat/megatron_loss.py replaces it per instance for soft_ce / tv"),
@@ -82,6 +86,28 @@ JOINTS = (
            "sampler_kwargs", "poll_interval"), "compat/verl_replay_buffer.py sets poll_interval"),
     Joint("verl", "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer._wait_for_next_poll",
           ("self", "partition_id", "last_debug_time"), "sleeps poll_interval (compat/verl_replay_buffer.py)"),
+    # vLLM internals the plugin's worker extension and drafter sync read or call (rollout/worker/)
+    Joint("vllm", "vllm.model_executor.model_loader.reload.initialize_layerwise_reload", ("model",),
+          "rollout/worker/drafter_sync.py reloads the drafter with it"),
+    Joint("vllm", "vllm.model_executor.model_loader.reload.finalize_layerwise_reload", None,
+          "rollout/worker/drafter_sync.py calls it (model, model_config) after the drafter's load_weights"),
+    Joint("vllm", "vllm.config.set_current_vllm_config", ("vllm_config",),
+          "rollout/worker/drafter_sync.py loads the drafter inside it"),
+    Joint("vllm", "vllm.model_executor.model_loader.utils.get_draft_load_config", ("vllm_config",),
+          "rollout/worker/extension.py reads the drafter's start-up load format with it"),
+    Joint("vllm", "vllm.distributed.get_tensor_model_parallel_rank", (),
+          "rollout/worker/extension.py names the failing worker's rank with it"),
+    *(Joint("vllm", f"vllm.{runner}.GPUModelRunner.get_draft_model", ("self",),
+            "rollout/worker/drafter_lookup.py finds the drafter with it")
+      for runner in ("v1.worker.gpu_model_runner", "v1.worker.gpu.model_runner")),
+    *(Joint("vllm", f"vllm.config.{cls}.__dataclass_fields__.{field}", None,
+            "rollout/worker/ reads it from the engine's vllm_config")
+      for cls, fields in (("VllmConfig", ("speculative_config", "load_config", "model_config", "parallel_config")),
+                          ("SpeculativeConfig", ("method",)), ("LoadConfig", ("load_format",)),
+                          ("ModelConfig", ("model", "quantization", "hf_config")),
+                          ("ParallelConfig", ("tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
+                                              "world_size")))
+      for field in fields),
 )
 
 

@@ -105,15 +105,16 @@ def hf_latent_moe(hf_config: Any) -> bool:
     return bool(value)
 
 
-def objective_errors(value: Any, mode: MTPMode | None, errors: list[str], *, check_mode: bool = True) -> MTPObjective:
+def objective_errors(value: Any, mode: MTPMode | None, errors: list[str], *, check_mode: bool = True,
+                     key: str = OBJECTIVE_CONFIG_KEY) -> MTPObjective:
     """The MTP objective (:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`), checked; appends each problem
-    to ``errors``. Unset: ``hard_ce``. Another value trains the MTP block and so needs mode online or joint:
+    to ``errors``, naming ``key`` (where it was set: the recipe's key or the driver's environment variable). Unset: ``hard_ce``. Another value trains the MTP block and so needs mode online or joint:
     an error at start-up (``check_mode``); an engine whose mode trains no MTP (verl's reference model, which
     shares the workers' environment) just gets ``hard_ce``."""
     if value is None or str(value).strip() == "":
         return MTPObjective.HARD_CE
     try:
-        objective = MTPObjective.parse(value, OBJECTIVE_CONFIG_KEY)
+        objective = MTPObjective.parse(value, key)
     except MTPConfigError as e:
         errors.append(str(e))
         return MTPObjective.HARD_CE
@@ -121,7 +122,7 @@ def objective_errors(value: Any, mode: MTPMode | None, errors: list[str], *, che
         if not check_mode:
             return MTPObjective.HARD_CE
         errors.append(
-            f"{OBJECTIVE_CONFIG_KEY}={objective} trains the MTP block, but mode '{mode}' never trains it; set it to hard_ce "
+            f"{key}={objective} trains the MTP block, but mode '{mode}' never trains it; set it to hard_ce "
             f"(or drop it) or {_MTP}.enable_train=true (online: detach_encoder=true)"
         )
     return objective
@@ -142,6 +143,7 @@ def engine_errors(
     virtual_pipeline_model_parallel_size: Any = None,
     objective: Any = None,
     check_objective_mode: bool = True,
+    objective_key: str = OBJECTIVE_CONFIG_KEY,
 ) -> EngineMTPSettings | None:
     """The engine-level checks on already-read settings; appends each problem to ``errors``.
 
@@ -188,7 +190,7 @@ def engine_errors(
 
     if mode is None:
         return None
-    objective = objective_errors(objective, mode, errors, check_mode=check_objective_mode)
+    objective = objective_errors(objective, mode, errors, check_mode=check_objective_mode, key=objective_key)
 
     hf_layers = hf_mtp_num_layers(hf_config) if hf_config is not None else None
     if mode is not MTPMode.OFF and hf_layers == 0:
@@ -277,6 +279,7 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         virtual_pipeline_model_parallel_size=get_key(engine_config, "virtual_pipeline_model_parallel_size"),
         objective=os.environ.get(OBJECTIVE_ENV),
         check_objective_mode=False,
+        objective_key=OBJECTIVE_ENV,  # this worker's environment (the recipe's env_vars key or the driver's, unknown here)
     )
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))

@@ -253,7 +253,11 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         from omegaconf import OmegaConf
 
         config = OmegaConf.create(dict(config))
-    errors: list[str] = []
+    # numbers and booleans first: the checks below read them as such (a string or a float where verl wants an int
+    # would otherwise escape from them, or from verl later, as a raw exception)
+    errors: list[str] = verl_config.value_errors(config)
+    if errors:
+        raise MTPConfigError("invalid verl config for verl_mtp_plugin:\n  - " + "\n  - ".join(errors))
 
     model_type = str(get_key(config, f"{_M}.model_type", "language_model") or "language_model")
     selected = model_type == MODEL_TYPE
@@ -291,6 +295,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     # --- model / engine checks (shared with the engine constructor) ------------------------------
     overrides = dict(to_plain(get_key(config, f"{_MEG}.override_transformer_config", {})) or {})
+    # where the objective was set: the recipe's ray runtime_env env_vars key, else the driver's environment
+    objective_setting = verl_config.env_setting(config, OBJECTIVE_ENV)
     settings = None
     if selected:
         settings = engine_errors(
@@ -305,7 +311,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             lora_rank=model_lora_rank(get_key(config, _M)),
             errors=errors,
             virtual_pipeline_model_parallel_size=get_key(config, f"{_MEG}.virtual_pipeline_model_parallel_size"),
-            objective=verl_config.env_setting(config, OBJECTIVE_ENV).value,
+            objective=objective_setting.value,
+            objective_key=objective_setting.key,
         )
         mode = settings.mode if settings is not None else None
     else:
@@ -451,7 +458,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     temperature = get_key(config, f"{_RO}.temperature", 1.0)
     if objective is not MTPObjective.HARD_CE and temperature is not None and float(temperature) <= 0:
         errors.append(
-            f"{OBJECTIVE_CONFIG_KEY}={objective} matches the policy's distribution at the rollout temperature, but "
+            f"{objective_setting.key}={objective} matches the policy's distribution at the rollout temperature, but "
             f"{_RO}.temperature={temperature} (greedy rollout has no distribution to match); use hard_ce or a "
             "temperature > 0"
         )

@@ -7,13 +7,14 @@ for verl's entry point, else to the working directory or the package, and a ship
 
 1. the plugin's start-up check (:func:`verl_mtp_plugin.trainer.config.startup_check`) runs first, in the
    driver, and stops with every problem listed by key (under verl's own entry point the same check runs in
-   the task runner before any worker: :mod:`verl_mtp_plugin.compat.verl_entry`);
+   the task runner before any worker: :mod:`verl_mtp_plugin.compat.verl_entry`); the config it passed is
+   marked, so the task runner's hook does not check it again;
 2. the task runner (verl's ``TaskRunnerV1`` Ray actor, through ``run_ppo``'s ``task_runner_class``
    argument, which verl keeps for recipes) registers the plugin's trainers in its own process
    before verl looks ``trainer.v1.trainer_mode`` up, so ``mtp_sync`` / ``mtp_colocate_async`` /
    ``mtp_separate_async`` resolve (:mod:`verl_mtp_plugin.trainer.v1`);
-3. the legacy trainer (``trainer.use_v1=false``) is refused: the rollout metrics and the desync guard
-   hook into the v1 trainers only.
+3. the legacy trainer (``trainer.use_v1=false``) is refused (after the start-up check, whose problems the
+   message lists first): the rollout metrics and the desync guard hook into the v1 trainers only.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import validate_config
 from verl.utils.device import auto_set_device
 
-from verl_mtp_plugin.compat.verl_entry import DRIVER_CHECKED_ENV
-from verl_mtp_plugin.config_keys import TRAINER_MODES
+from verl_mtp_plugin.compat.verl_entry import mark_checked
+from verl_mtp_plugin.config_keys import TRAINER_MODES, as_bool, get_key
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.trainer.config import startup_check
 
@@ -59,8 +60,7 @@ class MTPTaskRunner(TaskRunnerV1.__ray_actor_class__):
     """verl's ``TaskRunnerV1`` that registers the plugin's trainers in the actor process first."""
 
     def run(self, config):
-        # the driver (main) ran the start-up check: the verl-entry hook in this actor need not repeat it
-        os.environ[DRIVER_CHECKED_ENV] = "1"
+        # the driver (main) ran the start-up check and marked the config: the verl-entry hook skips it here
         register_plugin_trainers()
         return super().run(config)
 
@@ -96,14 +96,23 @@ def shared_weight_socket_warning(config, environ=None) -> str | None:
 
 
 def check(config) -> None:
-    """The plugin's start-up checks for this entry point (raises :class:`MTPConfigError`)."""
-    if not config.trainer.use_v1:
-        raise MTPConfigError(
-            "invalid verl config for verl_mtp_plugin:\n  - trainer.use_v1=false: python -m verl_mtp_plugin.main_ppo "
-            "runs verl's v1 trainers (rollout speculation metrics and the MTP desync guard hook into them); set "
-            "trainer.use_v1=true or run python -m verl.trainer.main_ppo without them"
-        )
-    settings = startup_check(config)
+    """The plugin's start-up checks for this entry point (raises :class:`MTPConfigError`): the start-up check every
+    entry point runs (:func:`startup_check`), then this entry's refusal of the legacy trainer (its line comes after
+    the start-up check's, so the other entry points' message for the same config is this one's first part)."""
+    legacy = (
+        "trainer.use_v1=false: python -m verl_mtp_plugin.main_ppo runs verl's v1 trainers (rollout speculation "
+        "metrics and the MTP desync guard hook into them); set trainer.use_v1=true or run python -m "
+        "verl.trainer.main_ppo without them"
+    )
+    use_v1 = as_bool(get_key(config, "trainer.use_v1", True))
+    try:
+        settings = startup_check(config)
+    except MTPConfigError as e:
+        if use_v1:
+            raise
+        raise MTPConfigError(f"{e}\n  - {legacy}") from None
+    if not use_v1:
+        raise MTPConfigError(f"invalid verl config for verl_mtp_plugin:\n  - {legacy}")
     hazard = shared_weight_socket_warning(config)
     if hazard:
         logger.warning("verl_mtp_plugin: %s", hazard)
@@ -126,6 +135,7 @@ def main(config):
     except MTPConfigError as e:
         print(f"verl_mtp_plugin: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    mark_checked(config)  # checked once: the task runner's verl-entry hook skips a marked config
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     run_ppo(config, task_runner_class=MTPTaskRunnerV1)
 
