@@ -23,10 +23,13 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
   trunk moving when the MTP loss does reach it). From the run's second weight update on the drafter sync
   is broken on purpose (``swap-eh@2``) with ``mtp_guard.action=fail``: step N+2's rollout runs on a
   wrongly wired drafter and the guard must stop the trainer.
-* ``frozen_resumed``: grpo_online continues the demo's frozen run for step N+1 (a resume in another MTP mode, with
-  ``actor.checkpoint.load_contents=[model,extra]``): the trunk continues from the checkpoint's (not from the base
-  checkpoint's, where the optimizer's fp32 masters were before the resume), the MTP block trains from the
-  checkpoint's with fresh optimizer state, and the drafter is loaded at every sync.
+* ``frozen_resumed``: grpo_online continues the demo's frozen run for steps N+1..N+3 (a resume in another MTP mode,
+  with ``actor.checkpoint.load_contents=[model,extra]``) in verl's colocated asynchronous trainer
+  (``trainer.v1.trainer_mode=mtp_colocate_async``: verl's ``fit()`` with its warm-up batch, partial rollouts and a
+  weight update at every step's end), a checkpoint every step, the drafter written after every update: the trunk
+  continues from the checkpoint's (not from the base checkpoint's, where the optimizer's fp32 masters were before
+  the resume), the MTP block trains from the checkpoint's with fresh optimizer state, every update loads exactly the
+  trained MTP block into the drafter, and vLLM's measured acceptance follows the trainer's estimate step by step.
 * ``joint``: grpo_joint with the zero-advantage reward and no KL loss: what moves the trunk is the MTP loss. Its
   actor and reference engines pack the batches (THD, ``use_remove_padding=true`` with verl's ``pad_to_length``
   bucket; the other runs use padded BSHD batches).
@@ -259,11 +262,12 @@ def _distance(a, b):
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_frozen_run_resumed_online_continues_from_the_checkpoints_weights(frozen, frozen_resumed, assets):
-    from trainer_runs import MODEL_ONLY
+    from trainer_runs import FROZEN_RESUMED_STEPS, MODEL_ONLY
 
     n = max(frozen.metrics)
+    steps = list(range(n + 1, n + FROZEN_RESUMED_STEPS + 1))
     assert MODEL_ONLY in frozen_resumed.cmd and "grpo_online" in frozen_resumed.cmd
-    assert sorted(frozen_resumed.metrics) == [n + 1] and sorted(frozen_resumed.checkpoints) == [n, n + 1]
+    assert sorted(frozen_resumed.metrics) == steps and sorted(frozen_resumed.checkpoints) == [n, *steps]
     _assert_same_names(frozen_resumed, assets)
     mtp0, trunk0 = _split(_loaded(assets))
     mtp_n, trunk_n = _split(_saved(frozen, n))
@@ -276,13 +280,85 @@ def test_frozen_run_resumed_online_continues_from_the_checkpoints_weights(frozen
         _distance(trunk_n1, trunk_n), _distance(trunk_n1, trunk0), _distance(trunk_n, trunk0))
     # online now: every MTP weight matrix trained, with optimizer state of its own (the checkpoint had none)
     assert set(_matrices(mtp_n)) <= set(_changed(mtp_n, mtp_n1))
-    m = frozen_resumed.metrics[n + 1]
-    assert m["actor/mtp_grad_norm"] > 0 and m["actor/mtp_losses/mtp_1_loss"] > 0
+    for step in steps:
+        m = frozen_resumed.metrics[step]
+        assert m["actor/mtp_grad_norm"] > 0 and m["actor/mtp_losses/mtp_1_loss"] > 0, step
     mtp_numel = sum(v.numel() for v in mtp0.values())
     assert _optimizer_numel(frozen_resumed, n + 1) - sum(v.numel() for v in trunk0.values()) >= mtp_numel
     loads = [s["sync/drafter_loaded"] for s in _syncs(frozen_resumed)]
-    assert len(loads) >= 2 and loads == [1.0] * len(loads), loads  # online: the drafter loaded at every sync
-    _assert_rollout_speculation(frozen_resumed)
+    assert loads == [1.0] * (len(steps) + 1), loads  # online: the drafter loaded at every sync
+
+
+#: vLLM's measured first-draft acceptance pooled over the async run's steps vs the trainer's estimate pooled the same
+#: way: |diff| within this plus 3 binomial standard errors (as in tests/test_main_ppo_tp2.py)
+TRACKING = 0.1
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_acceptance_follows(frozen, frozen_resumed):
+    """verl's colocated asynchronous trainer (``mtp_colocate_async``) resumed from the frozen run's checkpoint: verl
+    counts the steps and the rollouts' weight versions (staleness) as its async trainer does; every weight update
+    (the one after loading the checkpoint, then one at each step's end) loads into vLLM's drafter exactly the MTP
+    block of the trainer's checkpoint of that step, MTP tensors only; and vLLM's measured acceptance per step (its
+    rollouts under one weight version) tracks the trainer's estimate for that version, rising as the MTP block trains
+    (a stale drafter keeps the frozen checkpoint's acceptance)."""
+    import math
+
+    import torch
+
+    from trainer_runs import COLOCATE_ASYNC, FROZEN_RESUMED_STEPS
+    from verl_mtp_plugin.export.drafter import drafter_layout
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR
+    from verl_mtp_plugin.trainer.config import compose_recipe
+    from verl_mtp_plugin.verl_config import draft_estimate_metric
+
+    n = max(frozen.metrics)
+    steps = list(range(n + 1, n + FROZEN_RESUMED_STEPS + 1))
+    assert COLOCATE_ASYNC in frozen_resumed.cmd
+    metrics = [frozen_resumed.metrics[s] for s in steps]
+    # verl's step accounting: global steps continue from the checkpoint's; the async trainer's staleness metrics (0 in
+    # verl's sync trainer): step N+2 trains on the warm-up's rollouts, started under the checkpoint's weights
+    # (version N) while step N+1 trained, one version behind; no rollout is more than one version behind
+    assert [m["training/global_step"] for m in metrics] == steps
+    worst = [m["training/off_policy/trajectory_staleness_worst/max"] for m in metrics]
+    assert worst[1] == 1 and max(worst) == 1, worst
+    # the weight updates: 1 after loading the checkpoint, then one per step; each loads the drafter, MTP only
+    want = [{k: v for k, v in _saved(frozen, n).items() if k.startswith("mtp.")}]
+    want += [{k: v for k, v in _saved(frozen_resumed, s).items() if k.startswith("mtp.")} for s in steps]
+    syncs = [e for e in frozen_resumed.events if e["event"] == "sync"]
+    assert [e["update"] for e in syncs] == list(range(1, len(steps) + 2)), syncs
+    for e in syncs:
+        assert e["metrics"]["sync/drafter_loaded"] == 1.0 and e["break_sync"] == "none", e
+        assert e["metrics"]["sync/tensors_drafter"] == len(want[0]) and e["metrics"]["sync/tensors_target"] > 0, e
+    assert all(_changed(want[i], want[i + 1]) for i in range(len(steps)))  # each update carries new MTP weights
+    dump = frozen_resumed.workdir / f"{frozen_resumed.log_path.name.removesuffix('.log')}.drafter"
+    for update, mtp in enumerate(want, start=1):
+        d = torch.load(dump / f"rank0.update{update}.pt")
+        assert set(d["received"]) == set(mtp), update  # the MTP tensors vLLM received: the checkpoint's, no other
+        for k, v in mtp.items():
+            assert torch.equal(d["received"][k].float(), v), (update, k)
+        full = drafter_layout(mtp)
+        compared = [k for k in d["drafter"] if k in full]
+        assert compared, sorted(d["drafter"])
+        for k in compared:  # the drafter as loaded (read back through vLLM's CPU kernels)
+            assert torch.equal(d["drafter"][k].float(), full[k].float()), (update, k)
+    # generation: per step the rollouts of one weight version, measured by vLLM against the trainer's estimate for
+    # that version; the last step's drafts come after two trained updates
+    estimate = draft_estimate_metric(compose_recipe(str(CONFIG_DIR), "grpo_online"))
+    drafts = [m.get("rollout/spec_num_drafts", 0.0) for m in metrics]
+    assert drafts[0] > 0 and drafts[-1] > 0, drafts
+    assert metrics[-1]["rollout/spec_num_accepted_tokens"] > 0
+    total = sum(drafts)
+    measured = sum(m["rollout/spec_accept_rate_pos_0"] * d for m, d in zip(metrics, drafts) if d) / total
+    expected = sum(m[estimate] * d for m, d in zip(metrics, drafts) if d) / total
+    bound = TRACKING + 3 * math.sqrt(max(measured * (1 - measured), 1e-4) / total)
+    assert abs(measured - expected) <= bound, (measured, expected, bound, drafts)
+    first, last = metrics[0]["rollout/spec_accept_rate_pos_0"], metrics[-1]["rollout/spec_accept_rate_pos_0"]
+    assert last > first + 0.15, (first, last)  # the drafter followed the MTP training
+    # the guard judged every step that drafted (a step whose window held no generation has no rate: verl sampled
+    # rollouts already finished and aborted the rest at once) and found no desync
+    judged = [m["mtp_guard/desync"] for m, d in zip(metrics, drafts) if d]
+    assert judged == [0.0] * len(judged) and len(judged) >= 2, judged
 
 
 # --------------------------------------------------------------------------------------------------

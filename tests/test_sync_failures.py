@@ -206,20 +206,16 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     assert "conv1d.weight" in str(err) and "param_data.shape == loaded_weight.shape" in str(err), str(err)
 
 
-def _adapter_update(env, weights):
-    """verl's real ``ServerAdapter.update_weights`` (what ``CheckpointEngineWorker.update_weights`` calls for the
-    nccl / nixl / mooncake / kimi / hccl checkpoint engines, wire format ``named_tensors``) on this engine: its
-    ``_execute_method`` starts the worker RPC as verl's does (non-blocking), the rest is verl's code."""
+def _adapter(env, calls):
+    """The attributes verl's ``ServerAdapter.update_weights`` reads, for this engine: its ``_execute_method`` starts
+    the worker RPC as verl's does (non-blocking) and records the call."""
     import asyncio
     import threading
 
-    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
-
     from verl_mtp_plugin.compat.verl_weight_sender import install
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
 
     assert install()  # as in the trainer's workers (the plugin's registration with verl installs it)
-    calls = []
 
     async def execute_method(method, non_block=False, kwargs=None, **_):
         calls.append((method, dict(kwargs or {})))
@@ -237,11 +233,25 @@ def _adapter_update(env, weights):
         threading.Thread(target=run, daemon=True).start()
         return fut
 
-    adapter = SimpleNamespace(
+    return SimpleNamespace(
         _execute_method=execute_method, zmq_handle=env.eng.rpc("_get_zmq_handle"), use_shm=env.eng.use_shm,
         config=SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=16)),
         _has_server=False, replica_rank=0, rollout_rank=0,
     )
+
+
+def _adapter_update(env, weights):
+    """verl's real ``ServerAdapter.update_weights`` (what ``CheckpointEngineWorker.update_weights`` calls for the
+    nccl / nixl / mooncake / kimi / hccl checkpoint engines, wire format ``named_tensors``) on this engine: its
+    ``_execute_method`` starts the worker RPC as verl's does (non-blocking), the rest is verl's code."""
+    import asyncio
+
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+
+    calls = []
+    adapter = _adapter(env, calls)
     with _verl_platform(), cpu_conv_pack(env.eng.conv_pack):
         asyncio.run(ServerAdapter.update_weights(adapter, iter(weights), global_steps=3, wire_format="named_tensors"))
     env.eng.llm.reset_prefix_cache()
@@ -264,6 +274,85 @@ def test_verls_checkpoint_engine_path_reaches_the_extension_and_syncs_the_drafte
     after = env.eng.rpc("mtp_drafter_digests")
     want = hf_mtp_digests([(n, t) for n, t in changed if n.startswith("mtp.")])
     assert after != before and {k: after[k] for k in want} == want
+    _restores(env)
+
+
+def test_separate_async_receiver_worker_with_verls_bucketing_syncs_the_drafter(env):
+    """The rollout side of ``separate_async`` as verl runs it, up to the wire: verl's ``CheckpointEngineWorker
+    .update_weights`` (what ``CheckpointEngineManager.update_weights`` calls on every rollout worker) with a checkpoint
+    engine whose transport is a loopback of the nccl engine's own bucketing: ``split_weight_chunks`` on the sending
+    side, ``merge_weight_chunks`` on the receiving side (a bucket smaller than the largest tensor, so tensors arrive
+    in chunks and are merged), only the NCCL broadcast of the bucket bytes left out. Two updates with different MTP
+    blocks: after each the drafter holds exactly the sent MTP block (digests), loaded from MTP tensors only."""
+    import asyncio
+
+    from verl.checkpoint_engine.base import (
+        CheckpointEngine,
+        CheckpointEngineWorker,
+        merge_weight_chunks,
+        split_weight_chunks,
+    )
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
+
+    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+    from verl_mtp_plugin.export import hf_mtp_digests
+
+    stream = _stream(env)
+    largest = max(t.nbytes for _, t in stream)
+    bucket = largest // 3  # the largest tensor arrives in >= 3 chunks
+
+    class Loopback(CheckpointEngine):
+        """verl's nccl engine's bucketing, the broadcast replaced by handing the chunks over in-process."""
+
+        def __init__(self):
+            self.bucket_size, self.chunks = bucket, []
+
+        def prepare(self):
+            return {}
+
+        @classmethod
+        def build_topology(cls, *args, **kwargs):
+            return {}, {}
+
+        def init_process_group(self, **kwargs):
+            pass
+
+        def finalize(self):
+            self.chunks = []
+
+        async def send_weights(self, weights, global_steps=None):
+            async for meta, chunk in split_weight_chunks(weights, self.bucket_size):
+                self.chunks.append((meta, chunk.clone()))
+
+        async def receive_weights(self, global_steps=None):
+            async def chunks():
+                for c in self.chunks:
+                    yield c
+
+            async for name, weight in merge_weight_chunks(chunks(), self.bucket_size):
+                yield name, weight
+
+    calls = []
+    adapter_cls = type("Adapter", (SimpleNamespace,), {"update_weights": ServerAdapter.update_weights})
+    before = env.eng.rpc("mtp_drafter_digests")
+    for scale in (1.5, 0.5):
+        sent = [(n, t * scale if n.startswith("mtp.") else t) for n, t in stream]
+        engine = Loopback()
+        asyncio.run(engine.send_weights(iter(sent), global_steps=3))
+        assert len(engine.chunks) > len(sent)  # chunked: verl's merge runs on the receiving side
+        adapter = adapter_cls(**vars(_adapter(env, calls)))
+        worker = SimpleNamespace(checkpoint_engine=engine, server_adapter=adapter)
+        with _verl_platform(), cpu_conv_pack(env.eng.conv_pack):
+            asyncio.run(CheckpointEngineWorker.update_weights(worker, global_steps=3))
+        env.eng.llm.reset_prefix_cache()
+        metrics = env.eng.rpc("mtp_sync_metrics")
+        mtp = [(n, t) for n, t in sent if n.startswith("mtp.")]
+        assert metrics["sync/drafter_loaded"] == 1.0 and metrics["sync/tensors_drafter"] == len(mtp), metrics
+        after = env.eng.rpc("mtp_drafter_digests")
+        want = hf_mtp_digests(mtp)
+        assert after != before and {k: after[k] for k in want} == want, scale
+        before = after
+    assert calls and all(c == ("update_weights_from_ipc", {"use_shm": env.eng.use_shm}) for c in calls), calls
     _restores(env)
 
 

@@ -317,6 +317,39 @@ def test_rollout_metrics_reach_verls_metric_dict_and_exclude_validation(cluster)
         assert metrics["mtp_guard/desync"] == 0.0
 
 
+def test_colocate_async_step_counts_the_generation_of_one_weight_version(cluster):
+    """mtp_colocate_async: verl pauses generation when it samples the step's batch (``on_sample_end``: abort, sleep)
+    and resumes it after the step's weight update (``on_step_end``), before the step's metrics. A step counts what
+    the replicas generated up to its sample (under the weights the trainer's estimate of the step is for); what they
+    generate after the update, under the next weights, counts toward the next step."""
+    from types import SimpleNamespace
+
+    rng = random.Random(2)
+    trainer = _trainer(cluster, ["trainer.v1.trainer_mode=mtp_colocate_async",
+                                 "trainer.v1.colocate_async.num_warmup_batches=0"], min_drafts=1)
+    calls = []
+    # verl's on_sample_end drives the replicas through the checkpoint manager (no replicas here)
+    trainer.checkpoint_manager = SimpleNamespace(abort_replicas=lambda: calls.append("abort"),
+                                                 sleep_replicas=lambda: calls.append("sleep"))
+    trainer.curr_step_profile = False
+    trainer.on_train_begin()
+    carried = []  # generated after the previous step's weight update
+    for step, (p_before, p_after) in [(1, (0.8, 0.6)), (2, (0.6, 0.9)), (3, (0.9, 0.7))]:
+        metrics = {"actor/mtp_argmax_draft_accept_rate": 0.8}
+        trainer.on_step_begin()
+        before = cluster.rollout(rng, 200, p_before)  # the step's rollout, up to verl's sample
+        trainer.on_sample_end()
+        assert calls[-2:] == ["abort", "sleep"]  # verl's own on_sample_end ran after the window closed
+        batch = _put_rollouts(step)
+        after = cluster.rollout(rng, 120, p_after, engine=1)  # resumed after the weight update at the step's end
+        _finish_step(trainer, step, batch, metrics)
+        want = _vllm_numbers(carried + before)
+        assert metrics["rollout/spec_num_draft_tokens"] == want["drafted"], (step, metrics, want)
+        assert metrics["rollout/spec_num_accepted_tokens"] == want["accepted"], step
+        assert metrics["rollout/spec_accept_rate_pos_0"] == pytest.approx(want["per_pos"][0], abs=1e-3)
+        carried = after
+
+
 def test_verls_per_request_metrics_are_kept_and_counters_add_positions(cluster):
     from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
 

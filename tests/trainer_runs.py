@@ -15,7 +15,8 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
 * ``assets``: the demo's tiny checkpoint, tokenizer and data (built once; every run starts from them);
 * ``demo``: ``python -m verl_mtp_plugin demo --out DIR`` as a user runs it (grpo_online and grpo_frozen, 10 steps);
 * ``online_resumed`` / ``frozen_resumed``: verl's entry / the plugin's entry resume the demo's runs (the frozen one in
-  mode online, from the checkpoint's weights);
+  mode online, from the checkpoint's weights, for :data:`FROZEN_RESUMED_STEPS` steps of verl's colocated
+  asynchronous trainer, ``mtp_colocate_async``);
 * ``joint``, ``ppo_online``: the other recipes, 2 steps each (``joint`` with packed THD sequences);
 * ``assets_tp2``: the same checkpoint built with 2 Mamba groups (megatron splits them over TP ranks);
 * ``assets_moe``: the MoE checkpoint (a trunk MoE layer and the MTP block ``*E``, as Nemotron 3 Super's), 2 Mamba
@@ -183,14 +184,24 @@ def _online_resumed(root, deps):
 MODEL_ONLY = "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]"
 
 
+#: the frozen run resumed online runs verl's colocated asynchronous trainer (the plugin's mode)
+COLOCATE_ASYNC = "trainer.v1.trainer_mode=mtp_colocate_async"
+#: its steps: the first trains on rollouts of the checkpoint's weights, the later ones on rollouts of weights the run
+#: trained and synced (the async trainer's first two batches, the warm-up's and step 1's, both start under the
+#: checkpoint's weights)
+FROZEN_RESUMED_STEPS = 3
+
+
 def _frozen_resumed(root, deps):
-    """The demo's frozen run resumed in mode online (grpo_online) from its checkpoint's weights."""
+    """The demo's frozen run resumed in mode online (grpo_online) from its checkpoint's weights, in verl's colocated
+    asynchronous trainer (``mtp_colocate_async``), a checkpoint every step, the drafter written after each update."""
     from verl_mtp_plugin.demo import mode_overrides
 
     frozen = demo_result(deps["demo"], "frozen")
     recipe, extra = mode_overrides("online", seed=DEMO_SEED)
-    return _run(recipe, frozen.workdir, deps["assets"], steps=max(frozen.metrics) + 1, resume=True,
-                extra_overrides=[*extra, MODEL_ONLY], check=True)
+    return _run(recipe, frozen.workdir, deps["assets"], steps=max(frozen.metrics) + FROZEN_RESUMED_STEPS, resume=True,
+                drafter_dump=True, extra_overrides=[*extra, MODEL_ONLY, COLOCATE_ASYNC, "trainer.save_freq=1"],
+                check=True)
 
 
 def _joint(root, deps):

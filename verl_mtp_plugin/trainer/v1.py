@@ -14,6 +14,10 @@ to the hooks:
 ``mtp_separate_async``                     ``separate_async``      counted (rollouts overlap)
 =========================================  ======================  ==================================
 
+In ``mtp_colocate_async`` a step's counters end when verl samples the step's batch (verl pauses generation there
+until the step's weight update): a step counts the generation under one weight version, the one its trainer
+estimate is for; what is generated after the update counts toward the next step.
+
 Everything else is verl's: the class's ``trainer_mode`` attribute reads as the base mode, so verl's
 mode-dependent code (replay buffer kind, checkpoint layout, ``trainer.v1.<mode>.*`` settings) runs
 exactly as for the base trainer and reads the base mode's settings block; for verl code that reads
@@ -113,11 +117,15 @@ class MTPRolloutMetricsMixin:
     Class attributes:
         mtp_base_mode (str): the verl trainer mode this class behaves as.
         mtp_exclude_validation (bool): drop validation rollouts from the step's counters.
+        mtp_close_window_at_sample_end (bool): the step's counters end when verl samples the step's batch (verl
+            pauses generation there until the step's weight update): see
+            :meth:`~verl_mtp_plugin.rollout.monitor.spec_monitor.RolloutSpecMonitor.close_window`.
     """
 
     mtp_mode: str = ""
     mtp_base_mode: str = ""
     mtp_exclude_validation: bool = True
+    mtp_close_window_at_sample_end: bool = False
 
     # verl reads self.trainer_mode for its mode-dependent code; it must see the base mode.
     @property
@@ -183,6 +191,13 @@ class MTPRolloutMetricsMixin:
         self.mtp_monitor.raise_pending()
         super().on_step_begin()
 
+    def on_sample_end(self):
+        # before verl aborts the replicas' requests: what they generated after this point (from the weight update
+        # at the step's end on) runs under the next weight version and counts toward the next step
+        if self.mtp_close_window_at_sample_end:
+            self.mtp_monitor.close_window()
+        super().on_sample_end()
+
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         self.mtp_monitor.step_metrics(metrics, global_steps, raise_now=False)
@@ -204,6 +219,7 @@ class MTPPPOTrainerColocateAsync(MTPRolloutMetricsMixin, PPOTrainerColocateAsync
     mtp_mode = "mtp_colocate_async"
     mtp_base_mode = "colocate_async"
     mtp_exclude_validation = False
+    mtp_close_window_at_sample_end = True
 
 
 @register_trainer("mtp_separate_async")

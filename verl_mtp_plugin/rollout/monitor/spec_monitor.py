@@ -11,6 +11,11 @@ acceptance). A trainer calls it at four points of its loop; the verl v1 trainers
     on_validate_end    monitor.resume()             validation rollouts are not counted
     _compute_metrics   monitor.step_metrics(m, s)   adds rollout/spec_* and mtp_guard/* to verl's dict
 
+and ``mtp_colocate_async`` also ``on_sample_end -> monitor.close_window()``: there verl pauses generation when it
+samples the step's batch and resumes it after the step's weight update, before the step's metrics; closing the
+window at the sample makes a step count exactly the generation under one weight version (the one the trainer's
+estimate of that step is for), and what the replicas generate after the update counts toward the next step.
+
 ``pause``/``resume`` keep validation generations out of the training step's acceptance. Where
 training rollouts run during validation (verl's async trainers), set ``exclude_validation=False``:
 then everything the servers generated between two steps is counted.
@@ -83,6 +88,7 @@ class RolloutSpecMonitor:
         self._pending = SpecDecodeCounts()
         self._pending_reset = False
         self._paused = False
+        self._closed = False
         self.pending_error: MTPDesyncError | None = None
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -105,12 +111,22 @@ class RolloutSpecMonitor:
             return
         self._tracker.set_baseline(self._snapshot())
         self._pending, self._pending_reset, self._paused = SpecDecodeCounts(), False, False
+        self._closed = False
+
+    def close_window(self) -> None:
+        """End the step's window now: what was generated so far belongs to the step; what is generated from here
+        on counts toward the next step (for trainers that count validation, ``exclude_validation=False``)."""
+        if not self.speculation or self._paused:
+            return
+        self._accumulate()
+        self._closed = True
 
     def pause(self) -> None:
         """Close the training window (before validation generates)."""
         if not self.speculation or not self.exclude_validation or self._paused:
             return
-        self._accumulate()
+        if not self._closed:
+            self._accumulate()
         self._paused = True
 
     def resume(self) -> None:
@@ -134,8 +150,9 @@ class RolloutSpecMonitor:
         """
         if not self.speculation:
             return {}
-        if not self._paused:
+        if not self._paused and not self._closed:
             self._accumulate()
+        self._closed = False  # the tracker's baseline is where the window closed: the next window starts there
         counts, reset = self._pending, self._pending_reset
         self._pending, self._pending_reset = SpecDecodeCounts(), False
         if self._paused:  # step_metrics without resume(): the next window starts now
