@@ -40,8 +40,8 @@ that of the full-vocabulary loss with respect to its own shard.
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
 masks the result and attaches its gradient through ``MTPLossAutoScaler`` (``chained_tv``: depth ``d``'s
-value depends on the logits of depths ``1..d``, so its backward reaches the earlier depths too). :func:`mtp_objective_scope`
-shadows that method on the model instance for one forward and returns ``objective + (hard_ce -
+value depends on the logits of depths ``1..d``, so its backward reaches the earlier depths too).
+:func:`mtp_objective_scope` shadows that method on the model instance for one forward and returns ``objective + (hard_ce -
 objective).detach()``: the gradient is the objective's, the value megatron's tracker records stays the
 hard cross-entropy, so ``mtp_losses/mtp_{k}_loss`` keeps verl's meaning for every objective; the
 objective's own value is logged as ``mtp_objective/mtp_{k}_{objective}`` (:data:`OBJECTIVE_KEY`). The
@@ -54,6 +54,7 @@ the MTP gradient reaches is what megatron's own loss reaches (online: the MTP bl
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 
@@ -322,7 +323,7 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
             for _ in range(2 if d == 1 else 1):  # megatron: once for the derived labels, then once per depth
                 mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
             state["mask"] = mask
-        per_token = tv_per_token if chained else (lambda q, p, t_, group: objective_per_token(objective, q, p, t_, group=group))
+        per_token = tv_per_token if chained else partial(objective_per_token, objective)  # chained: 1 - alpha_d
         value = logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [s, b]
         if s > d:  # q at t, p at t+d (the same token t+1+d); the last d rows are masked by megatron
             value = torch.cat([per_token(logits[: s - d], target[d:], t, group=group), value[s - d:]], dim=0)
