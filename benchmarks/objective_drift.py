@@ -1,6 +1,7 @@
 """Which online MTP objective keeps vLLM's measured acceptance highest while RL moves the policy (CPU).
 
-The question: the plugin's online MTP block can train with ``VERL_MTP_OBJECTIVE = hard_ce | soft_ce | tv``
+The question: the plugin's online MTP block can train with ``VERL_MTP_OBJECTIVE = hard_ce | soft_ce | tv |
+chained_tv``
 (:mod:`verl_mtp_plugin.objective`), and vLLM can draft with ``speculative_config.draft_sample_method =
 greedy`` (default: a draft is accepted with ``p[argmax q]``) or ``probabilistic`` (accepted with the overlap
 ``sum_v min(p, q)``). Which objective keeps the rollout's acceptance highest under policy drift, under each
@@ -14,9 +15,9 @@ Method (one run = one seed; every arm sees the SAME policy trajectory):
    then 50 steps of the MTP block alone on the pure repeat rule). ``--check-assets DIR`` compares it with
    the ``model.safetensors`` of an assets directory that ``verl-mtp demo`` wrote (bit-for-bit, bf16).
 2. **RL (phase ``train``)**: GRPO towards the demo's reward (:func:`verl_mtp_plugin.cpu.reward.compute_score`:
-   count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Three copies
-   of the checkpoint step in lock-step, one per online objective; each is configured as the plugin's
-   online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
+   count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Copies
+   of the checkpoint step in lock-step, one per online objective (four since ``chained_tv``); each is
+   configured as the plugin's online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
    heads), with the recipes' MTP shape (the one block applied as 2 depths: ``mtp_use_repeated_layer``, as
    ``override_transformer_config: {mtp_num_layers: 2, mtp_use_repeated_layer: true}``). Each update: rollouts
    by batched autoregressive sampling (temperature 1) from the policy, verl's
@@ -36,7 +37,7 @@ Method (one run = one seed; every arm sees the SAME policy trajectory):
    every version and arm, one weight update through verl's path (:meth:`RolloutEngine.sync`, drafter checksum
    verified), then ``--measure-prompts x --measure-samples`` sequences of 8 tokens at temperature 1 on
    held-out prompts, and vLLM's counters of that call (the plugin's ``rollout/spec_accept_rate_pos_{0,1}``).
-   Arms: ``hard_ce``, ``soft_ce``, ``tv`` (online, drafter synced every version), ``frozen`` (the
+   Arms: ``hard_ce``, ``soft_ce``, ``tv``, ``chained_tv`` (online, drafter synced every version), ``frozen`` (the
    checkpoint's MTP block), ``stale`` (the ``hard_ce`` drafter of ``--stale-lag`` versions earlier: a drafter
    synced once and then left behind). vLLM's ``pos_1`` rate is unconditional (accepted at position 2 / drafts);
    ``pos_1 / pos_0`` is the position-2 rate given position 1 was accepted, what the depth-2 estimate predicts.
@@ -79,7 +80,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 T0 = time.time()
-OBJECTIVES = ("hard_ce", "soft_ce", "tv")
+OBJECTIVES = ("hard_ce", "soft_ce", "tv", "chained_tv")
 ARMS = OBJECTIVES + ("frozen", "stale")
 METHODS = ("greedy", "probabilistic")
 #: MTP loss factor of the online recipes (recipes/nemotron3_super_mtp/config/super_mtp_common.yaml)
@@ -670,7 +671,7 @@ def plot(summary, path) -> str | None:
         return None
     vs = summary["versions"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    colors = {"hard_ce": "C0", "soft_ce": "C1", "tv": "C2", "frozen": "C3", "stale": "C7"}
+    colors = {"hard_ce": "C0", "soft_ce": "C1", "tv": "C2", "chained_tv": "C4", "frozen": "C3", "stale": "C7"}
     for ax, method in zip(axes[:2], METHODS):
         ek = "d1_argmax" if method == "greedy" else "d1_overlap"
         for arm in ARMS:
