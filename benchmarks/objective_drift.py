@@ -527,6 +527,17 @@ def load_rows(path):
         return [json.loads(x) for x in f if x.strip()]
 
 
+def _cell(r: dict, source: str, method: str) -> dict:
+    """One (seed, version, arm) row as ranked: vLLM's counters, or the trainer's estimate of the same numbers
+    (greedy: argmax-draft acceptance, probabilistic: overlap; position 2 and the accepted tokens per verify
+    step at k = 2 from the depth-1 and depth-2 means: ``x2 ~ x1 * d2``, ``1 + x1 + x2``)."""
+    if source == "vllm":
+        return {k: r[k] for k in ("pos_0", "pos_1", "accept_length")}
+    kind = "argmax" if method == "greedy" else "overlap"
+    x1, x2 = r[f"d1_{kind}"], r[f"d1_{kind}"] * r[f"d2_{kind}"]
+    return {"pos_0": x1, "pos_1": x2, "accept_length": 1.0 + x1 + x2}
+
+
 def summarize(rows) -> dict:
     vl = [r for r in rows if r["type"] == "vllm"]
     measured = {r["seed"] for r in vl}
@@ -571,39 +582,41 @@ def summarize(rows) -> dict:
     half = (len(drifted) + 1) // 2
     windows = {"all": drifted, "early": drifted[:half], "late": drifted[half:]}
     out["windows"] = windows
-    for wname, wvs in windows.items():
-        for method in METHODS:
-            per_arm = {}
-            for arm in ARMS:
-                by_seed = {}
+    for source, rank_rows in (("vllm", vl), ("estimate", est)):
+        for wname, wvs in windows.items():
+            for method in METHODS:
+                per_arm = {}
+                for arm in ARMS:
+                    by_seed = {}
+                    for s in seeds:
+                        m = [_cell(r, source, method) for r in rank_rows if r["seed"] == s and r["arm"] == arm
+                             and r["version"] in wvs and (source == "estimate" or r["method"] == method)]
+                        if m and len(m) == len(wvs):
+                            by_seed[s] = {k: _mean([x[k] for x in m]) for k in ("pos_0", "pos_1", "accept_length")}
+                    if by_seed:
+                        per_arm[arm] = {"by_seed": by_seed,
+                                        **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
+                                        **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
+                                        **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
+                if not per_arm:
+                    continue
+                ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
+                for arm, a in per_arm.items():
+                    d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
+                    if d:
+                        a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
+                wins = {}
                 for s in seeds:
-                    m = [r for r in vl if r["seed"] == s and r["method"] == method and r["arm"] == arm and r["version"] in wvs]
-                    if m and len(m) == len(wvs):
-                        by_seed[s] = {"pos_0": _mean([r["pos_0"] for r in m]), "pos_1": _mean([r["pos_1"] for r in m]),
-                                      "accept_length": _mean([r["accept_length"] for r in m])}
-                if by_seed:
-                    per_arm[arm] = {"by_seed": by_seed,
-                                    **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
-                                    **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
-                                    **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
-            if not per_arm:
-                continue
-            ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
-            for arm, a in per_arm.items():
-                d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
-                if d:
-                    a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
-            wins = {}
-            for s in seeds:
-                cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
-                         if s in per_arm.get(a, {}).get("by_seed", {})]
-                if cands:
-                    best = max(cands)[1]
-                    wins[best] = wins.get(best, 0) + 1
-            out["mean_over_versions"].setdefault(wname, {})[method] = per_arm
-            out["ranking"].setdefault(wname, {})[method] = {
-                "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
-                "objective_wins_per_seed": wins}
+                    cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
+                             if s in per_arm.get(a, {}).get("by_seed", {})]
+                    if cands:
+                        best = max(cands)[1]
+                        wins[best] = wins.get(best, 0) + 1
+                suffix = "" if source == "vllm" else "_estimate"
+                out.setdefault("mean_over_versions" + suffix, {}).setdefault(wname, {})[method] = per_arm
+                out.setdefault("ranking" + suffix, {}).setdefault(wname, {})[method] = {
+                    "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
+                    "objective_wins_per_seed": wins}
     for method in METHODS:
         est_key = "d1_argmax" if method == "greedy" else "d1_overlap"
         pairs = [(r["pos_0"], e[est_key]) for r in vl if r["method"] == method
@@ -636,12 +649,21 @@ def markdown(summary) -> str:
                 m = c.get(method)
                 cells.append("–" if not m else f"{m['pos_0']:.3f} / {m['pos_1']:.3f} ({c[ek]:.3f})")
             lines.append(f"| {v} | {pol['heldout_reward']:.3f} | {pol['kl_to_start']:.3f} | " + " | ".join(cells) + " |")
-    lines.append("\n**Ranking**: vLLM's mean accepted tokens per verify step (k = 2; 1 = nothing accepted) over a window of "
-                 "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
-                 "objective with the highest value per seed\n")
+    for suffix, what in (("", "vLLM's mean accepted tokens per verify step"),
+                         ("_estimate", "the trainer's estimate of the accepted tokens per verify step (1 + x1 + x1 x d2, x = "
+                                       "argmax-draft acceptance for greedy, overlap for probabilistic; no vLLM)")):
+        if summary.get("mean_over_versions" + suffix):
+            lines += _ranking_table(summary, suffix, what)
+    return "\n".join(lines)
+
+
+def _ranking_table(summary, suffix, what) -> list[str]:
+    lines = [f"\n**Ranking**: {what} (k = 2; 1 = nothing accepted) over a window of "
+             "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
+             "objective with the highest value per seed\n"]
     lines.append("| window | method | " + " | ".join(ARMS) + " | best objective per seed |")
     lines.append("|---|---|" + "---|" * len(ARMS) + "---|")
-    for wname, by_method in summary.get("mean_over_versions", {}).items():
+    for wname, by_method in summary["mean_over_versions" + suffix].items():
         wv = summary["windows"][wname]
         for method, per_arm in by_method.items():
             cells = []
@@ -655,10 +677,10 @@ def markdown(summary) -> str:
                     d = a["vs_hard_ce"]
                     c += f"; {d['mean']:+.3f} [{d['min']:+.3f}, {d['max']:+.3f}]"
                 cells.append(c)
-            wins = summary["ranking"][wname][method]["objective_wins_per_seed"]
+            wins = summary["ranking" + suffix][wname][method]["objective_wins_per_seed"]
             lines.append(f"| {wname} (v{wv[0]}–{wv[-1]}) | {method} | " + " | ".join(cells) + " | "
                          + ", ".join(f"{k} {n}" for k, n in sorted(wins.items(), key=lambda x: -x[1])) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(summary, path) -> str | None:
