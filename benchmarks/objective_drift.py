@@ -1,6 +1,7 @@
 """Which online MTP objective keeps vLLM's measured acceptance highest while RL moves the policy (CPU).
 
-The question: the plugin's online MTP block can train with ``VERL_MTP_OBJECTIVE = hard_ce | soft_ce | tv``
+The question: the plugin's online MTP block can train with ``VERL_MTP_OBJECTIVE = hard_ce | soft_ce | tv |
+chained_tv``
 (:mod:`verl_mtp_plugin.objective`), and vLLM can draft with ``speculative_config.draft_sample_method =
 greedy`` (default: a draft is accepted with ``p[argmax q]``) or ``probabilistic`` (accepted with the overlap
 ``sum_v min(p, q)``). Which objective keeps the rollout's acceptance highest under policy drift, under each
@@ -14,9 +15,9 @@ Method (one run = one seed; every arm sees the SAME policy trajectory):
    then 50 steps of the MTP block alone on the pure repeat rule). ``--check-assets DIR`` compares it with
    the ``model.safetensors`` of an assets directory that ``verl-mtp demo`` wrote (bit-for-bit, bf16).
 2. **RL (phase ``train``)**: GRPO towards the demo's reward (:func:`verl_mtp_plugin.cpu.reward.compute_score`:
-   count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Three copies
-   of the checkpoint step in lock-step, one per online objective; each is configured as the plugin's
-   online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
+   count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Copies
+   of the checkpoint step in lock-step, one per online objective (four since ``chained_tv``); each is
+   configured as the plugin's online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
    heads), with the recipes' MTP shape (the one block applied as 2 depths: ``mtp_use_repeated_layer``, as
    ``override_transformer_config: {mtp_num_layers: 2, mtp_use_repeated_layer: true}``). Each update: rollouts
    by batched autoregressive sampling (temperature 1) from the policy, verl's
@@ -36,7 +37,7 @@ Method (one run = one seed; every arm sees the SAME policy trajectory):
    every version and arm, one weight update through verl's path (:meth:`RolloutEngine.sync`, drafter checksum
    verified), then ``--measure-prompts x --measure-samples`` sequences of 8 tokens at temperature 1 on
    held-out prompts, and vLLM's counters of that call (the plugin's ``rollout/spec_accept_rate_pos_{0,1}``).
-   Arms: ``hard_ce``, ``soft_ce``, ``tv`` (online, drafter synced every version), ``frozen`` (the
+   Arms: ``hard_ce``, ``soft_ce``, ``tv``, ``chained_tv`` (online, drafter synced every version), ``frozen`` (the
    checkpoint's MTP block), ``stale`` (the ``hard_ce`` drafter of ``--stale-lag`` versions earlier: a drafter
    synced once and then left behind). vLLM's ``pos_1`` rate is unconditional (accepted at position 2 / drafts);
    ``pos_1 / pos_0`` is the position-2 rate given position 1 was accepted, what the depth-2 estimate predicts.
@@ -79,7 +80,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 T0 = time.time()
-OBJECTIVES = ("hard_ce", "soft_ce", "tv")
+OBJECTIVES = ("hard_ce", "soft_ce", "tv", "chained_tv")
 ARMS = OBJECTIVES + ("frozen", "stale")
 METHODS = ("greedy", "probabilistic")
 #: MTP loss factor of the online recipes (recipes/nemotron3_super_mtp/config/super_mtp_common.yaml)
@@ -526,6 +527,17 @@ def load_rows(path):
         return [json.loads(x) for x in f if x.strip()]
 
 
+def _cell(r: dict, source: str, method: str) -> dict:
+    """One (seed, version, arm) row as ranked: vLLM's counters, or the trainer's estimate of the same numbers
+    (greedy: argmax-draft acceptance, probabilistic: overlap; position 2 and the accepted tokens per verify
+    step at k = 2 from the depth-1 and depth-2 means: ``x2 ~ x1 * d2``, ``1 + x1 + x2``)."""
+    if source == "vllm":
+        return {k: r[k] for k in ("pos_0", "pos_1", "accept_length")}
+    kind = "argmax" if method == "greedy" else "overlap"
+    x1, x2 = r[f"d1_{kind}"], r[f"d1_{kind}"] * r[f"d2_{kind}"]
+    return {"pos_0": x1, "pos_1": x2, "accept_length": 1.0 + x1 + x2}
+
+
 def summarize(rows) -> dict:
     vl = [r for r in rows if r["type"] == "vllm"]
     measured = {r["seed"] for r in vl}
@@ -570,39 +582,41 @@ def summarize(rows) -> dict:
     half = (len(drifted) + 1) // 2
     windows = {"all": drifted, "early": drifted[:half], "late": drifted[half:]}
     out["windows"] = windows
-    for wname, wvs in windows.items():
-        for method in METHODS:
-            per_arm = {}
-            for arm in ARMS:
-                by_seed = {}
+    for source, rank_rows in (("vllm", vl), ("estimate", est)):
+        for wname, wvs in windows.items():
+            for method in METHODS:
+                per_arm = {}
+                for arm in ARMS:
+                    by_seed = {}
+                    for s in seeds:
+                        m = [_cell(r, source, method) for r in rank_rows if r["seed"] == s and r["arm"] == arm
+                             and r["version"] in wvs and (source == "estimate" or r["method"] == method)]
+                        if m and len(m) == len(wvs):
+                            by_seed[s] = {k: _mean([x[k] for x in m]) for k in ("pos_0", "pos_1", "accept_length")}
+                    if by_seed:
+                        per_arm[arm] = {"by_seed": by_seed,
+                                        **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
+                                        **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
+                                        **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
+                if not per_arm:
+                    continue
+                ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
+                for arm, a in per_arm.items():
+                    d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
+                    if d:
+                        a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
+                wins = {}
                 for s in seeds:
-                    m = [r for r in vl if r["seed"] == s and r["method"] == method and r["arm"] == arm and r["version"] in wvs]
-                    if m and len(m) == len(wvs):
-                        by_seed[s] = {"pos_0": _mean([r["pos_0"] for r in m]), "pos_1": _mean([r["pos_1"] for r in m]),
-                                      "accept_length": _mean([r["accept_length"] for r in m])}
-                if by_seed:
-                    per_arm[arm] = {"by_seed": by_seed,
-                                    **{k: _mean([x[k] for x in by_seed.values()]) for k in ("pos_0", "pos_1", "accept_length")},
-                                    **{f"{k}_min": min(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")},
-                                    **{f"{k}_max": max(x[k] for x in by_seed.values()) for k in ("pos_0", "accept_length")}}
-            if not per_arm:
-                continue
-            ref = per_arm.get(OBJECTIVES[0], {}).get("by_seed", {})
-            for arm, a in per_arm.items():
-                d = [a["by_seed"][s]["accept_length"] - ref[s]["accept_length"] for s in a["by_seed"] if s in ref]
-                if d:
-                    a["vs_hard_ce"] = {"mean": _mean(d), "min": min(d), "max": max(d), "seeds": len(d)}
-            wins = {}
-            for s in seeds:
-                cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
-                         if s in per_arm.get(a, {}).get("by_seed", {})]
-                if cands:
-                    best = max(cands)[1]
-                    wins[best] = wins.get(best, 0) + 1
-            out["mean_over_versions"].setdefault(wname, {})[method] = per_arm
-            out["ranking"].setdefault(wname, {})[method] = {
-                "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
-                "objective_wins_per_seed": wins}
+                    cands = [(per_arm[a]["by_seed"][s]["accept_length"], a) for a in OBJECTIVES
+                             if s in per_arm.get(a, {}).get("by_seed", {})]
+                    if cands:
+                        best = max(cands)[1]
+                        wins[best] = wins.get(best, 0) + 1
+                suffix = "" if source == "vllm" else "_estimate"
+                out.setdefault("mean_over_versions" + suffix, {}).setdefault(wname, {})[method] = per_arm
+                out.setdefault("ranking" + suffix, {}).setdefault(wname, {})[method] = {
+                    "by_mean_accept_length": sorted(per_arm, key=lambda x: -per_arm[x]["accept_length"]),
+                    "objective_wins_per_seed": wins}
     for method in METHODS:
         est_key = "d1_argmax" if method == "greedy" else "d1_overlap"
         pairs = [(r["pos_0"], e[est_key]) for r in vl if r["method"] == method
@@ -635,12 +649,21 @@ def markdown(summary) -> str:
                 m = c.get(method)
                 cells.append("–" if not m else f"{m['pos_0']:.3f} / {m['pos_1']:.3f} ({c[ek]:.3f})")
             lines.append(f"| {v} | {pol['heldout_reward']:.3f} | {pol['kl_to_start']:.3f} | " + " | ".join(cells) + " |")
-    lines.append("\n**Ranking**: vLLM's mean accepted tokens per verify step (k = 2; 1 = nothing accepted) over a window of "
-                 "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
-                 "objective with the highest value per seed\n")
+    for suffix, what in (("", "vLLM's mean accepted tokens per verify step"),
+                         ("_estimate", "the trainer's estimate of the accepted tokens per verify step (1 + x1 + x1 x d2, x = "
+                                       "argmax-draft acceptance for greedy, overlap for probabilistic; no vLLM)")):
+        if summary.get("mean_over_versions" + suffix):
+            lines += _ranking_table(summary, suffix, what)
+    return "\n".join(lines)
+
+
+def _ranking_table(summary, suffix, what) -> list[str]:
+    lines = [f"\n**Ranking**: {what} (k = 2; 1 = nothing accepted) over a window of "
+             "versions, mean over seeds [range over seeds]; paired difference to hard_ce per seed (mean [range]); "
+             "objective with the highest value per seed\n"]
     lines.append("| window | method | " + " | ".join(ARMS) + " | best objective per seed |")
     lines.append("|---|---|" + "---|" * len(ARMS) + "---|")
-    for wname, by_method in summary.get("mean_over_versions", {}).items():
+    for wname, by_method in summary["mean_over_versions" + suffix].items():
         wv = summary["windows"][wname]
         for method, per_arm in by_method.items():
             cells = []
@@ -654,10 +677,10 @@ def markdown(summary) -> str:
                     d = a["vs_hard_ce"]
                     c += f"; {d['mean']:+.3f} [{d['min']:+.3f}, {d['max']:+.3f}]"
                 cells.append(c)
-            wins = summary["ranking"][wname][method]["objective_wins_per_seed"]
+            wins = summary["ranking" + suffix][wname][method]["objective_wins_per_seed"]
             lines.append(f"| {wname} (v{wv[0]}–{wv[-1]}) | {method} | " + " | ".join(cells) + " | "
                          + ", ".join(f"{k} {n}" for k, n in sorted(wins.items(), key=lambda x: -x[1])) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(summary, path) -> str | None:
@@ -670,7 +693,7 @@ def plot(summary, path) -> str | None:
         return None
     vs = summary["versions"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    colors = {"hard_ce": "C0", "soft_ce": "C1", "tv": "C2", "frozen": "C3", "stale": "C7"}
+    colors = {"hard_ce": "C0", "soft_ce": "C1", "tv": "C2", "chained_tv": "C4", "frozen": "C3", "stale": "C7"}
     for ax, method in zip(axes[:2], METHODS):
         ek = "d1_argmax" if method == "greedy" else "d1_overlap"
         for arm in ARMS:

@@ -12,6 +12,7 @@ import torch
 
 from verl_mtp_plugin.objective import (
     OBJECTIVE_KEY,
+    chained_tv_per_token,
     collect_objective_metrics,
     mtp_objective_scope,
     objective_per_token,
@@ -74,8 +75,48 @@ def test_edge_cases_and_target_is_detached():
         tv_per_token(q, q, 0.0)
     with pytest.raises(ValueError, match="same shape"):
         soft_ce_per_token(q, q[:, :4])
-    with pytest.raises(MTPConfigError, match="VERL_MTP_OBJECTIVE='kl'; allowed: hard_ce, soft_ce, tv"):
+    with pytest.raises(MTPConfigError, match="VERL_MTP_OBJECTIVE='kl'; allowed: hard_ce, soft_ce, tv, chained_tv"):
         objective_per_token("kl", q, q)
+
+
+def _chained_reference(q, p, t, counted):
+    """chained_tv written out: alpha_i = sum_v min(p_i, q_i); depth d = 1 - prod_{i<=d, counted} alpha_i."""
+    alphas = [torch.minimum(torch.softmax(qi / t, -1), torch.softmax(pi / t, -1)).sum(-1) for qi, pi in zip(q, p)]
+    values = []
+    for d in range(len(q)):
+        prod = torch.ones_like(alphas[0])
+        for i in range(d + 1):
+            prod = prod * torch.where(counted[i], alphas[i], torch.ones_like(alphas[i]))
+        values.append(1.0 - prod)
+    return torch.stack(values)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chained_tv_values_and_gradients_match_the_formula(temperature):
+    """chained_tv: value and gradient (every depth's logits) equal autograd of the written-out product; the
+    last depth's term reaches the first depth's logits (the chain), never an uncounted depth's."""
+    g = torch.Generator().manual_seed(4)
+    q = [(torch.randn(5, 3, 17, generator=g) * 2).requires_grad_() for _ in range(3)]
+    p = [torch.randn(5, 3, 17, generator=g) * 2 for _ in range(3)]
+    counted = [torch.rand(5, 3, generator=g) > 0.25 for _ in range(3)]
+    w = torch.randn(3, 5, 3, generator=g)
+    got = chained_tv_per_token(q, p, temperature, counted=counted)
+    (got * w).sum().backward()
+    q_ref = [x.detach().clone().requires_grad_() for x in q]
+    want = _chained_reference(q_ref, p, temperature, counted)
+    (want * w).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(q, q_ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    assert bool((got[1:] >= got[:-1] - 1e-7).all())  # a longer chain is accepted less often
+    torch.testing.assert_close(got[0], torch.where(counted[0], tv_per_token(q[0], p[0], temperature), 0.0))
+    # the last depth's term alone: a gradient for depth 1 where it is counted, none where it is not
+    q1 = [x.detach().clone().requires_grad_() for x in q]
+    chained_tv_per_token(q1, p, temperature, counted=counted)[2].sum().backward()
+    row = q1[0].grad.abs().sum(-1)
+    assert bool((row[counted[0] & counted[2]] > 0).all()) and float(row[~counted[0]].sum()) == 0.0
+    with pytest.raises(ValueError, match="chained_tv_per_token"):
+        objective_per_token("chained_tv", q[0], p[0])
 
 
 _TP2_SCRIPT = textwrap.dedent(
@@ -88,7 +129,7 @@ _TP2_SCRIPT = textwrap.dedent(
     def work(rank, init_method):
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", VERL_MTP_TEST_INIT_METHOD=init_method)
         from verl_mtp_plugin.objective import objective_per_token, mtp_objective_scope, collect_objective_metrics
-        from verl_mtp_plugin.objective import reset_objective_metrics
+        from verl_mtp_plugin.objective import chained_tv_per_token, reset_objective_metrics
 
         # 1. the functions: vocabulary shards (TP=2) against the whole vocabulary (TP=1), values and gradients
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
@@ -109,6 +150,20 @@ _TP2_SCRIPT = textwrap.dedent(
                 (got * w).sum().backward()
                 assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
                 assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
+        # chained_tv: two depths, the product of the all-reduced overlaps; gradients reach both depths' shards
+        q2 = torch.randn(2, 7, 10, generator=g) * 3
+        p2 = torch.randn(2, 7, 10, generator=g) * 3
+        counted = [torch.rand(2, 7, generator=g) > 0.2 for _ in range(2)]
+        w2 = torch.randn(2, 2, 7, generator=g)
+        full = [q.clone().requires_grad_(), q2.clone().requires_grad_()]
+        ref = chained_tv_per_token(full, [p, p2], 0.7, counted=counted)
+        (ref * w2).sum().backward()
+        shard = [q[..., sl].clone().requires_grad_(), q2[..., sl].clone().requires_grad_()]
+        got = chained_tv_per_token(shard, [p[..., sl], p2[..., sl]], 0.7, counted=counted, group=dist.group.WORLD)
+        (got * w2).sum().backward()
+        assert torch.allclose(got, ref, atol=1e-6), (got, ref)
+        for a, b in zip(shard, full):
+            assert torch.allclose(a.grad, b.grad[..., sl], atol=1e-7)
         dist.destroy_process_group()
 
         # 2. the tiny HybridModel at TP=2: the objective of the forward equals the TP=1 formula on the
@@ -143,6 +198,36 @@ _TP2_SCRIPT = textwrap.dedent(
             both = [None, None]
             dist.all_gather_object(both, got)
             assert both[0] == both[1], both  # every TP rank computes the same value
+
+        # 3. chained_tv on the recipes' MTP shape (one block applied as 2 depths) at TP=2: each depth's value
+        #    equals the TP=1 chain on the gathered logits (depth d at t against the main head at t+d)
+        reset_mtp_globals()
+        model = build_tiny_hybrid(pattern="*-/*-/*-", mtp_use_repeated_layer=True, mtp_detach_heads=True,
+                                  config_overrides=dict(tensor_model_parallel_size=2))
+        reset_objective_metrics()
+        with AcceptanceProbe(model) as probe, mtp_objective_scope(model, "chained_tv", temperature=0.8, loss_mask=mask):
+            out = hybrid_forward(model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                 run_mtp_forward=True, loss_mask=mask)
+            qs = [gather_from_tensor_model_parallel_region(probe.mtp_logits(d), group=model.tp_group) for d in (1, 2)]
+        (out * 0).sum().backward()
+        got = collect_objective_metrics("chained_tv")
+        main = gather_from_tensor_model_parallel_region(out.detach(), group=model.tp_group)
+        s = main.shape[1]
+        ms = []
+        for d in (1, 2):
+            m = torch.zeros_like(mask); m[:, : s - 1 - d] = mask[:, 1 + d:]
+            ms.append(m[:, : s - 2].bool())
+        per = chained_tv_per_token([qs[0][:, : s - 2], qs[1][:, : s - 2]], [main[:, 1: s - 1], main[:, 2:]], 0.8,
+                                   counted=ms)
+        for d in (1, 2):
+            want = float((per[d - 1] * ms[d - 1]).sum() / ms[d - 1].sum())
+            value = got[f"mtp_objective/mtp_{d}_chained_tv"]
+            assert abs(value - want) < 1e-5, (d, value, want)
+            both = [None, None]
+            dist.all_gather_object(both, value)
+            assert both[0] == both[1], both
+        grads = [p.grad for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None]
+        assert grads and all(torch.isfinite(x).all() for x in grads)
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -234,7 +319,63 @@ def test_depth_d_targets_the_main_head_for_the_same_token(batch, objective, repe
 
 
 @pytest.mark.usefixtures("megatron_env")
-@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+@pytest.mark.parametrize("repeated", [False, True], ids=["two_mtp_layers", "repeated_mtp_block"])
+def test_chained_tv_on_the_model_equals_the_reference_value_and_gradient(batch, repeated):
+    """chained_tv through megatron's MTP loss: per depth, the logged value is the masked mean of 1 - prod_{i<=d}
+    alpha_i (depth i at t against the main head at t+i; a depth megatron does not count at t, here the prompt's
+    last tokens, enters as 1); the MTP block's gradient is autograd's of megatron's weighting of that reference
+    (factor / D x the per-depth masked means) on the MTP logits of the same forward."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    from verl_mtp_plugin.compat.megatron_loss import replace_language_model_loss
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.testing import build_tiny_hybrid, reset_mtp_globals
+
+    torch.manual_seed(1)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=repeated, mtp_detach_heads=True)
+    t, mask = 0.7, batch["response_mask"]
+    grads = _mtp_only_grads(model, batch, "chained_tv", t)
+    got = collect_objective_metrics("chained_tv")
+
+    # the reference: the same forward, megatron's MTP loss replaced by one that keeps each depth's logits
+    reset_mtp_globals()
+    model.zero_grad(set_to_none=True)
+    kept = []
+
+    def keep(labels, logits):
+        kept.append(logits.transpose(0, 1))  # [b, s, V], in the graph
+        return torch.zeros(labels.shape, dtype=torch.float32)
+
+    with replace_language_model_loss(model, keep):
+        main = hybrid_forward(model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                              run_mtp_forward=True, loss_mask=mask).detach()
+    assert len(kept) == 2
+    q, p, counted = [], [], []
+    n = S - 2  # the chain's positions t: depth d's rows past S-1-d are never counted
+    for d in (1, 2):
+        q.append(kept[d - 1][:, :n])
+        p.append(main[:, d : d + n])
+        m = torch.zeros_like(mask)
+        m[:, : S - 1 - d] = mask[:, 1 + d :]  # token t+1+d is a response token
+        counted.append(m[:, :n].bool())
+    assert bool((counted[1] & ~counted[0]).any())  # the prompt's end: depth 2 counted, depth 1 not
+    want = _chained_reference(q, p, t, counted)  # [2, b, n]
+    means = [(want[d] * counted[d]).sum() / counted[d].sum() for d in (0, 1)]
+    for d in (1, 2):
+        assert got[f"mtp_objective/mtp_{d}_chained_tv"] == pytest.approx(float(means[d - 1]), rel=1e-5, abs=1e-6)
+    assert got["mtp_objective/mtp_2_chained_tv"] > got["mtp_objective/mtp_1_chained_tv"] > 0
+    scale = model.config.mtp_loss_scaling_factor / 2 * float(MTPLossAutoScaler.main_loss_backward_scale)
+    (scale * sum(means)).backward()
+    names = [n for n, x in model.named_parameters() if n.startswith("mtp.") and x.grad is not None]
+    assert "mtp.layers.0.eh_proj.weight" in names
+    for n in names:
+        torch.testing.assert_close(grads[n], model.get_parameter(n).grad, rtol=1e-4, atol=1e-7, msg=n)
+    tv = _mtp_only_grads(model, batch, "tv", t)  # the chain is not the depths on their own
+    assert not torch.allclose(grads["mtp.layers.0.eh_proj.weight"], tv["mtp.layers.0.eh_proj.weight"], rtol=1e-3)
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv", "chained_tv"])
 def test_online_every_objective_leaves_trunk_embedding_and_output_layer_untouched(batch, objective):
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
@@ -253,7 +394,7 @@ def test_online_every_objective_leaves_trunk_embedding_and_output_layer_untouche
 
 
 @pytest.mark.usefixtures("megatron_env")
-@pytest.mark.parametrize("objective", ["soft_ce", "tv"])
+@pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])
 def test_joint_objective_reaches_the_trunk_and_output_layer(batch, objective):
     """The same check fails where it should: joint (no mtp_detach_heads) sends the objective's gradient into
     the trunk and output layer (through q; the policy's target stays detached)."""

@@ -6,7 +6,7 @@ with ``postprocess_thd_engine`` and adds Mamba's per-sample index ``seq_idx`` (`
 
 The reference is every sample alone, unpacked (BSHD, batch 1). A packed batch must give, within fp32 tolerance:
 every real token's logits, the MTP loss (megatron's hard cross-entropy and top-1, and the ``soft_ce`` / ``tv``
-objectives), the in-trainer acceptance estimate, the trunk's gradients (sum over samples) and the MTP block's
+objectives; ``chained_tv`` over two depths), the in-trainer acceptance estimate, the trunk's gradients (sum over samples) and the MTP block's
 gradients (megatron normalises the MTP loss by the counted positions of the whole micro-batch: the per-sample
 gradients weighted by their share of those positions). Without ``seq_idx`` Mamba carries state from one packed
 sample into the next and the logits differ (checked, so the comparison can fail).
@@ -60,22 +60,22 @@ def _nested(rows):
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
-def _model(seed=5):
+def _model(seed=5, pattern="M*-E/*E", **kwargs):
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     torch.manual_seed(seed)
-    model = build_tiny_hybrid(pattern="M*-E/*E", mtp_detach_heads=True)  # online: MTP loss isolated from the trunk
+    model = build_tiny_hybrid(pattern=pattern, mtp_detach_heads=True, **kwargs)  # online: MTP loss isolated from the trunk
     assert any(type(m).__name__ == "MambaMixer" for m in model.modules())
     return model
 
 
-def _run(model, ids, masks, *, data_format, objective, bucket=None):
+def _run(model, ids, masks, *, data_format, objective, bucket=None, depths=1):
     """One micro-batch through the engine's forward + backward of (main next-token CE summed over real tokens,
     megatron's MTP loss). Returns logits, MTP metrics, acceptance estimate, gradients."""
     from verl_mtp_plugin.engine.megatron import hybrid_forward_micro_batch
     from verl_mtp_plugin.testing import reset_mtp_globals
 
-    reset_mtp_globals(num_depths=1)
+    reset_mtp_globals(num_depths=depths)
     reset_objective_metrics()
     model.zero_grad(set_to_none=True)
     acceptance: dict = {}
@@ -142,6 +142,33 @@ def test_packed_batch_equals_each_sample_alone(megatron_env, objective):
     for k in mtp:
         want = sum(float(wi) * a[3][k] for wi, a in zip(w, alone))
         torch.testing.assert_close(grads[k], want, rtol=RTOL, atol=ATOL, msg=k)
+
+
+def test_packed_chained_tv_over_two_depths_equals_each_sample_alone(megatron_env):
+    """chained_tv on the recipes' MTP shape (one block applied as 2 depths) under THD packing: per depth, the
+    value is the samples' own values weighted by their counted positions at that depth (the product of a
+    position near a sample's end never takes a factor from the next packed sample; sample 0's masked tool
+    output enters as 1), and logits and every gradient equal the same samples padded into one BSHD batch."""
+    model = _model(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True)
+    ids, masks = _batch()
+    run = partial(_run, model, objective="chained_tv", depths=2)
+    packed = run(ids, masks, data_format="thd", bucket=BUCKET)
+    padded = run(ids, masks, data_format="bshd")
+    alone = [run([i], [m], data_format="bshd") for i, m in zip(ids, masks)]
+    for d in (1, 2):
+        key = OBJECTIVE_KEY.format(k=d, objective="chained_tv")
+        n = torch.tensor([float(m[1 + d:].sum()) for m in masks])  # depth d counts t when token t+1+d is a response token
+        want = sum(float(ni / n.sum()) * a[1][key] for ni, a in zip(n, alone))
+        assert packed[1][key] == pytest.approx(want, rel=RTOL, abs=ATOL), key
+        assert packed[1][key] == pytest.approx(padded[1][key], rel=RTOL, abs=ATOL), key
+    assert packed[1][OBJECTIVE_KEY.format(k=2, objective="chained_tv")] > packed[1][OBJECTIVE_KEY.format(k=1, objective="chained_tv")] > 0
+    for got, want in zip(packed[0], padded[0]):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    mtp = [k for k in packed[3] if k.startswith("mtp.") and "expert_bias" not in k]
+    assert mtp and all(float(packed[3][k].abs().sum()) > 0 for k in mtp)
+    assert set(packed[3]) == set(padded[3])
+    for k in packed[3]:
+        torch.testing.assert_close(packed[3][k], padded[3][k], rtol=RTOL, atol=ATOL, msg=k)
 
 
 def test_packed_batch_without_mamba_seq_idx_leaks_state(megatron_env, monkeypatch):

@@ -514,7 +514,7 @@ _OBJ = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_OBJECTIVE"
 _DRAFT = "actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config__draft_sample_method"
 
 
-@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv", "chained_tv"])
 def test_objective_is_read_from_the_recipe_and_resolved(verl_base, hf_dirs, objective, monkeypatch):
     monkeypatch.delenv("VERL_MTP_OBJECTIVE", raising=False)
     assert validate_verl_config(make(verl_base, hf_dirs)).objective == "hard_ce"  # unset: megatron's own loss
@@ -525,13 +525,18 @@ def test_objective_is_read_from_the_recipe_and_resolved(verl_base, hf_dirs, obje
 def test_objective_errors_name_the_key(verl_base, hf_dirs):
     key = "ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE"
     msg = errors_of(make(verl_base, hf_dirs, **{_OBJ: "kl"}))
-    assert f"{key}='kl'; allowed: hard_ce, soft_ce, tv" in msg
+    assert f"{key}='kl'; allowed: hard_ce, soft_ce, tv, chained_tv" in msg
+    assert f"{key}='chained-tv'; allowed:" in errors_of(make(verl_base, hf_dirs, **{_OBJ: "chained-tv"}))
     frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "tv"})
     assert f"{key}=tv trains the MTP block, but mode 'frozen' never trains it" in errors_of(frozen)
     validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "hard_ce"}))
     greedy = make(verl_base, hf_dirs, actor_rollout_ref__rollout__temperature=0.0, **{_OBJ: "soft_ce"})
     assert f"{key}=soft_ce matches the policy's distribution at the rollout temperature" in errors_of(greedy)
     assert "actor_rollout_ref.rollout.temperature=0.0" in errors_of(greedy)
+    greedy = make(verl_base, hf_dirs, actor_rollout_ref__rollout__temperature=0.0, **{_OBJ: "chained_tv"})
+    assert f"{key}=chained_tv matches the policy's distribution at the rollout temperature" in errors_of(greedy)
+    frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{_OBJ: "chained_tv"})
+    assert f"{key}=chained_tv trains the MTP block, but mode 'frozen' never trains it" in errors_of(frozen)
 
 
 def test_engine_reads_the_objective_from_its_environment(hf_dirs, monkeypatch):

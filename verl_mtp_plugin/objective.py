@@ -1,6 +1,7 @@
 """The MTP block's training objective in online and joint modes.
 
-Chosen in the recipe with ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE: hard_ce | soft_ce | tv``
+Chosen in the recipe with ``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE: hard_ce | soft_ce | tv |
+chained_tv``
 (:data:`~verl_mtp_plugin.config_keys.OBJECTIVE_CONFIG_KEY`; checked at start-up, read by the plugin engine in every
 worker; why not under ``actor_rollout_ref.model.mtp``: see :data:`~verl_mtp_plugin.config_keys.OBJECTIVE_ENV`).
 
@@ -21,16 +22,26 @@ Objectives, per counted position:
   drafter that matches the policy), not the cross-entropy (which adds the policy's entropy).
 * ``tv``: ``1 - sum_v min(p_v, q_v)``, one minus the acceptance probability of probabilistic drafting
   (:func:`verl_mtp_plugin.acceptance.speculative_overlap`); ``dL/dz_mtp_w = (q_w / T) (S - [q_w < p_w])``
-  with ``S = sum_v q_v [q_v < p_v]``.
+  with ``S = sum_v q_v [q_v < p_v]``. Each depth on its own.
+* ``chained_tv`` (end-to-end TV): the chain vLLM's accepted length rewards, where the ``d``-th draft counts only
+  if the earlier ones were accepted. With ``alpha_i = sum_v min(p_i, q_i)`` the acceptance at depth ``i`` (same
+  position ``t``), depth ``d``'s term is ``1 - prod_{i<=d} alpha_i`` (one minus the probability that the first
+  ``d`` drafts are all accepted), counted where megatron counts depth ``d``; megatron's mean over the depths
+  makes the loss ``1 - (1/D) sum_d E[prod_{i<=d} alpha_i]``, i.e. ``1 - E[accepted drafts] / D``. The gradient
+  reaches every depth ``i <= d`` through the product (:func:`chained_tv_per_token`). A depth whose target
+  token megatron does not count at ``t`` (a prompt token, a masked tool output) is not drafted by the rollout:
+  it enters the product as 1 (accepted). A counted depth ``d`` at ``t`` has token ``t+1+d`` in ``t``'s own
+  sequence (megatron's roll within each packed sequence), so the product never chains across sequences.
 
-Both are exact under tensor parallelism: the softmaxes and the sums over the vocabulary are reduced over
+All are exact under tensor parallelism: the softmaxes and the sums over the vocabulary are reduced over
 the tensor-parallel group (vocabulary shards, megatron's contiguous split), and each rank's gradient is
 that of the full-vocabulary loss with respect to its own shard.
 
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
-masks the result and attaches its gradient through ``MTPLossAutoScaler``. :func:`mtp_objective_scope`
-shadows that method on the model instance for one forward and returns ``objective + (hard_ce -
+masks the result and attaches its gradient through ``MTPLossAutoScaler`` (``chained_tv``: depth ``d``'s
+value depends on the logits of depths ``1..d``, so its backward reaches the earlier depths too).
+:func:`mtp_objective_scope` shadows that method on the model instance for one forward and returns ``objective + (hard_ce -
 objective).detach()``: the gradient is the objective's, the value megatron's tracker records stays the
 hard cross-entropy, so ``mtp_losses/mtp_{k}_loss`` keeps verl's meaning for every objective; the
 objective's own value is logged as ``mtp_objective/mtp_{k}_{objective}`` (:data:`OBJECTIVE_KEY`). The
@@ -43,6 +54,7 @@ the MTP gradient reaches is what megatron's own loss reaches (online: the MTP bl
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 
@@ -57,6 +69,7 @@ __all__ = [
     "mtp_objective_scope",
     "objective_per_token",
     "reset_objective_metrics",
+    "chained_tv_per_token",
     "soft_ce_per_token",
     "tv_per_token",
 ]
@@ -116,7 +129,8 @@ def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -
         )
     t = check_temperature(temperature)
     if t == 0.0:
-        raise ValueError(f"{OBJECTIVE_CONFIG_KEY} soft_ce / tv need a rollout temperature > 0 (got 0: greedy rollout)")
+        raise ValueError(f"{OBJECTIVE_CONFIG_KEY} soft_ce / tv / chained_tv need a rollout temperature > 0 (got 0: "
+                         "greedy rollout)")
     return t
 
 
@@ -145,12 +159,50 @@ def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: fl
     return _TV.apply(q_logits, p_logits.detach(), _check(q_logits, p_logits, temperature), group)
 
 
+def _chain_step(chain: torch.Tensor | None, alpha: torch.Tensor, counted: torch.Tensor | None):
+    """One depth of the chain: ``alpha`` (acceptance at this depth) enters the product where ``counted``, else 1.
+    Returns ``(1 - product, product)``."""
+    factor = alpha if counted is None else torch.where(counted.bool(), alpha, torch.ones_like(alpha))
+    chain = factor if chain is None else chain * factor
+    return 1.0 - chain, chain
+
+
+def chained_tv_per_token(q_logits, p_logits, temperature: float = 1.0, *, counted=None, group=None) -> torch.Tensor:
+    """``chained_tv`` per row and depth: depth ``d``'s value ``1 - prod_{i<=d} alpha_i`` with ``alpha_i =
+    sum_v min(p_i, q_i)``, differentiable in every depth's ``q_logits`` (the product's gradient reaches every
+    earlier depth); the ``p`` are detached targets.
+
+    Args:
+        q_logits (Sequence[Tensor]): per depth ``d = 1..D``, ``[..., V]`` (or the vocab shard ``[..., V/tp]``) MTP
+            logits at the chain's positions (depth ``d`` at position ``t``, aligned with the other depths).
+        p_logits (Sequence[Tensor]): per depth, the same shape: the policy's logits for the same tokens.
+        temperature (float): ``T > 0`` for every distribution.
+        counted (Sequence[Tensor] | None): per depth, ``[...]`` whether megatron counts depth ``d`` there; an
+            uncounted depth enters the product as 1 (None: every depth counts).
+        group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
+
+    Returns:
+        Tensor: ``[D, ...]`` float32 in ``[0, 1]``, non-decreasing in ``d``.
+    """
+    if len(q_logits) != len(p_logits) or not len(q_logits) or (counted is not None and len(counted) != len(q_logits)):
+        raise ValueError("chained_tv needs one q, one p (and one counted mask) per depth, at least one depth")
+    chain, values = None, []
+    for d, (q, p) in enumerate(zip(q_logits, p_logits)):
+        value, chain = _chain_step(chain, 1.0 - tv_per_token(q, p, temperature, group=group),
+                                   None if counted is None else counted[d])
+        values.append(value)
+    return torch.stack(values)
+
+
 _PER_TOKEN = {MTPObjective.SOFT_CE: soft_ce_per_token, MTPObjective.TV: tv_per_token}
 
 
 def objective_per_token(objective, q_logits, p_logits, temperature: float = 1.0, *, group=None) -> torch.Tensor:
-    """The ``soft_ce`` or ``tv`` objective per row (``hard_ce`` is megatron's own and has no target)."""
+    """The ``soft_ce`` or ``tv`` objective per row (``hard_ce`` is megatron's own and has no target;
+    ``chained_tv`` spans the depths: :func:`chained_tv_per_token`)."""
     objective = MTPObjective.parse(objective, OBJECTIVE_CONFIG_KEY)
+    if objective is MTPObjective.CHAINED_TV:
+        raise ValueError("chained_tv couples the depths: use chained_tv_per_token (one q and p per depth)")
     if objective not in _PER_TOKEN:
         raise ValueError(f"{objective} is megatron's own loss: it has no per-token target form here")
     return _PER_TOKEN[objective](q_logits, p_logits, temperature, group=group)
@@ -213,10 +265,11 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
 
     Args:
         model: a HybridModel (possibly DDP/Float16Module-wrapped) about to run one forward with its MTP block.
-        objective (MTPObjective | str): ``hard_ce``, ``soft_ce`` or ``tv``.
+        objective (MTPObjective | str): ``hard_ce``, ``soft_ce``, ``tv`` or ``chained_tv``.
         temperature (float): the rollout temperature ``T > 0`` (both distributions).
         loss_mask (Tensor | None): the token-coordinate MTP loss mask the forward receives (``[b, s]``;
-            ``[1, T]`` packed); used only to log the objective's masked mean per depth.
+            ``[1, T]`` packed; None: every token, as megatron); used to log the objective's masked mean per depth
+            and, for ``chained_tv``, to know which depths megatron counts at each position.
         packed_seq_params (PackedSeqParams | None): the forward's THD packing (megatron rolls the mask within
             each packed sequence; so does the logged mean).
 
@@ -247,6 +300,7 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         state["main"] = output.detach().chunk(1 + num_depths, dim=0)[0]
         state["depth"] = 0
         state["mask"] = loss_mask
+        state["chain"] = None
 
     def objective_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         # labels [b, s] (token t+1+d at t); logits [s, b, V/tp] of depth d = number of calls so far
@@ -258,23 +312,29 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         target = state["target"]
         if target.shape != logits.shape:
             raise RuntimeError(f"MTP logits {tuple(logits.shape)} vs main logits {tuple(target.shape)}: gathered "
-                               "(runtime_gather_output) MTP logits are not supported by soft_ce / tv")
+                               "(runtime_gather_output) MTP logits are not supported by soft_ce / tv / chained_tv")
         s = logits.shape[0]
         group = tp_group if group_size(tp_group) > 1 else None
+        chained = objective is MTPObjective.CHAINED_TV
+        mask = state["mask"]
+        if mask is None and chained:  # megatron's default: every token
+            mask = torch.ones_like(labels)
+        if mask is not None:  # depth d's counted positions [b, s], exactly as megatron rolls them
+            for _ in range(2 if d == 1 else 1):  # megatron: once for the derived labels, then once per depth
+                mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+            state["mask"] = mask
+        per_token = tv_per_token if chained else partial(objective_per_token, objective)  # chained: 1 - alpha_d
         value = logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [s, b]
         if s > d:  # q at t, p at t+d (the same token t+1+d); the last d rows are masked by megatron
-            value = torch.cat([objective_per_token(objective, logits[: s - d], target[d:], t, group=group),
-                               value[s - d:]], dim=0)
+            value = torch.cat([per_token(logits[: s - d], target[d:], t, group=group), value[s - d:]], dim=0)
         value = value.transpose(0, 1)  # [b, s]
+        if chained:  # value was 1 - alpha_d; the chain's term at this depth (alpha_d enters where megatron counts d)
+            value, state["chain"] = _chain_step(state["chain"], 1.0 - value, mask)
         # after the objective: megatron's vocab-parallel cross-entropy rewrites fp32 logits in place
         # (exp(x - max)); what megatron reads from them afterwards (the top-1 count) is argmax-invariant
         with torch.no_grad():
             ce = hard_ce(labels, logits)  # [b, s]
-        if inner.training and state["mask"] is not None:
-            mask = state["mask"]
-            for _ in range(2 if d == 1 else 1):  # megatron: once for the derived labels, then once per depth
-                mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
-            state["mask"] = mask
+        if inner.training and loss_mask is not None:
             n = mask.sum()
             _track(d, num_depths, (value.detach() * mask).sum() * (n > 0) / n.clamp(min=1))
         return value + (ce.to(value.dtype) - value).detach()

@@ -85,6 +85,7 @@ class MTPObjective(_StrEnum):
     HARD_CE = "hard_ce"  # Megatron's own cross-entropy on the sampled token (default)
     SOFT_CE = "soft_ce"  # forward KL to the policy's detached distribution at the rollout temperature
     TV = "tv"  # 1 - sum min(p, q): one minus the acceptance of probabilistic drafting
+    CHAINED_TV = "chained_tv"  # 1 - prod_{i<=d} sum min(p_i, q_i): the chain of drafts vLLM accepts (end-to-end TV)
 
 
 _N, _Y = False, True

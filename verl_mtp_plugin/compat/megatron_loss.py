@@ -1,8 +1,8 @@
 """Replace Megatron's ``compute_language_model_loss`` on one model instance for the duration of a block.
 
 ``HybridModel`` (megatron-core 0.19.x, through ``LanguageModule``) computes each MTP depth's loss by calling
-``self.compute_language_model_loss(labels, logits)`` inside its forward (``process_mtp_loss``); the soft_ce / tv
-objectives (:mod:`verl_mtp_plugin.objective`) swap in their own loss there. The replacement is an instance
+``self.compute_language_model_loss(labels, logits)`` inside its forward (``process_mtp_loss``); the soft_ce / tv /
+chained_tv objectives (:mod:`verl_mtp_plugin.objective`) swap in their own loss there. The replacement is an instance
 attribute that shadows the class method; it is removed on exit, exception or not. The probed name is in
 :data:`verl_mtp_plugin.compat.probes.JOINTS`.
 """

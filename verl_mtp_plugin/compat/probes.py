@@ -63,7 +63,7 @@ JOINTS = (
           "compat/verl_entry.py runs the start-up check before it (legacy trainer, trainer.use_v1=false)"),
     Joint("megatron", "megatron.core.models.common.language_module.language_module.LanguageModule."
           "compute_language_model_loss", ("self", "labels", "logits"),
-          "compat/megatron_loss.py replaces it per instance for soft_ce / tv"),
+          "compat/megatron_loss.py replaces it per instance for soft_ce / tv / chained_tv"),
     Joint("verl", "verl.workers.engine.megatron.transformer_impl.MegatronEngine.save_checkpoint",
           ("self", "local_path", "hdfs_path", "global_step", "max_ckpt_to_keep"),
           "engine/megatron.py overrides it (records the MTP mode in the checkpoint)"),

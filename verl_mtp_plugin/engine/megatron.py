@@ -230,8 +230,8 @@ def hybrid_forward_micro_batch(
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
             (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`, at most 128 response positions under
             no_grad) of this micro-batch is written into it.
-        acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv``
-            objective) assumes.
+        acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
+            ``chained_tv`` objective) assumes.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
 
     Returns:
