@@ -36,6 +36,7 @@ CORE = (
     "verl_mtp_plugin.compat.verl_entry",
     "verl_mtp_plugin.compat.checkpoint_resume",
     "verl_mtp_plugin.compat.verl_weight_sender",
+    "verl_mtp_plugin.compat.verl_replay_buffer",
     "verl_mtp_plugin.verl_config",
     "verl_mtp_plugin.export",
     "verl_mtp_plugin.export.names",
