@@ -14,6 +14,7 @@ import pytest
 from verl_mtp_plugin.rollout.monitor.desync_guard import (
     ARGMAX_DRAFT_METRIC,
     DEFAULT_DRAFT_COST,
+    DEFAULT_VERIFY_COST,
     EXPECTED_METRIC,
     GUARD_CONFIG_PATH,
     MTPDesyncError,
@@ -24,9 +25,11 @@ from verl_mtp_plugin.rollout.monitor.desync_guard import (
     MTPSlowSpeculationWarning,
     MTPSpecStatsMissingWarning,
     breakeven_accept_length,
+    engine_batch_size,
     expected_all_position_rate,
     guard_from_verl_config,
     speedup_from_accept_length,
+    verify_step_cost,
 )
 from verl_mtp_plugin.policy import MTPConfigError
 from verl_mtp_plugin.rollout.monitor.spec_metrics import (
@@ -95,7 +98,9 @@ def test_healthy_run_does_not_warn():
     assert rec == []
     assert all(o["mtp_guard/desync"] == 0.0 for o in outs)
     assert outs[-1]["mtp_guard/accept_ratio"] == pytest.approx(0.72 / 0.75)  # greedy drafting: argmax estimate
-    assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx((1 + 0.72 + 0.55) / (1 + 2 * DEFAULT_DRAFT_COST))
+    # no batch known: the measured 64-sequence row, greedy drafting, c_2 = 1.325
+    assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx((1 + 0.72 + 0.55) / 1.325)
+    assert outs[-1]["mtp_guard/verify_cost"] == pytest.approx(1.325)
 
 
 def test_ratio_rule_fires_after_patience_and_names_causes(caplog):
@@ -289,30 +294,96 @@ def test_without_positions_the_estimate_is_mapped_to_all_positions():
 def test_slow_speculation_warns_with_the_arithmetic_and_never_raises():
     from verl_mtp_plugin.acceptance import expected_accept_length, expected_speedup
 
-    # the formula is acceptance.expected_speedup with the measured accepted length in place of E
+    # the draft_cost form is acceptance.expected_speedup with the measured accepted length in place of E
     assert speedup_from_accept_length(expected_accept_length(0.6, 3), 3, 0.05) == pytest.approx(
         expected_speedup(0.6, 3, 0.05)
     )
     pos = [0.05, 0.02, 0.01]  # L = 1.08 with k = 3
-    c = DEFAULT_DRAFT_COST
-    s = speedup_from_accept_length(1.08, 3, c)
-    assert s < 1.0 < breakeven_accept_length(3, c)
+    c3, c1 = 1.457, 1.184  # measured greedy c_k at 64 sequences (the default, no batch known)
+    s = 1.08 / c3
     guard = MTPDesyncGuard({"action": "fail"}, num_speculative_tokens=3)
     outs, rec = run(guard, [step(pos, expected=0.06, argmax=0.05)] * 3)  # synced but weak head
     slow = of(rec, MTPSlowSpeculationWarning)
     assert of(rec, MTPDesyncWarning) == [] and len(slow) == 1
     msg = str(slow[0].message)
-    assert f"L / (1 + k*c) = 1.080 / (1 + 3*{c}) = {s:.3f} < 1.0" in msg
-    assert f"break-even L = 1 + k*c = {1 + 3 * c:.3f}" in msg
-    k1 = speedup_from_accept_length(1.05, 1, c)
-    assert f"k=0: 1.000, k=1: {k1:.3f}" in msg and "best k = 0" in msg
+    assert f"c_k = {c3:.3f} plain decode steps at 64 sequences (batch not known)" in msg
+    assert f"speedup ~= L / c_k = 1.080 / {c3:.3f} = {s:.3f} < 1.0; break-even L = c_k = {c3:.3f}" in msg
+    assert "measured H200 30B-A3B table, greedy drafting" in msg and f"{GUARD_CONFIG_PATH}.verify_cost" in msg
+    assert f"k=0: 1.000, k=1: {1.05 / c1:.3f}" in msg and "best k = 0" in msg
     assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx(s)
+    assert outs[-1]["mtp_guard/breakeven_accept_length"] == pytest.approx(c3)
 
 
 def test_fast_speculation_does_not_warn_slow():
     guard = MTPDesyncGuard(num_speculative_tokens=3)
-    _, rec = run(guard, [step([0.3, 0.1, 0.05], expected=0.35)] * 6)  # L = 1.45 > 1 + 3c
+    _, rec = run(guard, [step([0.4, 0.2, 0.1], expected=0.45)] * 6)  # L = 1.7 > c_3 = 1.457
     assert rec == []
+
+
+def test_est_speedup_uses_the_measured_verify_cost_by_batch_and_method():
+    """speedup = L / c_k(batch): k=2, L=2.2 at 256 sequences is 2.2 / 1.639 (measured), not 2.2 / (1 + 2 * 0.064)."""
+    m = step([0.7, 0.5], argmax=0.75)  # L = 2.2
+
+    def est(**kw):
+        return MTPDesyncGuard(num_speculative_tokens=2, **kw).observe(m)
+
+    out = est(batch_size=256)
+    assert out["mtp_guard/est_speedup"] == pytest.approx(2.2 / 1.639)
+    assert out["mtp_guard/breakeven_accept_length"] == pytest.approx(1.639)
+    assert est()["mtp_guard/est_speedup"] == pytest.approx(2.2 / 1.325)  # batch unknown: the 64 row
+    assert est(batch_size=16)["mtp_guard/est_speedup"] == pytest.approx(2.2 / 1.325)  # below the table: 64 row
+    assert est(batch_size=1024)["mtp_guard/est_speedup"] == pytest.approx(2.2 / 1.639)  # above: 256 row
+    assert est(batch_size=160)["mtp_guard/verify_cost"] == pytest.approx((1.325 + 1.639) / 2)  # linear in batch
+    assert est(batch_size=256, draft_sample_method="probabilistic")["mtp_guard/verify_cost"] == pytest.approx(1.662)
+    assert DEFAULT_VERIFY_COST["greedy"] == ((64, (1.184, 1.325, 1.457)), (256, (1.284, 1.639, 2.543)))
+    assert DEFAULT_VERIFY_COST["probabilistic"] == ((64, (1.183, 1.346, 1.467)), (256, (1.290, 1.662, 2.566)))
+
+
+def test_verify_step_cost_in_k():
+    table = ((64, (1.2, 1.3, 1.5)),)
+    assert verify_step_cost(table, 0) == 1.0
+    assert verify_step_cost(table, 0.5) == pytest.approx(1.1)  # from c_0 = 1
+    assert verify_step_cost(table, 1.8) == pytest.approx(1.2 + 0.8 * 0.1)  # a scheduled step's mean k
+    assert verify_step_cost(table, 5) == pytest.approx(1.5 + 2 * 0.2)  # past the table: its last step
+    assert verify_step_cost(table, 2, batch=4096) == pytest.approx(1.3)  # one row: every batch
+
+
+def test_verify_cost_override_and_draft_cost_compatibility():
+    m = step([0.7, 0.5], argmax=0.75)  # L = 2.2
+    flat = MTPDesyncGuard({"verify_cost": [1.1, 1.25]}, num_speculative_tokens=2, batch_size=256)
+    assert flat.observe(m)["mtp_guard/est_speedup"] == pytest.approx(2.2 / 1.25)
+    rows = {"verify_cost": [[32, [1.1, 1.2]], [128, [1.3, 1.6]]]}
+    assert MTPDesyncGuard(rows, num_speculative_tokens=2, batch_size=64).observe(m)[
+        "mtp_guard/verify_cost"] == pytest.approx(1.2 + (64 - 32) / 96 * 0.4)
+    # draft_cost set: c_k = 1 + k * draft_cost at every batch (the earlier formula)
+    legacy = MTPDesyncGuard({"draft_cost": 0.1}, num_speculative_tokens=2, batch_size=256)
+    assert legacy.observe(m)["mtp_guard/est_speedup"] == pytest.approx(speedup_from_accept_length(2.2, 2, 0.1))
+    assert legacy.verify_cost(3) == pytest.approx(breakeven_accept_length(3, 0.1))
+    with pytest.raises(MTPConfigError) as exc:
+        MTPGuardConfig.from_dict({"draft_cost": 0.1, "verify_cost": [1.2]})
+    assert f"{GUARD_CONFIG_PATH}.draft_cost and {GUARD_CONFIG_PATH}.verify_cost are both set" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "raw, where, why",
+    [
+        ([0.9, 1.2], "verify_cost", "c_k < 1"),
+        ([1.3, 1.2], "verify_cost", "decrease with k"),
+        (["fast"], "verify_cost", "finite numbers"),
+        ([True, 1.2], "verify_cost", "finite numbers"),
+        ([], "verify_cost=[]", "must be a list"),
+        ({"1": 1.2}, "verify_cost=", "must be a list"),
+        ([1.2, [64, [1.3]]], "verify_cost=", "not a mix"),
+        ([[64, 1.2]], "verify_cost[0]", "a row is [batch"),
+        ([[64, [1.2]], [32, [1.3]]], "verify_cost[1]", "larger than the previous row's"),
+        ([[64, [1.2, 1.3]], [256, [1.3]]], "verify_cost[1]", "one per k"),
+        ([[64.5, [1.2]]], "verify_cost[0]", "must be an integer"),
+    ],
+)
+def test_verify_cost_is_validated_naming_the_key(raw, where, why):
+    with pytest.raises(MTPConfigError) as exc:
+        MTPGuardConfig.from_dict({"verify_cost": raw})
+    assert f"{GUARD_CONFIG_PATH}.{where}" in str(exc.value) and why in str(exc.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,4 +553,41 @@ def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base, c
     cfg = copy.deepcopy(verl_base)
     cfg.verl_mtp_plugin.mtp_guard.threshold = 0
     with pytest.raises(MTPConfigError, match=f"{GUARD_CONFIG_PATH}.threshold=0"):
+        guard_from_verl_config(cfg)
+
+
+def test_batch_per_engine_and_verify_cost_from_the_real_verl_config(verl_base):
+    """The guard reads c_k at the rollout's batch per vLLM engine; a verify_cost table from Hydra's command line."""
+    from omegaconf import open_dict
+
+    from verl_mtp_plugin.trainer.config import compose_ppo_trainer
+
+    cfg = copy.deepcopy(verl_base)
+    cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n = 64, 8
+    cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes = 8, 1
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
+    cfg.actor_rollout_ref.rollout.max_num_seqs = 256
+    assert engine_batch_size(cfg) == 128  # 64 x 8 sequences over 8 / 2 = 4 engines
+    assert guard_from_verl_config(cfg).verify_cost(2) == pytest.approx(1.325 + (128 - 64) / (256 - 64) * (1.639 - 1.325))
+    cfg.actor_rollout_ref.rollout.max_num_seqs = 96
+    assert engine_batch_size(cfg) == 96  # vLLM runs at most max_num_seqs at once
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs = 48  # engine_kwargs win (verl spreads them)
+    assert engine_batch_size(cfg) == 48
+
+    cfg = compose_ppo_trainer(
+        [
+            "model_engine=megatron",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.mtp.enable=true",
+            "actor_rollout_ref.model.mtp.enable_rollout=true",
+            "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
+            f"+{GUARD_CONFIG_PATH}.verify_cost=[[64,[1.2,1.3]],[256,[1.3,1.7]]]",
+        ]
+    )
+    guard = guard_from_verl_config(cfg)
+    assert guard.config.verify_cost == ((64, (1.2, 1.3)), (256, (1.3, 1.7)))
+    assert guard.verify_cost(2) == pytest.approx(verify_step_cost(guard.config.verify_cost, 2, engine_batch_size(cfg)))
+    cfg.verl_mtp_plugin.mtp_guard.verify_cost = [1.3, 1.2]
+    with pytest.raises(MTPConfigError, match=f"{GUARD_CONFIG_PATH}.verify_cost: costs"):
         guard_from_verl_config(cfg)

@@ -234,6 +234,10 @@ def test_the_guards_speed_estimate_uses_the_drafts_the_steps_made():
     assert out["mtp_guard/est_speedup"] == pytest.approx(length / (1 + 1.8 * c))
     assert out["mtp_guard/breakeven_accept_length"] == pytest.approx(1 + 1.8 * c)
     assert out["mtp_guard/measured_accept_rate"] == pytest.approx(0.5)  # position 0: every step drafted it
+    # the default measured table (greedy, 64 sequences) at the mean k: linear between c_1 = 1.184 and c_2 = 1.325
+    measured = MTPDesyncGuard({"min_drafts": 1}, num_speculative_tokens=3, variable_k=True).observe(metrics)
+    assert measured["mtp_guard/verify_cost"] == pytest.approx(1.184 + 0.8 * (1.325 - 1.184))
+    assert measured["mtp_guard/est_speedup"] == pytest.approx(length / (1.184 + 0.8 * (1.325 - 1.184)))
 
 
 def test_the_trainers_monitor_and_guard_follow_the_recipes_schedule():

@@ -22,15 +22,41 @@ lasts; the per-step metrics ``mtp_guard/desync`` (0/1), ``mtp_guard/low_accept_s
 ``mtp_guard/zero_accept_streak``, ``mtp_guard/accept_ratio``, ``mtp_guard/est_speedup`` show it on
 every step. The message lists the measured and expected numbers
 and the likely causes with the config keys involved. It also warns (never raises) when speculation is
-**slower than no speculation**: with ``k`` draft tokens each costing ``c`` target steps, a verify step
-costs ``1 + k*c`` target steps and yields ``L`` = ``rollout/spec_accept_length`` tokens, so
+**slower than no speculation**: a verify step with ``k`` drafts costs ``c_k`` plain decode steps and yields
+``L`` = ``rollout/spec_accept_length`` tokens, so
 
-    speedup ~= L / (1 + k * c)          (break-even accepted length: L = 1 + k * c)
+    speedup ~= L / c_k(batch)          (break-even accepted length: L = c_k)
 
-(the decode speedup of ``acceptance.expected_speedup`` with the measured ``L`` in place of ``E``;
-verification overhead is not counted, so the real speedup is lower). The message shows the numbers and,
-from the measured per-position rates, the speedup each smaller ``k`` would give
-(``L_k' = 1 + sum_{i<k'} rate_pos_i``).
+(``mtp_guard/est_speedup``, ``mtp_guard/breakeven_accept_length``, ``mtp_guard/verify_cost`` = the ``c_k`` used).
+The message shows the numbers and, from the measured per-position rates, the speedup each smaller ``k`` would give
+(``L_k' = 1 + sum_{i<k'} rate_pos_i``, over ``c_k'`` at the same batch).
+
+**Verify-step cost** ``c_k`` (:func:`verify_step_cost`): a table of rows ``(batch, [c_1, c_2, ...])``. Between two
+rows ``c_k`` is interpolated **linearly in the batch size**; below the first row / above the last the nearest row
+holds (no extrapolation in batch). In ``k`` the table is interpolated linearly from ``c_0 = 1`` (a fractional ``k``
+is the step's mean drafts with ``k`` chosen by batch size) and extended past its last ``k`` by its last step
+``c_K - c_{K-1}``. The default table (:data:`DEFAULT_VERIFY_COST`, one per drafting method) is **measured**: one
+NVIDIA H200, vLLM 0.26 on the V2 model runner with CUDA graphs, the Nemotron 3 Nano / Lightning 30B-A3B shape
+(``benchmarks/RESULTS.md``, "Step cost by size", table "c_k for k = 1, 2, 3 x greedy / probabilistic x 64 / 256
+sequences", made by ``benchmarks/step_cost.py --shapes nano30b --ks 0,1,2,3 --batches 64,256 --rounds 2``):
+
+    sequences   greedy c_1 / c_2 / c_3     probabilistic c_1 / c_2 / c_3
+    64          1.184 / 1.325 / 1.457      1.183 / 1.346 / 1.467
+    256         1.284 / 1.639 / 2.543      1.290 / 1.662 / 2.566
+
+Other models and machines cost differently (a 31-layer slice of Super's layers at 64 sequences: ~0.28 of a plain
+step per draft, i.e. ``c_k ~= 1 + 0.28 k``): set ``verify_cost`` from your own measurement. The **batch** is the
+running batch of one vLLM engine: :func:`guard_from_verl_config` takes ``min(max_num_seqs, data.train_batch_size x
+rollout.n / engines)`` with ``engines = trainer.n_gpus_per_node x trainer.nnodes / (rollout tensor x pipeline
+parallel size)`` (one engine per data-parallel rank; verl's colocated layout). That is the batch a rollout starts
+with; its tail runs fewer sequences, so at large batches ``c_k`` is an upper estimate there. Without a verl config
+(a guard built directly with ``batch_size=None``) the 64-sequence row is used.
+
+``verify_cost`` in the guard block overrides the table: a list ``[c_1, c_2, ...]`` (every batch size) or rows
+``[[batch, [c_1, c_2, ...]], ...]`` (batches increasing, rows of one length); every ``c_k`` a finite number ``>= 1``
+and not decreasing in ``k``, else refused at start-up naming the key. The older ``draft_cost`` (``c``, cost of one
+draft relative to a target step) still works: set, it makes ``c_k = 1 + k c`` at every batch (the earlier
+``speedup ~= L / (1 + k c)``); setting both ``draft_cost`` and ``verify_cost`` is refused naming both keys.
 
 **Which estimate is compared.** vLLM 0.31 drafts greedily by default
 (``speculative_config.draft_sample_method="greedy"``): a draft is accepted with probability
@@ -55,16 +81,13 @@ switching to probabilistic drafting took first-draft acceptance from 0.20 to 0.6
 predicted (``benchmarks/RESULTS.md``, "Step cost by size"). Probabilistic drafting keeps the draft
 probabilities (more device memory).
 
-**Default draft cost** ``c = 0.064`` (Nemotron 3 Super, per-token active parameters, memory-bound
-decode): the MTP block ``*E`` (``eh_proj`` 8192x4096 = 33.6M, attention 35.7M, MoE with 22 of 512
-latent experts + shared expert + router 175.6M) plus the drafter's LM head (131072x4096 = 536.9M) is
-0.78B against the target's 12.23B (40 Mamba x 109.6M + 40 MoE x 175.6M + 8 attention x 35.7M + LM
-head): 0.78 / 12.23 = 0.064. The layer-count view agrees: 2/88 layers (0.023) + the LM head's share
-(0.044) = 0.067. Measured on an H200 (vLLM's V2 runner, CUDA graphs, spread routing; ``benchmarks/RESULTS.md``,
-"Step cost by size") a draft costs more than this count says: 0.18 of a plain decode step at the Nemotron 3
-Nano/Lightning 30B-A3B shape with 64 sequences, 0.33 with 256 (the (k+1)-token verify stops being bound by
-reading weights), 0.28 on a 31-layer slice of Super's layers with 64. Set ``draft_cost`` from that table for
-the model and batch size you run; with the default the estimated speed-up is optimistic.
+**Parameter-count draft cost** ``c = 0.064`` (:data:`DEFAULT_DRAFT_COST`, Nemotron 3 Super, per-token active
+parameters, memory-bound decode; no longer the guard's default): the MTP block ``*E`` (``eh_proj`` 8192x4096 = 33.6M,
+attention 35.7M, MoE with 22 of 512 latent experts + shared expert + router 175.6M) plus the drafter's LM head
+(131072x4096 = 536.9M) is 0.78B against the target's 12.23B (40 Mamba x 109.6M + 40 MoE x 175.6M + 8 attention x
+35.7M + LM head): 0.78 / 12.23 = 0.064. Measured on the H200 a draft costs more than this count says (0.18 of a plain
+decode step at 64 sequences, 0.33 at 256 at the 30B-A3B shape; the (k+1)-token verify stops being bound by reading
+weights), which is why the guard now uses the measured table above.
 
 Config block (top-level plugin namespace; verl's ``RolloutConfig`` rejects unknown keys, so the block
 cannot live under ``actor_rollout_ref.rollout``)::
@@ -76,7 +99,8 @@ cannot live under ``actor_rollout_ref.rollout``)::
         zero_patience: 2      # zero rule: measured <= zero_rate for this many consecutive steps
         zero_rate: 0.01
         action: warn          # warn | fail | off
-        draft_cost: 0.064     # c in speedup ~= L / (1 + k c)
+        verify_cost: null     # null = measured H200 30B-A3B table; [c1, c2, ...] or [[batch, [c1, c2, ...]], ...]
+        draft_cost: null      # legacy: c_k = 1 + k * draft_cost (not with verify_cost)
         min_speedup: 1.0      # slow-speculation rule: warn below this estimated speedup
         min_drafts: 100       # steps with fewer verify steps are not judged
         expected_key: null    # null = auto (see above)
@@ -128,6 +152,8 @@ __all__ = [
     "ACTIONS",
     "ARGMAX_DRAFT_METRIC",
     "DEFAULT_DRAFT_COST",
+    "DEFAULT_VERIFY_BATCH",
+    "DEFAULT_VERIFY_COST",
     "EXPECTED_METRIC",
     "GUARD_CONFIG_PATH",
     "MTPDesyncError",
@@ -139,16 +165,32 @@ __all__ = [
     "MTPSpecStatsMissingWarning",
     "breakeven_accept_length",
     "expected_all_position_rate",
+    "engine_batch_size",
     "guard_from_verl_config",
     "speedup_from_accept_length",
+    "verify_cost_errors",
+    "verify_cost_table",
+    "verify_step_cost",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Allowed ``action`` values.
 ACTIONS = ("warn", "fail", "off")
-#: Draft cost relative to one target decode step for Nemotron 3 Super's MTP block (module docstring).
+#: Draft cost relative to one target decode step for Nemotron 3 Super's MTP block by parameter count (module
+#: docstring); what ``draft_cost`` meant by default before the measured table. Not the guard's default any more.
 DEFAULT_DRAFT_COST = 0.064
+#: Measured verify-step cost ``c_k`` (decode step with ``k`` MTP drafts / plain decode step) by drafting method, as
+#: rows ``(sequences, (c_1, c_2, c_3))``: one H200, vLLM 0.26 V2 model runner, CUDA graphs, Nemotron 3 Nano /
+#: Lightning 30B-A3B shape (``benchmarks/RESULTS.md``, "Step cost by size", the mirrored-rounds c_k table).
+DEFAULT_VERIFY_COST: dict[str, tuple[tuple[int, tuple[float, ...]], ...]] = {
+    "greedy": ((64, (1.184, 1.325, 1.457)), (256, (1.284, 1.639, 2.543))),
+    "probabilistic": ((64, (1.183, 1.346, 1.467)), (256, (1.290, 1.662, 2.566))),
+}
+#: Batch (sequences per vLLM engine) the guard assumes when it is not told one: the table's 64-sequence row.
+DEFAULT_VERIFY_BATCH = 64
+
+CostTable = tuple[tuple[int, tuple[float, ...]], ...]
 
 _GUARD_PREFIX = "mtp_guard/"
 
@@ -206,6 +248,82 @@ def breakeven_accept_length(k: float, draft_cost: float) -> float:
     return 1.0 + float(k) * float(draft_cost)
 
 
+def verify_cost_errors(raw: Any, key: str) -> list[str]:
+    """Problems of a ``verify_cost`` value (``[c_1, ...]`` or ``[[batch, [c_1, ...]], ...]``), each naming ``key``."""
+    if raw is None:
+        return []
+    form = "a list [c_1, c_2, ...] or rows [[batch, [c_1, c_2, ...]], ...]"
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return [f"{key}={raw!r}: must be {form}"]
+    flat = all(not isinstance(v, (list, tuple)) for v in raw)
+    if not flat and not all(isinstance(v, (list, tuple)) for v in raw):
+        return [f"{key}={raw!r}: must be {form}, not a mix of numbers and rows"]
+    errs: list[str] = []
+    last_batch, width = 0, None
+    for i, row in enumerate([(None, raw)] if flat else raw):
+        where = key if flat else f"{key}[{i}]"
+        if not flat:
+            if len(row) != 2 or not isinstance(row[1], (list, tuple)):
+                errs.append(f"{where}={list(row)!r}: a row is [batch, [c_1, c_2, ...]]")
+                continue
+            if not (_is_int(row[0]) and row[0] > last_batch):
+                errs.append(f"{where}: batch {row[0]!r} must be an integer >= 1, larger than the previous row's")
+            else:
+                last_batch = row[0]
+        costs = list(row[1])
+        if not costs or not all(_is_real(c) for c in costs):
+            errs.append(f"{where}: costs {costs!r} must be a non-empty list of finite numbers (c_1, c_2, ...)")
+            continue
+        if min(costs) < 1:
+            errs.append(f"{where}: costs {costs!r}: c_k < 1 (a verify step costs at least a plain decode step)")
+        if any(b < a for a, b in zip(costs, costs[1:])):
+            errs.append(f"{where}: costs {costs!r} decrease with k (more drafts cannot make a verify step cheaper)")
+        if width is not None and len(costs) != width:
+            errs.append(f"{where}: {len(costs)} costs where an earlier row has {width} (one per k, every row)")
+        width = len(costs) if width is None else width
+    return errs
+
+
+def verify_cost_table(raw: Any) -> CostTable:
+    """A validated ``verify_cost`` value as rows ``((batch, (c_1, ...)), ...)``; a flat list is one row for every batch."""
+    if all(not isinstance(v, (list, tuple)) for v in raw):
+        return ((1, tuple(float(c) for c in raw)),)
+    return tuple((int(b), tuple(float(c) for c in costs)) for b, costs in raw)
+
+
+def _cost_at_k(costs: tuple[float, ...], k: float) -> float:
+    """``c_k`` from ``(c_1, ..., c_K)``: linear between integer ``k`` from ``c_0 = 1``, past ``K`` by the last step."""
+    full = (1.0,) + tuple(costs)
+    top = len(full) - 1
+    if k >= top:
+        return full[top] + (k - top) * (full[top] - full[top - 1])
+    lo = int(math.floor(k))
+    return full[lo] + (k - lo) * (full[lo + 1] - full[lo])
+
+
+def verify_step_cost(table: CostTable, k: float, batch: float | None = None) -> float:
+    """Verify-step cost ``c_k`` (plain decode steps) of ``k`` drafts at ``batch`` sequences (module docstring).
+
+    Args:
+        table: rows ``((batch, (c_1, ..., c_K)), ...)``, batches increasing.
+        k (float): drafts per verify step (fractional: a mean); ``0`` gives 1.
+        batch (float | None): running sequences per engine; None = :data:`DEFAULT_VERIFY_BATCH`. Linear
+            interpolation between rows, the nearest row outside them.
+
+    Returns:
+        float: ``c_k``.
+    """
+    k = max(float(k), 0.0)
+    n = float(DEFAULT_VERIFY_BATCH if batch is None else batch)
+    if n <= table[0][0]:
+        return _cost_at_k(table[0][1], k)
+    for (b0, c0), (b1, c1) in zip(table, table[1:]):
+        if n <= b1:
+            w = (n - b0) / (b1 - b0)
+            return (1 - w) * _cost_at_k(c0, k) + w * _cost_at_k(c1, k)
+    return _cost_at_k(table[-1][1], k)
+
+
 def expected_all_position_rate(alpha: float, k: int) -> float:
     """All-position acceptance rate (``accepted / draft tokens``) expected from a per-draft rate ``alpha``
     with ``k`` drafts: ``(alpha + ... + alpha^k) / k = (E(alpha, k) - 1) / k`` (``alpha`` for ``k = 1``)."""
@@ -245,8 +363,14 @@ def _config_errors(values: Mapping[str, Any], path: str) -> list[str]:
         bad("zero_rate", "must be a number in [0, 1)")
     if "action" in values and values["action"] not in ACTIONS:
         bad("action", f"allowed values: {list(ACTIONS)}")
-    if "draft_cost" in values and not (_is_real(values["draft_cost"]) and values["draft_cost"] >= 0):
-        bad("draft_cost", "must be a finite number >= 0 (draft step cost relative to a target step)")
+    if values.get("draft_cost") is not None and not (_is_real(values["draft_cost"]) and values["draft_cost"] >= 0):
+        bad("draft_cost", "must be a finite number >= 0 (draft step cost relative to a target step) or null")
+    errs += verify_cost_errors(values.get("verify_cost"), f"{path}.verify_cost")
+    if values.get("draft_cost") is not None and values.get("verify_cost") is not None:
+        errs.append(
+            f"{path}.draft_cost and {path}.verify_cost are both set: verify_cost is the verify-step cost c_k by k (and "
+            f"batch), draft_cost the older c_k = 1 + k * draft_cost; keep one"
+        )
     if "min_speedup" in values and not (_is_real(values["min_speedup"]) and values["min_speedup"] > 0):
         bad("min_speedup", "must be a finite number > 0")
     if "min_drafts" in values and not (_is_int(values["min_drafts"]) and values["min_drafts"] >= 0):
@@ -272,7 +396,11 @@ class MTPGuardConfig:
         zero_rate (float): acceptance at or below this counts as zero. Default 0.01.
         action (str): ``warn`` (default), ``fail`` (raise :class:`MTPDesyncError` on desync; the
             slow-speculation rule only warns) or ``off``.
-        draft_cost (float): ``c`` in ``speedup ~= L / (1 + k c)``. Default 0.064 (Nemotron 3 Super).
+        verify_cost (list | None): verify-step cost ``c_k`` in ``speedup ~= L / c_k``: ``[c_1, c_2, ...]`` or rows
+            ``[[batch, [c_1, ...]], ...]``. None (default): the measured H200 30B-A3B table for the drafting method
+            (:data:`DEFAULT_VERIFY_COST`).
+        draft_cost (float | None): legacy: ``c_k = 1 + k * draft_cost`` at every batch. None (default): unused.
+            Not together with ``verify_cost``.
         min_speedup (float): slow-speculation rule: warn when the estimated speedup is below. Default 1.0.
         min_drafts (int): steps with fewer verify steps (``rollout/spec_num_drafts``) are not judged.
             Default 100.
@@ -290,7 +418,8 @@ class MTPGuardConfig:
     zero_patience: int = 2
     zero_rate: float = 0.01
     action: str = "warn"
-    draft_cost: float = DEFAULT_DRAFT_COST
+    verify_cost: Any = None
+    draft_cost: float | None = None
     min_speedup: float = 1.0
     min_drafts: int = 100
     expected_key: str | None = None
@@ -300,13 +429,27 @@ class MTPGuardConfig:
         errs = _config_errors(dataclasses.asdict(self), GUARD_CONFIG_PATH)
         if errs:
             raise MTPConfigError("invalid MTP desync guard config:\n  - " + "\n  - ".join(errs))
+        if self.verify_cost is not None:  # one canonical (hashable) form
+            object.__setattr__(self, "verify_cost", verify_cost_table(self.verify_cost))
+
+    def cost_table(self, draft_sample_method: str = "greedy") -> tuple[CostTable, str]:
+        """The ``c_k`` table in force and where it comes from (for messages)."""
+        if self.verify_cost is not None:
+            return self.verify_cost, f"{GUARD_CONFIG_PATH}.verify_cost"
+        if self.draft_cost is not None:
+            c = float(self.draft_cost)
+            return ((1, tuple(1.0 + k * c for k in (1, 2))),), f"1 + k * {GUARD_CONFIG_PATH}.draft_cost ({c})"
+        method = "probabilistic" if draft_sample_method == "probabilistic" else "greedy"
+        return DEFAULT_VERIFY_COST[method], (
+            f"measured H200 30B-A3B table, {method} drafting (default; {GUARD_CONFIG_PATH}.verify_cost overrides)"
+        )
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any] | None, *, path: str = GUARD_CONFIG_PATH) -> "MTPGuardConfig":
         """Build from a config block (dict or omegaconf ``DictConfig``); missing keys keep their defaults.
 
         Args:
-            block: ``{threshold, patience, zero_patience, zero_rate, action, draft_cost, min_speedup,
+            block: ``{threshold, patience, zero_patience, zero_rate, action, verify_cost, draft_cost, min_speedup,
                 min_drafts, expected_key, draft_method_margin}`` (any subset) or None.
             path (str): the block's key path, used in error messages.
 
@@ -360,6 +503,8 @@ class MTPDesyncGuard:
         variable_k (bool): vLLM picks ``k`` by batch size (``num_speculative_tokens_per_batch_size``): the speed-up
             estimate costs a verify step at the step's mean drafts ``rollout/spec_mean_draft_tokens`` instead of
             ``k`` (``num_speculative_tokens``, the largest).
+        batch_size (int | None): running sequences per vLLM engine, for the verify-step cost ``c_k`` (module
+            docstring); None: the cost table's 64-sequence row.
 
     Attributes:
         last_message (str | None): the last warning/error text.
@@ -373,6 +518,7 @@ class MTPDesyncGuard:
         speculation: bool = True,
         draft_sample_method: str = "greedy",
         variable_k: bool = False,
+        batch_size: int | None = None,
     ):
         if config is None:
             config = MTPGuardConfig()
@@ -385,6 +531,10 @@ class MTPDesyncGuard:
         self.speculation = bool(speculation)
         self.draft_sample_method = str(draft_sample_method or "greedy")
         self.variable_k = bool(variable_k)
+        if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.cost_table, self.cost_source = config.cost_table(self.draft_sample_method)
         self.last_message: str | None = None
         self.reset()
 
@@ -509,9 +659,11 @@ class MTPDesyncGuard:
         # slow-speculation rule
         slow_msg = None
         if length is not None:
-            speedup = speedup_from_accept_length(length, cost_k, cfg.draft_cost)
+            c_k = self.verify_cost(cost_k)
+            speedup = length / c_k
             out[_GUARD_PREFIX + "est_speedup"] = speedup
-            out[_GUARD_PREFIX + "breakeven_accept_length"] = breakeven_accept_length(cost_k, cfg.draft_cost)
+            out[_GUARD_PREFIX + "breakeven_accept_length"] = c_k  # L at which L / c_k = 1
+            out[_GUARD_PREFIX + "verify_cost"] = c_k
             self.slow_streak = self.slow_streak + 1 if speedup < cfg.min_speedup else 0
             if _due(self.slow_streak, cfg.patience) and not desync:  # a desync report already explains a slow rollout
                 slow_msg = self._slow_message(step, length, cost_k, pos, speedup)
@@ -561,14 +713,18 @@ class MTPDesyncGuard:
             zero_streak=self.zero_streak, reset_steps=self._reset_steps,
         )
 
+    def verify_cost(self, k: float) -> float:
+        """``c_k`` of ``k`` drafts at this guard's batch (:func:`verify_step_cost` on the table in force)."""
+        return verify_step_cost(self.cost_table, k, self.batch_size)
+
     def _slow_message(self, step, length: float, k: float, pos: list[float], speedup: float) -> str:
-        c = self.config.draft_cost
         options = [(0, 1.0)] + [
-            (kk, speedup_from_accept_length(1.0 + sum(pos[:kk]), kk, c)) for kk in range(1, len(pos) + 1)
+            (kk, (1.0 + sum(pos[:kk])) / self.verify_cost(kk)) for kk in range(1, len(pos) + 1)
         ]
         return slow_message(
-            self.config, step, length=length, k=k, speedup=speedup, breakeven=breakeven_accept_length(k, c),
-            options=options if pos else [], slow_streak=self.slow_streak,
+            self.config, step, length=length, k=k, speedup=speedup, verify_cost=self.verify_cost(k),
+            cost_source=self.cost_source, batch=self.batch_size, options=options if pos else [],
+            slow_streak=self.slow_streak,
         )
 
     def _missing_message(self, step, drafts) -> str:
@@ -589,6 +745,33 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def engine_batch_size(config: Any) -> int:
+    """Running sequences per vLLM engine at the start of a rollout: ``min(max_num_seqs, data.train_batch_size x
+    rollout.n / engines)``, ``engines = trainer.n_gpus_per_node x trainer.nnodes / (rollout tensor x pipeline
+    parallel size)`` (verl's colocated layout, one engine per data-parallel rank); ``max_num_seqs`` alone when a
+    key is missing or not a positive integer (values are checked at start-up by the plugin's check)."""
+    from verl_mtp_plugin import verl_config
+
+    cap = verl_config.max_num_seqs(config)
+
+    def pos_int(key: str, default: Any = None) -> int | None:
+        v = _get(config, key, default)
+        try:
+            v = int(v)
+        except (TypeError, ValueError):
+            return None
+        return v if v >= 1 else None
+
+    parts = [pos_int(k) for k in ("data.train_batch_size", "trainer.n_gpus_per_node")]
+    parts += [pos_int(f"{_RO}.n", 1), pos_int("trainer.nnodes", 1)]
+    parts += [pos_int(f"{_RO}.tensor_model_parallel_size", 1), pos_int(f"{_RO}.pipeline_model_parallel_size", 1)]
+    if None in parts:
+        return cap
+    batch, gpus, n, nodes, tp, pp = parts
+    engines = max((gpus * nodes) // (tp * pp), 1)
+    return max(1, min(cap, math.ceil(batch * n / engines)))
+
+
 def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     """A guard set up from a composed verl trainer config.
 
@@ -596,7 +779,7 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     ``actor_rollout_ref.model.mtp.enable`` and ``.enable_rollout`` are true (verl's condition) or
     ``actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config`` is set; ``k`` and the draft
     method come from the speculative config verl builds (``engine_kwargs`` win, as in verl's
-    ``build_mtp_speculative_config``). Logs a warning when speculation is on while
+    ``build_mtp_speculative_config``); the batch for the verify-step cost is :func:`engine_batch_size`. Logs a warning when speculation is on while
     ``actor_rollout_ref.rollout.disable_log_stats`` is true (verl's default): vLLM then keeps no counters.
     """
     from verl_mtp_plugin import verl_config
@@ -619,4 +802,5 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
         speculation=speculation,
         draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
         variable_k=speculation and len(verl_config.speculation_depths(config)) > 1,
+        batch_size=engine_batch_size(config),
     )

@@ -137,7 +137,9 @@ def slow_message(
     length: float,
     k: float,
     speedup: float,
-    breakeven: float,
+    verify_cost: float,
+    cost_source: str,
+    batch: int | None,
     options: list[tuple[int, float]],
     slow_streak: int,
 ) -> str:
@@ -147,21 +149,23 @@ def slow_message(
         cfg: the guard's ``MTPGuardConfig``.
         step: the training step.
         length: measured accepted length; k: draft tokens; speedup: estimated speedup;
-            breakeven: break-even accepted length.
+            verify_cost: ``c_k``, the verify-step cost in plain decode steps (also the break-even length);
+            cost_source: where ``c_k`` comes from; batch: sequences per engine it was read at (None: 64).
         options: ``(k', speedup)`` for k' = 0..k from the per-position rates ([] without them).
         slow_streak: consecutive slow steps.
 
     Returns:
         str: the message.
     """
-    c = cfg.draft_cost
     k_text = f"{k}" if float(k).is_integer() else f"{k:.2f}"
     mean = "" if float(k).is_integer() else " (the mean per verify step, k chosen by batch size)"
+    at = f"{batch} sequences per engine" if batch is not None else "64 sequences (batch not known)"
     lines = [
         f"MTP speculation is estimated to slow the rollout down at step {step} ({slow_streak} consecutive "
-        f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k_text} draft tokens{mean} at draft "
-        f"cost c = {c} ({GUARD_CONFIG_PATH}.draft_cost): speedup ~= L / (1 + k*c) = {length:.3f} / "
-        f"(1 + {k_text}*{c}) = {speedup:.3f} < {cfg.min_speedup}; break-even L = 1 + k*c = {breakeven:.3f}."
+        f"steps): accepted length L = {length:.3f} tokens per verify step with k = {k_text} draft tokens{mean}; a "
+        f"verify step costs c_k = {verify_cost:.3f} plain decode steps at {at} ({cost_source}): speedup ~= L / c_k "
+        f"= {length:.3f} / {verify_cost:.3f} = {speedup:.3f} < {cfg.min_speedup}; break-even L = c_k = "
+        f"{verify_cost:.3f}."
     ]
     if options:
         table = ", ".join(f"k={kk}: {s:.3f}" for kk, s in options)
@@ -172,8 +176,8 @@ def slow_message(
         )
     lines.append(
         f"  Lower {_MTP}.num_speculative_tokens or switch speculation off ({_MTP}.enable_rollout=false); if "
-        "acceptance used to be higher, see the desync causes (drafter sync, sleep level). Verification "
-        "overhead is not counted: the real speedup is lower."
+        "acceptance used to be higher, see the desync causes (drafter sync, sleep level). c_k measured on "
+        f"another model or machine misleads: set {GUARD_CONFIG_PATH}.verify_cost from your own step times."
     )
     return "\n".join(lines)
 
