@@ -441,7 +441,8 @@ class MTPGuardConfig:
             return ((1, tuple(1.0 + k * c for k in (1, 2))),), f"1 + k * {GUARD_CONFIG_PATH}.draft_cost ({c})"
         method = "probabilistic" if draft_sample_method == "probabilistic" else "greedy"
         return DEFAULT_VERIFY_COST[method], (
-            f"measured H200 30B-A3B table, {method} drafting (default; {GUARD_CONFIG_PATH}.verify_cost overrides)"
+            f"the default, measured on an H200 at the 30B-A3B shape, {method} drafting; {GUARD_CONFIG_PATH}.verify_cost "
+            "overrides it"
         )
 
     @classmethod
