@@ -368,6 +368,9 @@ def test_trainer_mode_rollout_metrics_and_guard_block(verl_base, hf_dirs):
     )
     assert "trainer.v1.trainer_mode='mtp_foo'" in msg
     assert "verl_mtp_plugin.mtp_guard.patience" in msg and "verl_mtp_plugin.mtp_guard.actoin: unknown key" in msg
+    # the verify-step cost table too: refused at start-up naming the key
+    msg = errors_of(make(verl_base, hf_dirs, verl_mtp_plugin__mtp_guard__verify_cost=[1.3, 1.2]))
+    assert "verl_mtp_plugin.mtp_guard.verify_cost: costs [1.3, 1.2] decrease with k" in msg
     msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__mtp_guard__action="fail"))
     assert "actor_rollout_ref.rollout.mtp_guard is not a verl key" in msg
 
