@@ -568,6 +568,9 @@ def test_batch_per_engine_and_verify_cost_from_the_real_verl_config(verl_base):
     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
     cfg.actor_rollout_ref.rollout.max_num_seqs = 256
     assert engine_batch_size(cfg) == 128  # 64 x 8 sequences over 8 / 2 = 4 engines
+    cfg.actor_rollout_ref.rollout.nnodes, cfg.actor_rollout_ref.rollout.n_gpus_per_node = 2, 8
+    assert engine_batch_size(cfg) == 64  # standalone rollout servers: their 2 x 8 / 2 = 8 engines
+    cfg.actor_rollout_ref.rollout.nnodes = 0
     assert guard_from_verl_config(cfg).verify_cost(2) == pytest.approx(1.325 + (128 - 64) / (256 - 64) * (1.639 - 1.325))
     cfg.actor_rollout_ref.rollout.max_num_seqs = 96
     assert engine_batch_size(cfg) == 96  # vLLM runs at most max_num_seqs at once

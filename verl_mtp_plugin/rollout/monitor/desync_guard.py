@@ -48,7 +48,8 @@ Other models and machines cost differently (a 31-layer slice of Super's layers a
 step per draft, i.e. ``c_k ~= 1 + 0.28 k``): set ``verify_cost`` from your own measurement. The **batch** is the
 running batch of one vLLM engine: :func:`guard_from_verl_config` takes ``min(max_num_seqs, data.train_batch_size x
 rollout.n / engines)`` with ``engines = trainer.n_gpus_per_node x trainer.nnodes / (rollout tensor x pipeline
-parallel size)`` (one engine per data-parallel rank; verl's colocated layout). That is the batch a rollout starts
+parallel size)`` (one engine per data-parallel rank; verl's colocated layout; the rollout's own GPUs with
+standalone rollout servers, :func:`engine_batch_size`). That is the batch a rollout starts
 with; its tail runs fewer sequences, so at large batches ``c_k`` is an upper estimate there. Without a verl config
 (a guard built directly with ``batch_size=None``) the 64-sequence row is used.
 
@@ -749,8 +750,10 @@ def _plain(value: Any) -> Any:
 def engine_batch_size(config: Any) -> int:
     """Running sequences per vLLM engine at the start of a rollout: ``min(max_num_seqs, data.train_batch_size x
     rollout.n / engines)``, ``engines = trainer.n_gpus_per_node x trainer.nnodes / (rollout tensor x pipeline
-    parallel size)`` (verl's colocated layout, one engine per data-parallel rank); ``max_num_seqs`` alone when a
-    key is missing or not a positive integer (values are checked at start-up by the plugin's check)."""
+    parallel size)`` (verl's colocated layout, one engine per data-parallel rank), with ``rollout.n_gpus_per_node x
+    rollout.nnodes`` instead when ``rollout.nnodes > 0`` (standalone rollout servers; hybrid replicas serving too
+    make the real batch smaller); ``max_num_seqs`` alone when a key is missing or not a positive integer (values
+    are checked at start-up by the plugin's check)."""
     from verl_mtp_plugin import verl_config
 
     cap = verl_config.max_num_seqs(config)
@@ -763,8 +766,10 @@ def engine_batch_size(config: Any) -> int:
             return None
         return v if v >= 1 else None
 
-    parts = [pos_int(k) for k in ("data.train_batch_size", "trainer.n_gpus_per_node")]
-    parts += [pos_int(f"{_RO}.n", 1), pos_int("trainer.nnodes", 1)]
+    standalone = pos_int(f"{_RO}.nnodes", 0) is not None  # separate async: rollout servers on their own GPUs
+    where = _RO if standalone else "trainer"
+    parts = [pos_int("data.train_batch_size"), pos_int(f"{where}.n_gpus_per_node")]
+    parts += [pos_int(f"{_RO}.n", 1), pos_int(f"{where}.nnodes", 1)]
     parts += [pos_int(f"{_RO}.tensor_model_parallel_size", 1), pos_int(f"{_RO}.pipeline_model_parallel_size", 1)]
     if None in parts:
         return cap
