@@ -261,16 +261,21 @@ _TP2_SCRIPT = textwrap.dedent(
         p[0, 2, :5] = -1e4; q[0, 2, 5:] = -1e4               # supports on different shards
         w = torch.randn(2, 7, generator=g)
         sl = slice(rank * 5, rank * 5 + 5)
+        from verl_mtp_plugin.acceptance import estimate
+        one_chunk = estimate.CHUNK_BYTES
         for objective in ("soft_ce", "tv"):
             for t in (1.0, 0.7):
                 full = q.clone().requires_grad_()
                 ref = objective_per_token(objective, full, p, t)
                 (ref * w).sum().backward()
-                shard = q[..., sl].clone().requires_grad_()
-                got = objective_per_token(objective, shard, p[..., sl], t, group=dist.group.WORLD)
-                (got * w).sum().backward()
-                assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
-                assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
+                for chunk_bytes in (one_chunk, 4 * 5 * 3):  # shards in chunks of 3 of the 14 rows
+                    estimate.CHUNK_BYTES = chunk_bytes
+                    shard = q[..., sl].clone().requires_grad_()
+                    got = objective_per_token(objective, shard, p[..., sl], t, group=dist.group.WORLD)
+                    (got * w).sum().backward()
+                    estimate.CHUNK_BYTES = one_chunk
+                    assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
+                    assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
         # chained_tv: two depths, the product of the all-reduced overlaps; gradients reach both depths' shards
         q2 = torch.randn(2, 7, 10, generator=g) * 3
         p2 = torch.randn(2, 7, 10, generator=g) * 3
@@ -280,6 +285,7 @@ _TP2_SCRIPT = textwrap.dedent(
         ref = chained_tv_per_token(full, [p, p2], 0.7, counted=counted)
         (ref * w2).sum().backward()
         shard = [q[..., sl].clone().requires_grad_(), q2[..., sl].clone().requires_grad_()]
+        estimate.CHUNK_BYTES = 4 * 5 * 4  # chunks of 4 of the 14 rows, the same cuts at both depths and ranks
         got = chained_tv_per_token(shard, [p[..., sl], p2[..., sl]], 0.7, counted=counted, group=dist.group.WORLD)
         (got * w2).sum().backward()
         assert torch.allclose(got, ref, atol=1e-6), (got, ref)
@@ -295,6 +301,7 @@ _TP2_SCRIPT = textwrap.dedent(
         from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
 
         init_megatron(seed=5, tp=2)
+        estimate.CHUNK_BYTES = 4 * 64 * 5  # the model's 64-token vocabulary shards in chunks of 5 tokens
         reset_mtp_globals()
         model = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
                                   config_overrides=dict(tensor_model_parallel_size=2))
@@ -359,8 +366,9 @@ _TP2_SCRIPT = textwrap.dedent(
 
 
 def test_tensor_parallel_two_ranks_equal_one(tmp_path):
-    """TP=2 (gloo, 2 processes): values and gradients on vocabulary shards equal the whole-vocabulary ones;
-    the objective of a TP=2 HybridModel forward equals the TP=1 formula on its gathered logits."""
+    """TP=2 (gloo, 2 processes): values and gradients on vocabulary shards, in one chunk and in chunks of tokens,
+    equal the whole-vocabulary ones; the objective of a TP=2 HybridModel forward (in chunks) equals the TP=1
+    formula on its gathered logits."""
     from verl_mtp_plugin.testing import rendezvous
 
     script = tmp_path / "tp2_objective.py"
