@@ -37,6 +37,15 @@ All are exact under tensor parallelism: the softmaxes and the sums over the voca
 the tensor-parallel group (vocabulary shards, megatron's contiguous split), and each rank's gradient is
 that of the full-vocabulary loss with respect to its own shard.
 
+Memory: ``soft_ce`` / ``tv`` (and so ``chained_tv``, whose chain is a product of per-row numbers) run on
+:func:`~verl_mtp_plugin.acceptance.estimate.chunk_rows` tokens at a time, forward and backward (backward recomputes
+each chunk's softmaxes from per-row numbers the forward kept), so their float32 intermediates are one chunk's
+``[rows, V/tp]`` (:data:`~verl_mtp_plugin.acceptance.estimate.CHUNK_BYTES`, 256 MiB), not several
+``[tokens, V/tp]``. What stays alive until backward: the MTP logits and the policy's target logits (both in the
+logits' dtype, the target shared by the depths) and a few float32 numbers per token. Every tensor-parallel rank cuts
+the same chunks, so the vocabulary reductions pair up chunk by chunk. The logged hard cross-entropy runs in the same
+chunks (:func:`_chunked_hard_ce`).
+
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
 masks the result and attaches its gradient through ``MTPLossAutoScaler`` (``chained_tv``: depth ``d``'s
