@@ -234,6 +234,25 @@ def test_select_positions():
         select_positions(valid, 0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_acceptance_stats_in_chunks_of_rows_equal_one_chunk(monkeypatch, temperature):
+    """The estimate's softmaxes run a chunk of rows at a time (estimate.CHUNK_BYTES): chunks of 4 of 2 x 9 rows (not
+    a divisor) give the one-chunk numbers exactly, in the input's shape, and the dense functions' values."""
+    from verl_mtp_plugin.acceptance import estimate
+
+    g = torch.Generator().manual_seed(4)
+    p, q = torch.randn(2, 9, 31, generator=g) * 2, torch.randn(2, 9, 31, generator=g) * 2
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 2**40)
+    one = estimate.acceptance_stats(p, q, temperature, None)
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 4 * 31 * 4)
+    assert estimate.chunk_rows(31) == 4
+    got = estimate.acceptance_stats(p, q, temperature, None)
+    for a, b in zip(got, one):
+        assert a.shape == (2, 9) and torch.equal(a, b)
+    torch.testing.assert_close(got[0], speculative_overlap(p, q, temperature), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[2], argmax_draft_acceptance(p, q, temperature), rtol=1e-6, atol=1e-7)
+
+
 _SHARDED_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
@@ -260,6 +279,11 @@ _SHARDED_SCRIPT = textwrap.dedent(
             for got, want in zip(fused, _acceptance_stats(p, q, t, None)):
                 assert torch.allclose(got, want, atol=1e-6), (t, got, want)
             assert torch.allclose(fused[0], speculative_overlap(p, q, t), atol=1e-6)
+            import verl_mtp_plugin.acceptance.estimate as estimate
+            one_chunk, estimate.CHUNK_BYTES = estimate.CHUNK_BYTES, 4 * 5 * 3  # the 7 rows in chunks of 3
+            for got, want in zip(_acceptance_stats(p[:, sl], q[:, sl], t, grp), fused):
+                assert torch.equal(got, want), (t, got, want)
+            estimate.CHUNK_BYTES = one_chunk
         # Sequence parallelism: rank r holds positions [r*s/2, (r+1)*s/2) of a [s, b, h] hidden state.
         hid = torch.randn(8, 3, 4, generator=g)
         bi, ti = torch.tensor([0, 2, 1, 1, 0]), torch.tensor([7, 0, 3, 4, 5])

@@ -119,6 +119,127 @@ def test_chained_tv_values_and_gradients_match_the_formula(temperature):
         objective_per_token("chained_tv", q[0], p[0])
 
 
+# --------------------------------------------------------------------------------------------------
+# in chunks of tokens: the same values and gradients, a chunk's memory
+
+
+def _objective_rows(objective, q, p, t, counted):
+    """soft_ce / tv on depth 0 alone, chained_tv over all depths: one ``[...]`` or ``[D, ...]`` value."""
+    if objective == "chained_tv":
+        return chained_tv_per_token(q, p, t, counted=counted)
+    return objective_per_token(objective, q[0], p[0], t)
+
+
+def _value_and_grads(objective, q, p, t, counted, w):
+    q = [x.detach().clone().requires_grad_() for x in q]
+    value = _objective_rows(objective, q, p, t, counted)
+    (value * w.reshape(value.shape)).sum().backward()
+    return value.detach(), [x.grad for x in q]
+
+
+@pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])
+@pytest.mark.parametrize("rows", [1, 4, 7, 1000])
+def test_chunked_equals_one_chunk_and_the_formula(monkeypatch, objective, rows):
+    """Chunks of ``rows`` tokens (7 does not divide the 39 rows; 1000 is one chunk) give the one-chunk value and
+    gradient (bitwise: each row is computed on its own) and the textbook formula; chained_tv over 2 depths with
+    masks, the depths cut at the same rows."""
+    from verl_mtp_plugin.acceptance import estimate
+
+    v, t = 23, 0.7
+    g = torch.Generator().manual_seed(11)
+    q = [torch.randn(13, 3, v, generator=g) * 2 for _ in range(2)]
+    p = [torch.randn(13, 3, v, generator=g) * 2 for _ in range(2)]
+    p[0][0, 0] = q[0][0, 0]  # an identical row
+    counted = [torch.rand(13, 3, generator=g) > 0.3 for _ in range(2)]
+    w = torch.randn(2 if objective == "chained_tv" else 1, 13, 3, generator=g)
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 2**40)
+    one, one_grads = _value_and_grads(objective, q, p, t, counted, w)
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 4 * v * rows)
+    assert estimate.chunk_rows(v) == rows
+    got, got_grads = _value_and_grads(objective, q, p, t, counted, w)
+    torch.testing.assert_close(got, one, rtol=0, atol=0)
+    for a, b in zip(got_grads, one_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the formula (autograd of the written-out objective)
+    q_ref = [x.detach().clone().requires_grad_() for x in q]
+    if objective == "chained_tv":
+        want = _chained_reference(q_ref, p, t, counted)
+    else:
+        want = _dense(objective, q_ref[0], p[0], t)
+    (want * w.reshape(want.shape)).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, q_ref):
+        if b.grad is not None:
+            torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+    assert float(got_grads[0].abs().sum()) > 0
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of the tensor storages created inside the block and alive after an operation (deterministic,
+    on CPU): every op's outputs are tracked by a weak reference to their storage, except views of ``inputs``."""
+
+    def __init__(self, inputs=()):
+        super().__init__()
+        self.live, self.peak, self.inputs = {}, 0, set(inputs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.untyped_storage().data_ptr() not in self.inputs:
+                st = x.untyped_storage()
+                self.live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
+        self.live = {k: r for k, r in self.live.items() if not r[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])
+def test_chunked_memory_is_one_chunk_not_tokens_times_vocabulary(monkeypatch, objective):
+    """Memory, measured deterministically on CPU: (1) nothing of the size [tokens, vocab] is saved for backward
+    but the two logits tensors the caller holds anyway (saved_tensors_hooks); (2) the peak of the tensors alive
+    during forward + backward is the gradient ([tokens, vocab], what any loss returns) plus about a chunk, where
+    the objective on one chunk of all the tokens keeps several [tokens, vocab] float32 tensors alive."""
+    from verl_mtp_plugin.acceptance import estimate
+
+    n, v, rows, depths = 512, 1024, 32, 2
+    full = 4 * n * v  # one float32 [tokens, vocab]
+    g = torch.Generator().manual_seed(2)
+    q = [torch.randn(n, v, generator=g) for _ in range(depths)]
+    p = [torch.randn(n, v, generator=g) for _ in range(depths)]
+    counted = [torch.rand(n, generator=g) > 0.2 for _ in range(depths)]
+    inputs = {x.untyped_storage().data_ptr() for x in q + p}
+
+    def run(chunk_bytes):
+        monkeypatch.setattr(estimate, "CHUNK_BYTES", chunk_bytes, raising=False)
+        leaves = [x.clone().requires_grad_() for x in q]
+        inputs.update(x.untyped_storage().data_ptr() for x in leaves)
+        saved = []
+
+        def pack(x):
+            if x.untyped_storage().data_ptr() not in inputs:
+                saved.append(x.numel())
+            return x
+
+        meter = _LiveBytes(inputs)
+        with meter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                value = _objective_rows(objective, leaves, p, 1.0, counted)
+            value.sum().backward()
+            grads = [x.grad for x in leaves]
+        return max(saved, default=0), meter.peak, grads
+
+    saved, peak, grads = run(4 * v * rows)
+    assert saved <= rows * v  # per-row numbers only (here: far less than a chunk)
+    per_depth = depths if objective == "chained_tv" else 1
+    assert peak <= per_depth * full + 8 * 4 * rows * v, (peak / full)  # the gradients + a few chunks
+    saved_one, peak_one, grads_one = run(2**40)  # one chunk: the unchunked computation
+    assert peak_one >= per_depth * full + 2 * full, (peak_one / full)
+    for a, b in zip(grads, grads_one):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 _TP2_SCRIPT = textwrap.dedent(
     """
     import os, sys, warnings
@@ -140,16 +261,21 @@ _TP2_SCRIPT = textwrap.dedent(
         p[0, 2, :5] = -1e4; q[0, 2, 5:] = -1e4               # supports on different shards
         w = torch.randn(2, 7, generator=g)
         sl = slice(rank * 5, rank * 5 + 5)
+        from verl_mtp_plugin.acceptance import estimate
+        one_chunk = estimate.CHUNK_BYTES
         for objective in ("soft_ce", "tv"):
             for t in (1.0, 0.7):
                 full = q.clone().requires_grad_()
                 ref = objective_per_token(objective, full, p, t)
                 (ref * w).sum().backward()
-                shard = q[..., sl].clone().requires_grad_()
-                got = objective_per_token(objective, shard, p[..., sl], t, group=dist.group.WORLD)
-                (got * w).sum().backward()
-                assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
-                assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
+                for chunk_bytes in (one_chunk, 4 * 5 * 3):  # shards in chunks of 3 of the 14 rows
+                    estimate.CHUNK_BYTES = chunk_bytes
+                    shard = q[..., sl].clone().requires_grad_()
+                    got = objective_per_token(objective, shard, p[..., sl], t, group=dist.group.WORLD)
+                    (got * w).sum().backward()
+                    estimate.CHUNK_BYTES = one_chunk
+                    assert torch.allclose(got, ref, atol=1e-6), (objective, t, got, ref)
+                    assert torch.allclose(shard.grad, full.grad[..., sl], atol=1e-7), (objective, t)
         # chained_tv: two depths, the product of the all-reduced overlaps; gradients reach both depths' shards
         q2 = torch.randn(2, 7, 10, generator=g) * 3
         p2 = torch.randn(2, 7, 10, generator=g) * 3
@@ -159,6 +285,7 @@ _TP2_SCRIPT = textwrap.dedent(
         ref = chained_tv_per_token(full, [p, p2], 0.7, counted=counted)
         (ref * w2).sum().backward()
         shard = [q[..., sl].clone().requires_grad_(), q2[..., sl].clone().requires_grad_()]
+        estimate.CHUNK_BYTES = 4 * 5 * 4  # chunks of 4 of the 14 rows, the same cuts at both depths and ranks
         got = chained_tv_per_token(shard, [p[..., sl], p2[..., sl]], 0.7, counted=counted, group=dist.group.WORLD)
         (got * w2).sum().backward()
         assert torch.allclose(got, ref, atol=1e-6), (got, ref)
@@ -174,6 +301,7 @@ _TP2_SCRIPT = textwrap.dedent(
         from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
 
         init_megatron(seed=5, tp=2)
+        estimate.CHUNK_BYTES = 4 * 64 * 5  # the model's 64-token vocabulary shards in chunks of 5 tokens
         reset_mtp_globals()
         model = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
                                   config_overrides=dict(tensor_model_parallel_size=2))
@@ -238,8 +366,9 @@ _TP2_SCRIPT = textwrap.dedent(
 
 
 def test_tensor_parallel_two_ranks_equal_one(tmp_path):
-    """TP=2 (gloo, 2 processes): values and gradients on vocabulary shards equal the whole-vocabulary ones;
-    the objective of a TP=2 HybridModel forward equals the TP=1 formula on its gathered logits."""
+    """TP=2 (gloo, 2 processes): values and gradients on vocabulary shards, in one chunk and in chunks of tokens,
+    equal the whole-vocabulary ones; the objective of a TP=2 HybridModel forward (in chunks) equals the TP=1
+    formula on its gathered logits."""
     from verl_mtp_plugin.testing import rendezvous
 
     script = tmp_path / "tp2_objective.py"

@@ -171,6 +171,34 @@ def test_packed_chained_tv_over_two_depths_equals_each_sample_alone(megatron_env
         torch.testing.assert_close(packed[3][k], padded[3][k], rtol=RTOL, atol=ATOL, msg=k)
 
 
+@pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])
+def test_packed_objectives_in_chunks_of_tokens_equal_one_chunk(megatron_env, monkeypatch, objective):
+    """The objectives and the acceptance estimate computed a few packed rows at a time (chunks of 5 tokens of the
+    48 packed rows, cut across the packed samples' boundaries) equal the one-chunk computation: every value, the
+    estimate and every gradient (chained_tv over 2 depths, the tool-output mask entering as 1)."""
+    from verl_mtp_plugin.acceptance import estimate
+
+    depths = 2 if objective == "chained_tv" else 1
+    model = _model(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True) if depths == 2 else _model()
+    ids, masks = _batch()
+    run = partial(_run, model, ids, masks, data_format="thd", objective=objective, bucket=BUCKET, depths=depths)
+    one = run()
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 4 * 128 * 5)
+    assert estimate.chunk_rows(128) == 5
+    chunked = run()
+    key = OBJECTIVE_KEY.format(k=depths, objective=objective)
+    assert key in chunked[1] and chunked[1][key] > 0
+    assert set(chunked[1]) == set(one[1]) and set(chunked[2]) == set(one[2]) and set(chunked[3]) == set(one[3])
+    for k, v in chunked[1].items():
+        assert v == pytest.approx(one[1][k], rel=1e-6, abs=1e-7), k
+    for k, v in chunked[2].items():
+        assert v == pytest.approx(one[2][k], rel=1e-6, abs=1e-7), k
+    mtp = [k for k in chunked[3] if k.startswith("mtp.") and "expert_bias" not in k]
+    assert mtp and all(float(chunked[3][k].abs().sum()) > 0 for k in mtp)
+    for k in chunked[3]:
+        torch.testing.assert_close(chunked[3][k], one[3][k], rtol=1e-6, atol=1e-8, msg=k)
+
+
 def test_packed_batch_without_mamba_seq_idx_leaks_state(megatron_env, monkeypatch):
     """The comparison above can fail: with seq_idx dropped (verl 0.9.1's packing alone), Mamba's state flows
     from each packed sample into the next, so every sample but the first gets other logits."""

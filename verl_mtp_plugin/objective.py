@@ -37,6 +37,15 @@ All are exact under tensor parallelism: the softmaxes and the sums over the voca
 the tensor-parallel group (vocabulary shards, megatron's contiguous split), and each rank's gradient is
 that of the full-vocabulary loss with respect to its own shard.
 
+Memory: ``soft_ce`` / ``tv`` (and so ``chained_tv``, whose chain is a product of per-row numbers) run on
+:func:`~verl_mtp_plugin.acceptance.estimate.chunk_rows` tokens at a time, forward and backward (backward recomputes
+each chunk's softmaxes from per-row numbers the forward kept), so their float32 intermediates are one chunk's
+``[rows, V/tp]`` (:data:`~verl_mtp_plugin.acceptance.estimate.CHUNK_BYTES`, 256 MiB), not several
+``[tokens, V/tp]``. What stays alive until backward: the MTP logits and the policy's target logits (both in the
+logits' dtype, the target shared by the depths) and a few float32 numbers per token. Every tensor-parallel rank cuts
+the same chunks, so the vocabulary reductions pair up chunk by chunk. The logged hard cross-entropy runs in the same
+chunks (:func:`_chunked_hard_ce`).
+
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
 masks the result and attaches its gradient through ``MTPLossAutoScaler`` (``chained_tv``: depth ``d``'s
@@ -58,7 +67,7 @@ from functools import partial
 
 import torch
 
-from verl_mtp_plugin.acceptance.estimate import _all_reduce, _probs, check_temperature, group_size, vocab_parallel_log_softmax
+from verl_mtp_plugin.acceptance.estimate import _all_reduce, check_temperature, chunk_rows, group_size
 from verl_mtp_plugin.compat.megatron_loss import replace_language_model_loss
 from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
 from verl_mtp_plugin.policy import MTPObjective
@@ -87,38 +96,110 @@ def _sum_vocab(x: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(s, torch.distributed.ReduceOp.SUM, group) if group_size(group) > 1 else s
 
 
-class _SoftCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_logits, p_logits, temperature, group):
-        log_q, q = vocab_parallel_log_softmax(q_logits, temperature, group)
-        log_p, p = vocab_parallel_log_softmax(p_logits, temperature, group)
-        kl = _sum_vocab(torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)), group)
-        ctx.save_for_backward(q.sub_(p).div_(temperature))
-        ctx.dtype = q_logits.dtype
-        return kl
+def _softmax_rows(logits: torch.Tensor, temperature: float, group, stats=None):
+    """``(x - m, softmax(x), (m, z))`` in float32 for ``x = logits / T`` over the (possibly vocab-sharded) rows:
+    ``m`` the row max, ``z`` the row sum of ``exp(x - m)``. With ``stats`` (a forward's ``(m, z)``) no collective
+    runs and the result is bitwise the forward's (the same element-wise operations on the same inputs)."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if stats is None:
+        m = x.amax(dim=-1, keepdim=True)
+        if group_size(group) > 1:
+            m = _all_reduce(m, torch.distributed.ReduceOp.MAX, group)
+    else:
+        m = stats[0]
+    x = x - m
+    e = torch.exp(x)
+    if stats is None:
+        z = e.sum(dim=-1, keepdim=True)
+        if group_size(group) > 1:
+            z = _all_reduce(z, torch.distributed.ReduceOp.SUM, group)
+    else:
+        z = stats[1]
+    return x, e.div_(z), (m, z)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` as ``[N, V]`` (a view when contiguous)."""
+    return x.reshape(-1, x.shape[-1])
+
+
+class _ChunkedObjective(torch.autograd.Function):
+    """A per-row objective of ``(q_logits, p_logits)`` computed :func:`chunk_rows` rows at a time, in forward and in
+    backward: only one chunk's float32 ``[rows, V/tp]`` intermediates are alive at once. Saved for backward: the
+    two logits tensors the caller holds anyway (no copy) and a few float32 numbers per row (softmax max and sum,
+    the objective's row sums); backward recomputes each chunk's softmaxes from them, bitwise the forward's, with no
+    collective. Under tensor parallelism every rank cuts the same chunks (same rows, same shard width), so the
+    per-chunk vocabulary reductions pair up across ranks. Subclasses give ``_forward_rows`` / ``_grad_rows``."""
 
     @staticmethod
-    def backward(ctx, grad):
-        (g,) = ctx.saved_tensors
-        return (g * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+    def _forward_rows(q, log_q, p, log_p, group):  # -> (value [n], extra row stats [n] or None)
+        raise NotImplementedError
 
-
-class _TV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_logits, p_logits, temperature, group):
-        q = _probs(q_logits, temperature, group)
-        p = _probs(p_logits, temperature, group)
+    def _grad_rows(q, p, extra, temperature):  # -> dL/dz_q of the value, [n, V/tp] float32
+        raise NotImplementedError
+
+    @classmethod
+    def forward(cls, ctx, q_logits, p_logits, temperature, group):
+        q2, p2 = _rows(q_logits), _rows(p_logits)
+        n, step = q2.shape[0], chunk_rows(q2.shape[-1])
+        value = torch.empty(n, dtype=torch.float32, device=q_logits.device)
+        stats = torch.empty(5, n, 1, dtype=torch.float32, device=q_logits.device)  # m_q, z_q, m_p, z_p, extra
+        for i in range(0, n, step):
+            xq, q, (mq, zq) = _softmax_rows(q2[i : i + step], temperature, group)
+            xp, p, (mp, zp) = _softmax_rows(p2[i : i + step], temperature, group)
+            v, extra = cls._forward_rows(q, xq.sub_(zq.log()), p, xp.sub_(zp.log()), group)
+            value[i : i + step] = v
+            for j, t in enumerate((mq, zq, mp, zp)):
+                stats[j, i : i + step] = t
+            if extra is not None:
+                stats[4, i : i + step, 0] = extra
+            del xq, q, xp, p
+        ctx.save_for_backward(q_logits, p_logits, stats)
+        ctx.temperature = temperature
+        return value.reshape(q_logits.shape[:-1])
+
+    @classmethod
+    def backward(cls, ctx, grad):
+        q_logits, p_logits, stats = ctx.saved_tensors
+        t = ctx.temperature
+        q2, p2, grad = _rows(q_logits), _rows(p_logits), grad.reshape(-1, 1).float()
+        n, step = q2.shape[0], chunk_rows(q2.shape[-1])
+        out = torch.empty_like(q2)
+        for i in range(0, n, step):
+            c = slice(i, i + step)
+            _, q, _ = _softmax_rows(q2[c], t, None, (stats[0, c], stats[1, c]))
+            _, p, _ = _softmax_rows(p2[c], t, None, (stats[2, c], stats[3, c]))
+            out[c] = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
+            del q, p
+        return out.reshape(q_logits.shape), None, None, None
+
+
+class _SoftCE(_ChunkedObjective):
+    @staticmethod
+    def _forward_rows(q, log_q, p, log_p, group):
+        kl = _sum_vocab(torch.where(p > 0, p * log_p.sub_(log_q), torch.zeros_like(p)), group)
+        return kl, None
+
+    @staticmethod
+    def _grad_rows(q, p, extra, temperature):
+        return q.sub_(p).div_(temperature)
+
+
+class _TV(_ChunkedObjective):
+    @staticmethod
+    def _forward_rows(q, log_q, p, log_p, group):
         below = q < p
-        overlap = _sum_vocab(torch.minimum(p, q), group)
         s = _sum_vocab(q * below, group)
-        ctx.save_for_backward(q.mul_(s.unsqueeze(-1) - below.float()).div_(temperature))
-        ctx.dtype = q_logits.dtype
-        return (1.0 - overlap).clamp_(0.0, 1.0)
+        overlap = _sum_vocab(torch.minimum(p, q), group)
+        return (1.0 - overlap).clamp_(0.0, 1.0), s
 
     @staticmethod
-    def backward(ctx, grad):
-        (g,) = ctx.saved_tensors
-        return (g * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+    def _grad_rows(q, p, extra, temperature):  # extra: S = sum_v q_v [q_v < p_v]
+        below = q < p
+        return q.mul_(extra - below.float()).div_(temperature)
 
 
 def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -> float:
@@ -249,6 +330,19 @@ def collect_objective_metrics(objective, num_microbatches: int = 1, *, group=Non
 # one forward of the model
 
 
+def _chunked_hard_ce(hard_ce, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``hard_ce(labels [b, s], logits [s, b, V/tp]) -> [b, s]`` (megatron's per-token cross-entropy) on
+    :func:`chunk_rows` tokens at a time, each chunk a copy: megatron's vocab-parallel cross-entropy rewrites float32
+    logits in place (``exp(x - max)``), and the objective's backward reads the logits again; its float32 copy of the
+    whole ``[s, b, V/tp]`` is one chunk's instead. Exact: the loss is per token, and every tensor-parallel rank cuts
+    the same chunks."""
+    s, b = logits.shape[0], logits.shape[1]
+    step = max(1, chunk_rows(logits.shape[-1]) // max(b, 1))
+    if s <= step:
+        return hard_ce(labels, logits.clone())
+    return torch.cat([hard_ce(labels[:, i : i + step], logits[i : i + step].clone()) for i in range(0, s, step)], dim=1)
+
+
 def _target_logits(inner, main_hidden: torch.Tensor) -> torch.Tensor:
     """The main head's logits ``[s, b, V/tp]`` from the main hidden states, exactly as HybridModel's forward
     computes them (output layer, shared weight when tied, ``_scale_logits``), detached."""
@@ -330,10 +424,8 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         value = value.transpose(0, 1)  # [b, s]
         if chained:  # value was 1 - alpha_d; the chain's term at this depth (alpha_d enters where megatron counts d)
             value, state["chain"] = _chain_step(state["chain"], 1.0 - value, mask)
-        # after the objective: megatron's vocab-parallel cross-entropy rewrites fp32 logits in place
-        # (exp(x - max)); what megatron reads from them afterwards (the top-1 count) is argmax-invariant
-        with torch.no_grad():
-            ce = hard_ce(labels, logits)  # [b, s]
+        with torch.no_grad():  # megatron's cross-entropy per token, a chunk of positions at a time, on a copy
+            ce = _chunked_hard_ce(hard_ce, labels, logits)  # [b, s]
         if inner.training and loss_mask is not None:
             n = mask.sum()
             _track(d, num_depths, (value.detach() * mask).sum() * (n > 0) / n.clamp(min=1))

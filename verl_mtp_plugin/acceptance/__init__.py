@@ -40,7 +40,8 @@ then an optimistic stand-in for the later positions (models with several MTP dep
 per-depth rate).
 
 Cost: one ``[n, h] x [h, V]`` product per MTP depth (``n <= max_positions``, default 256) plus two
-softmaxes over ``[n, V]``, under ``torch.no_grad``; see ``benchmarks/RESULTS.md``.
+softmaxes over ``[n, V]`` (a chunk of rows at a time: :data:`~verl_mtp_plugin.acceptance.estimate.CHUNK_BYTES`),
+under ``torch.no_grad``; see ``benchmarks/RESULTS.md``.
 
 Modules: :mod:`~verl_mtp_plugin.acceptance.estimate` (the arithmetic on logits, the metric keys) and
 :mod:`~verl_mtp_plugin.acceptance.probe` (the forward hook on the MTP block).

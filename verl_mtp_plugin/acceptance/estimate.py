@@ -19,6 +19,7 @@ __all__ = [
     "ACCEPT_LENGTH_KEY",
     "ACCEPT_LENGTH_KS",
     "ARGMAX_DRAFT_KEY",
+    "CHUNK_BYTES",
     "DEPTH_EXPECTED_KEY",
     "DEPTH_GREEDY_KEY",
     "EXPECTED_KEY",
@@ -28,6 +29,7 @@ __all__ = [
     "acceptance_stats",
     "argmax_draft_acceptance",
     "check_temperature",
+    "chunk_rows",
     "expected_accept_length",
     "expected_speedup",
     "greedy_agreement",
@@ -55,6 +57,18 @@ DEPTH_GREEDY_KEY = "mtp_greedy_accept_rate_depth{d}"
 
 #: The ``k`` values :data:`ACCEPT_LENGTH_KEY` is logged for.
 ACCEPT_LENGTH_KS = (1, 2, 3)
+
+#: Size of one chunk's float32 ``[rows, vocab shard]`` intermediate: the acceptance estimate and the soft_ce / tv /
+#: chained_tv objectives (:mod:`verl_mtp_plugin.objective`) work on this many rows (tokens) at a time
+#: (:func:`chunk_rows`), so their memory is a few such tensors, not a few ``[tokens, vocab]`` ones. 256 MiB: 512
+#: tokens at a 131072-token vocabulary shard (TP 1), 4096 at TP 8. Every rank of a tensor-parallel group holds the
+#: same shard width, so all ranks cut the same chunks and run the same collectives.
+CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_rows(v_local: int) -> int:
+    """Rows per chunk so that one float32 ``[rows, v_local]`` tensor is at most :data:`CHUNK_BYTES` (at least 1)."""
+    return max(1, int(CHUNK_BYTES) // (4 * max(int(v_local), 1)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +164,19 @@ def _argmax(logits: torch.Tensor, group) -> torch.Tensor:
 def acceptance_stats(
     p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float, group
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(overlap, greedy agreement, argmax-draft acceptance), each ``[...]`` float32, sharing the softmaxes."""
+    """(overlap, greedy agreement, argmax-draft acceptance), each ``[...]`` float32, sharing the softmaxes; computed
+    :func:`chunk_rows` rows at a time (each row on its own, so the result does not depend on the chunking)."""
+    shape, v = p_logits.shape[:-1], p_logits.shape[-1]
+    p2, q2 = p_logits.reshape(-1, v), q_logits.reshape(-1, v)
+    n, step = p2.shape[0], chunk_rows(v)
+    out = [torch.empty(n, dtype=torch.float32, device=p_logits.device) for _ in range(3)]
+    for i in range(0, n, step):
+        for o, x in zip(out, _acceptance_stats_rows(p2[i : i + step], q2[i : i + step], temperature, group)):
+            o[i : i + step] = x
+    return tuple(o.reshape(shape) for o in out)
+
+
+def _acceptance_stats_rows(p_logits, q_logits, temperature, group):
     p_arg, q_arg = _argmax(p_logits, group), _argmax(q_logits, group)
     greedy = (p_arg == q_arg).float()
     if temperature == 0.0:
