@@ -480,23 +480,26 @@ def test_vllm_keys_named_in_messages_exist_in_vllm():
     assert SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default == "greedy"
 
 
-@pytest.fixture(scope="module")
-def verl_base():
-    """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults)."""
+def _compose_with_guard(*guard_overrides):
+    """verl's own ppo_trainer composed with model_engine=megatron (real schema and defaults), MTP speculation k=2
+    and the guard block's ``+verl_mtp_plugin.mtp_guard.<key>=<value>`` overrides."""
     from verl_mtp_plugin.trainer.config import compose_ppo_trainer
 
-    cfg = compose_ppo_trainer(
+    return compose_ppo_trainer(
         [
             "model_engine=megatron",
             "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.model.mtp.enable=true",
             "actor_rollout_ref.model.mtp.enable_rollout=true",
             "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
-            f"+{GUARD_CONFIG_PATH}.threshold=0.3",
-            f"+{GUARD_CONFIG_PATH}.action=fail",
+            *(f"+{GUARD_CONFIG_PATH}.{o}" for o in guard_overrides),
         ]
     )
-    return cfg
+
+
+@pytest.fixture(scope="module")
+def verl_base():
+    return _compose_with_guard("threshold=0.3", "action=fail")
 
 
 def test_config_from_the_real_verl_config_and_why_not_under_rollout(verl_base, caplog):
@@ -560,8 +563,6 @@ def test_batch_per_engine_and_verify_cost_from_the_real_verl_config(verl_base):
     """The guard reads c_k at the rollout's batch per vLLM engine; a verify_cost table from Hydra's command line."""
     from omegaconf import open_dict
 
-    from verl_mtp_plugin.trainer.config import compose_ppo_trainer
-
     cfg = copy.deepcopy(verl_base)
     cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n = 64, 8
     cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes = 8, 1
@@ -578,16 +579,7 @@ def test_batch_per_engine_and_verify_cost_from_the_real_verl_config(verl_base):
         cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs = 48  # engine_kwargs win (verl spreads them)
     assert engine_batch_size(cfg) == 48
 
-    cfg = compose_ppo_trainer(
-        [
-            "model_engine=megatron",
-            "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.model.mtp.enable=true",
-            "actor_rollout_ref.model.mtp.enable_rollout=true",
-            "actor_rollout_ref.model.mtp.num_speculative_tokens=2",
-            f"+{GUARD_CONFIG_PATH}.verify_cost=[[64,[1.2,1.3]],[256,[1.3,1.7]]]",
-        ]
-    )
+    cfg = _compose_with_guard("verify_cost=[[64,[1.2,1.3]],[256,[1.3,1.7]]]")
     guard = guard_from_verl_config(cfg)
     assert guard.config.verify_cost == ((64, (1.2, 1.3)), (256, (1.3, 1.7)))
     assert guard.verify_cost(2) == pytest.approx(verify_step_cost(guard.config.verify_cost, 2, engine_batch_size(cfg)))

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from verl_mtp_plugin.config_keys import get_key
+from verl_mtp_plugin.verl_config import _float_value
 
 __all__ = ["DEFAULT_SAMPLE_POLL_S", "SAMPLE_POLL_KEY", "sample_poll_errors", "sample_poll_s", "set_sample_poll"]
 
@@ -30,13 +31,8 @@ def sample_poll_errors(config: Any) -> list[str]:
     value = get_key(config, SAMPLE_POLL_KEY, None)
     if value is None:
         return []
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
+    seconds = _float_value(value)  # the start-up check's reading of a number (not a bool, a numeric string)
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         return [f"{SAMPLE_POLL_KEY}={value!r}: the seconds between the trainer's checks for finished rollout samples "
                 f"(verl's replay buffer poll interval) must be a number > 0 (default {DEFAULT_SAMPLE_POLL_S})"]
     return []
