@@ -23,7 +23,7 @@ suite runs (``tests/trainer_runs.py``; these tests run last). Five starts here, 
   trunk moving when the MTP loss does reach it). From the run's second weight update on the drafter sync
   is broken on purpose (``swap-eh@2``) with ``mtp_guard.action=fail``: step N+2's rollout runs on a
   wrongly wired drafter and the guard must stop the trainer.
-* ``frozen_resumed``: grpo_online continues the demo's frozen run for steps N+1..N+3 (a resume in another MTP mode,
+* ``frozen_resumed``: grpo_online continues the demo's frozen run for steps N+1..N+5 (a resume in another MTP mode,
   with ``actor.checkpoint.load_contents=[model,extra]``) in verl's colocated asynchronous trainer
   (``trainer.v1.trainer_mode=mtp_colocate_async``: verl's ``fit()`` with its warm-up batch, partial rollouts and a
   weight update at every step's end), a checkpoint every step, the drafter written after every update: the trunk
@@ -292,6 +292,9 @@ def test_frozen_run_resumed_online_continues_from_the_checkpoints_weights(frozen
 #: vLLM's measured first-draft acceptance pooled over the async run's steps vs the trainer's estimate pooled the same
 #: way: |diff| within this plus 3 binomial standard errors (as in tests/test_main_ppo_tp2.py)
 TRACKING = 0.1
+#: the async run's last steps, pooled: their rollouts come from weights two or more trained updates on from the
+#: checkpoint's (the async trainer's first two batches both start under the checkpoint's weights)
+LATE_STEPS = 2
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
@@ -343,7 +346,7 @@ def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_accepta
         for k in compared:  # the drafter as loaded (read back through vLLM's CPU kernels)
             assert torch.equal(d["drafter"][k].float(), full[k].float()), (update, k)
     # generation: per step the rollouts of one weight version, measured by vLLM against the trainer's estimate for
-    # that version; the last step's drafts come after two trained updates
+    # that version
     estimate = draft_estimate_metric(compose_recipe(str(CONFIG_DIR), "grpo_online"))
     drafts = [m.get("rollout/spec_num_drafts", 0.0) for m in metrics]
     assert drafts[0] > 0 and drafts[-1] > 0, drafts
@@ -353,8 +356,17 @@ def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_accepta
     expected = sum(m[estimate] * d for m, d in zip(metrics, drafts) if d) / total
     bound = TRACKING + 3 * math.sqrt(max(measured * (1 - measured), 1e-4) / total)
     assert abs(measured - expected) <= bound, (measured, expected, bound, drafts)
-    first, last = metrics[0]["rollout/spec_accept_rate_pos_0"], metrics[-1]["rollout/spec_accept_rate_pos_0"]
-    assert last > first + 0.15, (first, last)  # the drafter followed the MTP training
+    # the drafter followed the MTP training: the stale frozen drafter's acceptance (step N+1, rollouts of the
+    # checkpoint's weights) against the last LATE_STEPS steps pooled (rollouts of weights >= 2 trained updates on):
+    # a rise beyond 3 binomial standard errors of the difference. How far it rises depends on how far the frozen run
+    # moved the policy from the checkpoint's MTP block (measured 0.14 -> 0.62 on one CPU, 0.49 -> 0.52 after one
+    # update on another), hence a noise bound and more than one trained update, not a fixed margin
+    late = [(m["rollout/spec_accept_rate_pos_0"], d) for m, d in zip(metrics[-LATE_STEPS:], drafts[-LATE_STEPS:]) if d]
+    n_first, n_late = drafts[0], sum(d for _, d in late)
+    first = metrics[0]["rollout/spec_accept_rate_pos_0"]
+    last = sum(r * d for r, d in late) / n_late
+    noise = 3 * math.sqrt(max(first * (1 - first), 1e-4) / n_first + max(last * (1 - last), 1e-4) / n_late)
+    assert last - first > noise, (first, last, noise, drafts)
     # the guard judged every step that drafted (a step whose window held no generation has no rate: verl sampled
     # rollouts already finished and aborted the rest at once) and found no desync
     judged = [m["mtp_guard/desync"] for m, d in zip(metrics, drafts) if d]

@@ -189,7 +189,7 @@ COLOCATE_ASYNC = "trainer.v1.trainer_mode=mtp_colocate_async"
 #: its steps: the first trains on rollouts of the checkpoint's weights, the later ones on rollouts of weights the run
 #: trained and synced (the async trainer's first two batches, the warm-up's and step 1's, both start under the
 #: checkpoint's weights)
-FROZEN_RESUMED_STEPS = 3
+FROZEN_RESUMED_STEPS = 5
 
 
 def _frozen_resumed(root, deps):
