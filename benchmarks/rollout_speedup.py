@@ -114,7 +114,7 @@ else:
 import acceptance_drift as drift  # noqa: E402  (the synthetic language, sampling, verl algorithm import)
 
 T0 = time.time()
-SUPER_MTP_PAYLOAD_GIB = 5.5  # Nemotron 3 Super's MTP tensors in bf16 (README, sync bytes table)
+SUPER_MTP_PAYLOAD_GIB = 5.5  # Nemotron 3 Super's MTP tensors in bf16 (docs/weight-sync.md, sync bytes table)
 
 
 def log(msg: str) -> None:

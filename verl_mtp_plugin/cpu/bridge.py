@@ -178,7 +178,7 @@ def install_te_import_placeholder() -> None:
 
 
 def bridge_available() -> bool:
-    """True when Megatron-Bridge is installed (it is part of the test environment, see README)."""
+    """True when Megatron-Bridge is installed (part of the test environment: docs/compatibility.md)."""
     import importlib.util
 
     return importlib.util.find_spec("megatron.bridge") is not None
