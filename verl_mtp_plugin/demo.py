@@ -10,7 +10,9 @@ harness of :mod:`verl_mtp_plugin.cpu` (its module docstrings list each stand-in 
 library line that forces it).
 
 By default it runs **online** and **frozen** side by side (``--sequential``: one after the other) at the same
-settings, on the same checkpoint and task.
+settings, on the same checkpoint and task. While they run, each run shows the phase it is in (Ray, the actor/ref
+workers, vLLM's server, the first weight sync, step k/N: :mod:`verl_mtp_plugin.demo_progress`), a bar per run on a
+terminal and a line per phase change elsewhere.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
 digit two back, ``a b a b ...`` — and then its MTP head alone on that rule without exceptions (so it drafts "two
 back" with a clear margin); the reward pays for another — count on by one from the last digit

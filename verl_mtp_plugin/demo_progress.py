@@ -238,6 +238,7 @@ class RunProgress:
                 changed = bool(changes)
             except Exception as e:  # noqa: BLE001 - what the run writes never stops the demo: elapsed time only
                 self.broken = True
+                self.last = now
                 self._line(f"(progress: cannot read the run's output, {type(e).__name__}: {e}; elapsed time only)")
         if changed:
             self.last = self.since = now
@@ -247,9 +248,15 @@ class RunProgress:
             self.bar.refresh()
         elif now - self.last >= self.HEARTBEAT_S:
             self.last = now
-            what = ("verl's trainer is running" if self.broken
-                    else f"... still {self.tracker.now_doing()} (for {now - self.since:.0f} s)")
-            self._line(what)
+            self._line("... verl's trainer is running" if self.broken else self._still(now - self.since))
+
+    def _still(self, for_s: float) -> str:
+        t = self.tracker
+        if t.finished:
+            return f"... still saving the checkpoint, stopping Ray (for {for_s:.0f} s)"
+        if t.phase == STARTUP - 1:
+            return f"... step {len(t.done) + 1}/{self.steps} running (for {for_s:.0f} s)"
+        return f"... still in start-up {t.phase + 1}/{STARTUP} (for {for_s:.0f} s): {PHASES[t.phase].label}"
 
     def _show(self, change: tuple) -> None:
         kind = change[0]
