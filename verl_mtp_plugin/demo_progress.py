@@ -194,7 +194,8 @@ class RunProgress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=STARTUP - 1 + steps, position=position, leave=False, file=out,
-                            dynamic_ncols=True, bar_format="{desc} |{bar}| {elapsed}", desc=self._desc())
+                            dynamic_ncols=True, desc=self.tracker.now_doing(),
+                            bar_format=f"[{mode}] {{elapsed}} |{{bar:20}}| {{n}}/{{total}} {{desc}}")
         self._line(f"start-up 1/{STARTUP}: {PHASES[0].label}")
 
     # ------------------------------------------------------------------ output
@@ -212,9 +213,6 @@ class RunProgress:
 
     def _line(self, what: str) -> None:
         self._write(f"[{self.mode}] {self.clock() - self.t0:5.0f} s  {what}")
-
-    def _desc(self) -> str:
-        return f"[{self.mode}] {self.tracker.now_doing()}"
 
     # ------------------------------------------------------------------ reading
 
@@ -244,7 +242,7 @@ class RunProgress:
             self.last = self.since = now
         if self.bar is not None:
             self.bar.n = self.tracker.phase + len(self.tracker.done)
-            self.bar.set_description_str(self._desc(), refresh=False)
+            self.bar.set_description_str(self.tracker.now_doing(), refresh=False)
             self.bar.refresh()
         elif now - self.last >= self.HEARTBEAT_S:
             self.last = now
