@@ -163,11 +163,11 @@ def test_output_it_cannot_read_shows_the_elapsed_time_and_never_stops_the_demo(t
 
 
 @pytest.mark.parametrize("line, key", [
-    # Ray's ANSI-coloured actor prefix as it reaches the run's log
+    # lines of a real run's log (the demo run of /tmp/ci4): Ray's ANSI-coloured actor prefix as it reaches the log
     ("[  45.7s] \x1b[36m(MTPTaskRunner pid=31505)\x1b[0m INFO:2026-12-04 18:01:52,665:create worker group "
      "dict_keys(['actor_rollout_ref'])", "workers"),
     ("[  82.6s] \x1b[36m(vLLMHttpServer pid=32158)\x1b[0m INFO:2026-12-04 18:02:29,506:Platform override", "vllm"),
-])
+], ids=["verl-create-worker-group", "ray-vLLMHttpServer-prefix"])
 def test_markers_match_through_rays_colour_codes(line, key):
     P = _P()
     t = P.RunTracker(STEPS)
