@@ -92,7 +92,7 @@ def test_a_recorded_run_shows_each_phase_in_order_and_its_steps(tmp_path):
 def test_the_demo_shows_each_runs_phases_side_by_side_as_lines_off_a_terminal(tmp_path, monkeypatch, capsys):
     """Through the demo's own loop (_run_modes: the files of run_recipe's run, polled while it runs), two runs side by
     side, stdout not a terminal (as under CI): one line per phase change and step, each run's own, no ``\\r``."""
-    import verl_mtp_plugin.cpu as cpu
+    from verl_mtp_plugin import cpu
 
     replay = _replay()
 
@@ -164,8 +164,8 @@ def test_output_it_cannot_read_shows_the_elapsed_time_and_never_stops_the_demo(t
 
 @pytest.mark.parametrize("line, key", [
     # lines of a real run's log (the demo run of /tmp/ci4): Ray's ANSI-coloured actor prefix as it reaches the log
-    ("[  45.7s] \x1b[36m(MTPTaskRunner pid=31505)\x1b[0m INFO:2026-12-04 18:01:52,665:create worker group "
-     "dict_keys(['actor_rollout_ref'])", "workers"),
+    (("[  45.7s] \x1b[36m(MTPTaskRunner pid=31505)\x1b[0m INFO:2026-12-04 18:01:52,665:create worker group "
+      "dict_keys(['actor_rollout_ref'])"), "workers"),
     ("[  82.6s] \x1b[36m(vLLMHttpServer pid=32158)\x1b[0m INFO:2026-12-04 18:02:29,506:Platform override", "vllm"),
 ], ids=["verl-create-worker-group", "ray-vLLMHttpServer-prefix"])
 def test_markers_match_through_rays_colour_codes(line, key):

@@ -204,7 +204,6 @@ def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, 
     and one run keeps about one of two cores busy: most of a run is start-up and waiting between processes) or
     one after the other, stopping at the first run that fails. Returns mode -> result (runs that started)."""
     from verl_mtp_plugin.cpu import run_recipe
-
     from verl_mtp_plugin.cpu.harness import run_files
     from verl_mtp_plugin.demo_progress import RunProgress
 

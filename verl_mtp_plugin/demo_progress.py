@@ -22,7 +22,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["PHASES", "Phase", "RunProgress", "RunTracker"]
 

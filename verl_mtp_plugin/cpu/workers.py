@@ -302,12 +302,11 @@ def install_trainer_worker_standins() -> list[str]:
         raise RuntimeError("verl_cpu stand-ins are for machines without CUDA")
     if _INSTALLED:
         return installed()
+    from verl_mtp_plugin.cpu.tiny import _install_cpu_current_device, _install_mamba_reference_on_cpu
+    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
     from verl_mtp_plugin.cpu.events import event
 
     event("trainer_worker")  # harness event: a trainer worker starts, before its model is built (the demo's phases)
-    from verl_mtp_plugin.cpu.tiny import _install_cpu_current_device, _install_mamba_reference_on_cpu
-    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
-
     _install_cpu_current_device()
     _INSTALLED.append("cpu_current_device")
     install_te_import_placeholder()
