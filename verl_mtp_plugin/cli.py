@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--out", default="demo_out", help="directory for metrics.jsonl, demo.png and each run's log")
-    d.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    d.add_argument("--no-progress", action="store_true",
+                   help="show nothing while verl's trainer runs (no phases, step lines or bar); the table at the end "
+                        "stays")
     d.add_argument("--sequential", action="store_true",
                    help="run the modes one after the other (default: side by side, each its own Ray cluster; "
                         "about 5 GiB of memory per run)")

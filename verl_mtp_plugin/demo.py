@@ -10,7 +10,9 @@ harness of :mod:`verl_mtp_plugin.cpu` (its module docstrings list each stand-in 
 library line that forces it).
 
 By default it runs **online** and **frozen** side by side (``--sequential``: one after the other) at the same
-settings, on the same checkpoint and task.
+settings, on the same checkpoint and task. While they run, each run shows the phase it is in (Ray, the actor/ref
+workers, vLLM's server, the first weight sync, step k/N: :mod:`verl_mtp_plugin.demo_progress`), a bar per run on a
+terminal and a line per phase change elsewhere.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
 digit two back, ``a b a b ...`` — and then its MTP head alone on that rule without exceptions (so it drafts "two
 back" with a clear margin); the reward pays for another — count on by one from the last digit
@@ -151,54 +153,19 @@ def _fmt(value, fmt: str) -> str:
     return fmt.format(value)
 
 
-class _Progress:
-    """Prints one line per step as verl's file logger writes it, and a line every ``HEARTBEAT_S`` while no step
-    has come (start-up: Ray, the workers, the vLLM server; ``--no-progress``: nothing)."""
-
-    HEARTBEAT_S = 20.0
-
-    def __init__(self, mode: str, steps: int, enabled: bool):
-        self.mode, self.steps, self.enabled, self.seen = mode, steps, enabled, set()
-        self.t0 = self.last = time.perf_counter()
-
-    def poll(self, path: pathlib.Path) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        for row in _rows(path):
-            step = row.get("step")
-            if step is None or step in self.seen:
-                continue
-            self.seen.add(step)
-            self.last = now
-            m = row.get("data", {})
-            key = estimate_metric(self.mode)
-            est = m.get(key) if key else None
-            print(
-                f"[{self.mode}] step {step}/{self.steps} reward {_fmt(m.get(REWARD), '{:.3f}')} "
-                f"| vLLM first-draft accept {_fmt(m.get(ACCEPT), '{:.3f}')}"
-                + (f" (trainer est. {est:.3f})" if est is not None else "")
-                + f" tokens/step {_fmt(m.get(TOKENS_PER_STEP), '{:.2f}')} "
-                f"| mtp_loss {_fmt(m.get('actor/mtp_losses/mtp_1_loss'), '{:.3f}')} "
-                f"desync {_fmt(m.get('mtp_guard/desync'), '{:.0f}')} | {_fmt(m.get('timing_s/step'), '{:.1f}')} s",
-                flush=True,
-            )
-        if now - self.last >= self.HEARTBEAT_S:
-            self.last = now
-            what = "starting Ray, the workers and the vLLM server" if not self.seen else f"step {max(self.seen) + 1}"
-            print(f"[{self.mode}] ... {now - self.t0:.0f} s: verl's trainer is running ({what})", flush=True)
-
-
-def _rows(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
+def step_line(mode: str, steps: int, step: int, m: dict) -> str:
+    """The line a finished step prints: verl's numbers for it (reward, vLLM's first-draft acceptance beside the
+    trainer's estimate, tokens per verify step, MTP loss, the desync guard, the step's time)."""
+    key = estimate_metric(mode)
+    est = m.get(key) if key else None
+    return (
+        f"[{mode}] step {step}/{steps} reward {_fmt(m.get(REWARD), '{:.3f}')} "
+        f"| vLLM first-draft accept {_fmt(m.get(ACCEPT), '{:.3f}')}"
+        + (f" (trainer est. {est:.3f})" if est is not None else "")
+        + f" tokens/step {_fmt(m.get(TOKENS_PER_STEP), '{:.2f}')} "
+        f"| mtp_loss {_fmt(m.get('actor/mtp_losses/mtp_1_loss'), '{:.3f}')} "
+        f"desync {_fmt(m.get('mtp_guard/desync'), '{:.0f}')} | {_fmt(m.get('timing_s/step'), '{:.1f}')} s"
+    )
 
 
 def _guard_message(log: str) -> str:
@@ -237,12 +204,15 @@ def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, 
     and one run keeps about one of two cores busy: most of a run is start-up and waiting between processes) or
     one after the other, stopping at the first run that fails. Returns mode -> result (runs that started)."""
     from verl_mtp_plugin.cpu import run_recipe
+    from verl_mtp_plugin.cpu.harness import run_files
+    from verl_mtp_plugin.demo_progress import RunProgress
 
-    def start(mode):
+    def start(mode, position=0):
         recipe, extra = mode_overrides(mode, seed=seed, break_sync=break_sync)
         workdir = out / mode
-        metrics_path = workdir / f"{recipe}.plugin.step{steps}.metrics.jsonl"
-        metrics_path.unlink(missing_ok=True)
+        files = run_files(workdir, recipe, steps=steps)
+        for p in files.values():  # what a previous run left there must not show as this run's progress
+            p.unlink(missing_ok=True)
         box: dict = {}
 
         def run():
@@ -254,24 +224,31 @@ def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, 
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 box["error"] = e
 
+        shown = RunProgress(mode, steps, log_path=files["log"], events_path=files["events"],
+                            metrics_path=files["metrics"], step_line=functools.partial(step_line, mode, steps),
+                            enabled=progress, position=position)
         t = threading.Thread(target=run, name=f"demo-{mode}", daemon=True)
         t.start()
-        return t, box, _Progress(mode, steps, progress), metrics_path
+        return t, box, shown
 
     def wait(runs):
-        while any(t.is_alive() for t, *_ in runs.values()):
-            for t, _, shown, path in runs.values():
-                t.join(2.0 / len(runs))
-                shown.poll(path)
-        for _, _, shown, path in runs.values():
-            shown.poll(path)
-        for _, box, _, _ in runs.values():
+        try:
+            while any(t.is_alive() for t, *_ in runs.values()):
+                for t, _, shown in runs.values():
+                    t.join(2.0 / len(runs))
+                    shown.poll()
+            for _, _, shown in runs.values():
+                shown.poll()
+        finally:
+            for _, _, shown in runs.values():
+                shown.close()
+        for _, box, _ in runs.values():
             if "error" in box:
                 raise box["error"]
-        return {m: box["result"] for m, (_, box, _, _) in runs.items()}
+        return {m: box["result"] for m, (_, box, _) in runs.items()}
 
     if parallel:
-        return wait({m: start(m) for m in modes})
+        return wait({m: start(m, i) for i, m in enumerate(modes)})
     results = {}
     for m in modes:
         results.update(wait({m: start(m)}))

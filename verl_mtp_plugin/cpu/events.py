@@ -1,6 +1,7 @@
 """Harness events: what the CPU-only vLLM worker extension reports from vLLM's worker process
-(one JSON line per weight update in ``$VERL_CPU_EVENTS``), what the CPU stand-ins report of packed (THD)
-forwards in the trainer workers (:func:`record_packed`), and the switch that breaks the drafter
+(one JSON line per weight update in ``$VERL_CPU_EVENTS``; ``vllm_worker`` when the worker loaded it), what the CPU
+stand-ins report of packed (THD) forwards in the trainer workers (:func:`record_packed`; ``trainer_worker`` when a
+trainer worker starts: the demo's progress reads both start-up events), and the switch that breaks the drafter
 sync on purpose (``$VERL_CPU_BREAK_SYNC``). Imports nothing heavy."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from verl_mtp_plugin.cpu.assets import RESPONSE_LENGTH, Assets
 from verl_mtp_plugin.recipe_paths import CONFIG_DIR, RECIPES
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
-           "load_result", "private_tmp_prefix", "run_recipe", "runs_side_by_side", "stop_active_runs"]
+           "load_result", "private_tmp_prefix", "run_files", "run_recipe", "runs_side_by_side", "stop_active_runs"]
 
 RECIPE_DIR = CONFIG_DIR  # the shipped recipes, found through the package
 #: the CPU platform's entry for VERL_USE_EXTERNAL_MODULES (a top-level module in PYTHONPATH_DIR, see there)
@@ -382,6 +382,16 @@ def _tag(recipe: str, entry: str, steps: int, resume: bool) -> str:
     return f"{recipe}.{entry}.step{steps}{'.resume' if resume else ''}"
 
 
+def run_files(workdir, recipe: str, *, entry: str = "plugin", steps: int,
+              resume: bool = False) -> dict[str, pathlib.Path]:
+    """The files :func:`run_recipe` writes while the run is under way: ``log`` (the trainer's output, a line as
+    it comes), ``events`` (the harness events) and ``metrics`` (verl's file logger, a row per step)."""
+    workdir = pathlib.Path(workdir).resolve()
+    tag = _tag(recipe, entry, steps, resume)
+    return {"log": workdir / f"{tag}.log", "events": workdir / f"{tag}.events.jsonl",
+            "metrics": workdir / f"{tag}.metrics.jsonl"}
+
+
 def load_result(workdir, recipe: str, *, entry: str = "plugin", steps: int, resume: bool = False) -> RecipeResult:
     """The :class:`RecipeResult` of a finished :func:`run_recipe` call, read back from its folder (so that
     several tests, or the demo and the tests, can read one run)."""
@@ -486,8 +496,8 @@ def run_recipe(
     workdir.mkdir(parents=True, exist_ok=True)
     assets = assets or ensure_assets(workdir.parent / "assets")
     tag = _tag(recipe, entry, steps, resume)
-    log_path = workdir / f"{tag}.log"
-    metrics_path, events_path = workdir / f"{tag}.metrics.jsonl", workdir / f"{tag}.events.jsonl"
+    files = run_files(workdir, recipe, entry=entry, steps=steps, resume=resume)
+    log_path, metrics_path, events_path = files["log"], files["metrics"], files["events"]
     for p in (metrics_path, events_path, workdir / f"{tag}.result.json"):
         p.unlink(missing_ok=True)
     overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp, ep=ep)
@@ -511,7 +521,7 @@ def run_recipe(
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
     stopped = None
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # a line at a time: the demo shows the run's phases as they come
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

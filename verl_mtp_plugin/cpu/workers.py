@@ -304,7 +304,9 @@ def install_trainer_worker_standins() -> list[str]:
         return installed()
     from verl_mtp_plugin.cpu.tiny import _install_cpu_current_device, _install_mamba_reference_on_cpu
     from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
+    from verl_mtp_plugin.cpu.events import event
 
+    event("trainer_worker")  # harness event: a trainer worker starts, before its model is built (the demo's phases)
     _install_cpu_current_device()
     _INSTALLED.append("cpu_current_device")
     install_te_import_placeholder()
