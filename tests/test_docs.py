@@ -97,7 +97,7 @@ def test_the_index_links_every_docs_page():
     assert missing == [], f"docs/README.md does not link {missing}"
 
 
-@pytest.mark.parametrize("name", ["README.md"] + [f"docs/{p.name}" for p in _docs_pages()])
+@pytest.mark.parametrize("name", ["README.md", "benchmarks/RESULTS.md"] + [f"docs/{p.name}" for p in _docs_pages()])
 def test_relative_links_resolve_to_files_and_headings(name):
     assert broken_links(ROOT / name) == []
 
