@@ -305,3 +305,18 @@ def test_the_capture_ceiling_warning_measures_the_largest_decode_step_under_the_
     assert not any("CUDA-graph capture ceiling" in w for w in scheduled)
     tight = validate_verl_config(_recipe([drop_cap, f"+{KEY}=[[1,200,2],[201,256,1]]"])).warnings
     assert any("below 200 running requests x (k+1)=3 under" in w and "= 600" in w for w in tight)
+
+
+def test_the_capture_ceiling_warning_reads_the_max_num_seqs_vllm_gets():
+    """verl's vLLM server spreads ``engine_kwargs.vllm`` over its own arguments, so a set
+    ``engine_kwargs.vllm.max_num_seqs`` is the batch vLLM schedules, not ``rollout.max_num_seqs``: the warning measures
+    that one and names its key."""
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    drop_cap = f"~{COMP}.max_cudagraph_capture_size"
+    vllm_seqs = "actor_rollout_ref.rollout.engine_kwargs.vllm.max_num_seqs"
+    # rollout.max_num_seqs 256 x 3 would be warned about (768 > 512); vLLM gets 128: 384 within the default ceiling
+    small = validate_verl_config(_recipe([drop_cap, f"++{vllm_seqs}=128"])).warnings
+    assert not any("CUDA-graph capture ceiling" in w for w in small), small
+    large = validate_verl_config(_recipe([drop_cap, f"++{vllm_seqs}=1024"])).warnings
+    assert any(f"{vllm_seqs}=1024 x (k+1)=3 = 3072" in w and f"or lower {vllm_seqs}" in w for w in large), large

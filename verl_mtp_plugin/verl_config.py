@@ -55,6 +55,8 @@ __all__ = [
     "env_setting",
     "env_settings",
     "json_block",
+    "max_num_seqs",
+    "max_num_seqs_setting",
     "sleep_level",
     "speculation_depths",
     "speculation_on",
@@ -132,10 +134,19 @@ def speculative_config(config: Any) -> dict | None:
 def max_num_seqs(config: Any) -> int:
     """The largest batch vLLM schedules: ``...engine_kwargs.vllm.max_num_seqs`` (verl spreads engine_kwargs over
     its own arguments) else ``actor_rollout_ref.rollout.max_num_seqs`` (verl's default 256)."""
-    value = get_key(config, f"{VLLM_KWARGS}.max_num_seqs")
+    return max_num_seqs_setting(config)[0]
+
+
+def max_num_seqs_setting(config: Any) -> tuple[int, str]:
+    """:func:`max_num_seqs` and the key that sets it (for messages): verl 0.9.1's vLLM server builds its arguments as
+    ``{"max_num_seqs": rollout.max_num_seqs, ..., **engine_kwargs.vllm}`` (vllm_async_server.py, engine_kwargs'
+    ``None`` values dropped), so a set ``engine_kwargs.vllm.max_num_seqs`` wins."""
+    key = f"{VLLM_KWARGS}.max_num_seqs"
+    value = get_key(config, key)
     if value is None:
-        value = get_key(config, f"{ROLLOUT}.max_num_seqs", 256)
-    return int(value or 256)
+        key = f"{ROLLOUT}.max_num_seqs"
+        value = get_key(config, key, 256)
+    return int(value or 256), key
 
 
 def speculation_depths(config: Any) -> tuple[int, ...]:

@@ -551,7 +551,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         draft_sample_method=str(spec.get("draft_sample_method") or "greedy") if spec else None,
         draft_memory=draft_memory(
             str(spec.get("draft_sample_method") or "greedy"),
-            max_num_seqs=int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256),
+            max_num_seqs=verl_config.max_num_seqs(config),
             k=int(spec.get("num_speculative_tokens") or 1),
             vocab_size=getattr(hf_config, "vocab_size", None),
         ) if spec else None,
@@ -706,8 +706,8 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
             f"graphs (measured: {_EAGER_STEP}); leave CUDA graphs on for the rollout"
         )
     else:
-        max_num_seqs = int(get_key(config, f"{_RO}.max_num_seqs", 256) or 256)
-        need, what = max_num_seqs * (k + 1), f"{_RO}.max_num_seqs={max_num_seqs} x (k+1)={k + 1}"
+        max_num_seqs, seqs_key = verl_config.max_num_seqs_setting(config)
+        need, what = max_num_seqs * (k + 1), f"{seqs_key}={max_num_seqs} x (k+1)={k + 1}"
         if schedule:  # the largest decode step is where n x (k_n + 1) peaks, not at max_num_seqs x (k + 1)
             lookup = dense_lookup(schedule, max_num_seqs, k)
             n_peak = max(range(1, max_num_seqs + 1), key=lambda n: n * (lookup[n] + 1))
@@ -719,7 +719,7 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
                 f"CUDA-graph capture ceiling {ceiling} tokens ({key}) is below {what} = {need}: full decode steps "
                 f"with speculation run without CUDA graphs (measured: "
                 f"{_EAGER_STEP}); set {_VLLM}.compilation_config.max_cudagraph_capture_size: {need} (or more), "
-                f"or lower {_RO}.max_num_seqs"
+                f"or lower {seqs_key}"
             )
     if mode in (MTPMode.ONLINE, MTPMode.JOINT) and trained_depth is not None and k > trained_depth:
         out.append(
