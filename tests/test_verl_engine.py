@@ -465,7 +465,7 @@ def test_online_objective_trains_mtp_isolated_and_logs_its_value(megatron_env, r
     # the value megatron tracks stays the hard cross-entropy (same weights, same batch)
     assert obj_m["mtp_losses/mtp_1_loss"][0] == pytest.approx(hard_m["mtp_losses/mtp_1_loss"][0], rel=1e-6)
     value = obj_m[f"mtp_objective/mtp_1_{objective}"][0]
-    assert f"mtp_objective/mtp_1_hard_ce" not in obj_m
+    assert "mtp_objective/mtp_1_hard_ce" not in obj_m
     assert 0.0 < value < (1.0 if objective == "tv" else 10.0)
     if objective == "tv":  # 1 - the overlap; the estimate is the overlap on the first micro-batch only
         assert abs((1.0 - value) - obj_m["mtp_expected_accept_rate"][0]) < 0.25
