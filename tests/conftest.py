@@ -184,9 +184,29 @@ def pytest_runtest_call(item):
         return (yield)
 
 
+def _started_by_the_project() -> bool:
+    """Whether the process being started is the project's (its nearest caller outside Python's subprocess and
+    multiprocessing and torch's multiprocessing lies in tests/ or verl_mtp_plugin/), not a library's own (torch's
+    inductor starts a Python process to load what it compiled)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    project = tuple(os.path.join(root, d) + os.sep for d in ("tests", "verl_mtp_plugin"))
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if name != os.path.abspath(__file__) and not any(
+                part in name for part in (f"{os.sep}subprocess.py", f"{os.sep}multiprocessing{os.sep}")):
+            return name.startswith(project)
+        frame = frame.f_back
+    return False
+
+
 class _UnitGuard:
-    """While a unit test (and its fixtures) runs: starting a Python process or a multiprocessing process from the
-    main thread fails it, naming the table to move it to (the trainer-run machinery starts its runs from threads)."""
+    """While a unit test (and its fixtures) runs: the project starting a Python process or a multiprocessing process
+    from the main thread fails it, naming the table to move it to (the trainer-run machinery starts its runs from
+    threads; libraries' own processes pass)."""
 
     def __init__(self, item):
         self.item = item
@@ -194,7 +214,7 @@ class _UnitGuard:
     def refuse(self, what):
         import threading
 
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and _started_by_the_project():
             raise RuntimeError(
                 f"{self.item.nodeid} is in the unit layer but started {what}: list it in tests/conftest.py's "
                 "INTEGRATION_TESTS (or INTEGRATION_FIXTURES / E2E_TESTS)")
