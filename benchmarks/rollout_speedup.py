@@ -1414,7 +1414,7 @@ def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None
                 write()
         finally:
             eng.close()
-            del eng
+            eng = None  # drop the engine before the next one starts (load() reads the name: no del)
             gc.collect()
             if CUDA:
                 torch.cuda.empty_cache()

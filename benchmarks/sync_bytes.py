@@ -92,7 +92,7 @@ def _layer_shapes(prefix: str, ch: str, c: dict) -> dict[str, tuple[tuple[int, .
         })
     elif ch == "E":
         E, lat = c["n_routed_experts"], c["moe_latent_size"] or H
-        I, SI = c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
+        MI, SI = c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
         out.update({
             f"{prefix}.mixer.gate.weight": ((E, H), bf),
             f"{prefix}.mixer.gate.e_score_correction_bias": ((E,), f32),
@@ -103,8 +103,8 @@ def _layer_shapes(prefix: str, ch: str, c: dict) -> dict[str, tuple[tuple[int, .
             out[f"{prefix}.mixer.fc1_latent_proj.weight"] = ((lat, H), bf)
             out[f"{prefix}.mixer.fc2_latent_proj.weight"] = ((H, lat), bf)
         for e in range(E):
-            out[f"{prefix}.mixer.experts.{e}.up_proj.weight"] = ((I, lat), bf)
-            out[f"{prefix}.mixer.experts.{e}.down_proj.weight"] = ((lat, I), bf)
+            out[f"{prefix}.mixer.experts.{e}.up_proj.weight"] = ((MI, lat), bf)
+            out[f"{prefix}.mixer.experts.{e}.down_proj.weight"] = ((lat, MI), bf)
     else:
         raise ValueError(ch)
     return out

@@ -3,8 +3,6 @@
 ./run python examples/phase_forward.py
 """
 
-import torch
-
 from verl_mtp_plugin import Phase, collect_mtp_metrics, configure_transformer_config, hybrid_forward, run_mtp_forward
 from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch
 

@@ -127,13 +127,16 @@ def test_temperature_zero_is_greedy_and_temperature_matters():
     g = torch.Generator().manual_seed(1)
     p, q = torch.randn(50, 8, generator=g), torch.randn(50, 8, generator=g)
     greedy = greedy_agreement(p, q)
-    assert 0 < greedy.sum() < 50
+    assert torch.equal(greedy, (p.argmax(-1) == q.argmax(-1)).float())
+    assert 0 < greedy.sum() < 50  # both outcomes occur: the equalities below are not between constants
     assert torch.equal(speculative_overlap(p, q, 0.0), greedy)
     assert torch.equal(argmax_draft_acceptance(p, q, 0.0), greedy)
     assert not torch.allclose(speculative_overlap(p, q, 1.0), speculative_overlap(p, q, 0.5))
-    # The overlap is a probability.
-    a = speculative_overlap(p, q, 0.7)
-    assert bool(((a >= 0) & (a <= 1)).all())
+    # Hand-computed: p = (.5, .3, .2), q = (.2, .3, .5): the overlap is sum min = .7; at temperature 0.5 each is
+    # p^2 / sum p^2 (sum .38), so the overlap is (.04 + .09 + .04) / .38.
+    lp, lq = torch.tensor([0.5, 0.3, 0.2]).log(), torch.tensor([0.2, 0.3, 0.5]).log()
+    assert speculative_overlap(lp, lq, 1.0).item() == pytest.approx(0.7, abs=1e-6)
+    assert speculative_overlap(lp, lq, 0.5).item() == pytest.approx(0.17 / 0.38, abs=1e-6)
     with pytest.raises(ValueError, match="temperature"):
         speculative_overlap(p, q, -1.0)
     with pytest.raises(ValueError, match="same shape"):
@@ -490,7 +493,7 @@ def test_estimate_equals_dense_reference_on_real_model(tiny):
     assert est[EXPECTED_KEY] == pytest.approx(a, abs=1e-6)
     assert est[GREEDY_KEY] == pytest.approx(gr, abs=1e-6)
     assert est[ARGMAX_DRAFT_KEY] == pytest.approx(ad, abs=1e-6)
-    assert 0.0 < est[EXPECTED_KEY] < 1.0 and 0.0 <= est[GREEDY_KEY] <= 1.0
+    assert 0.0 < est[EXPECTED_KEY] < 1.0  # not a degenerate model (all or nothing accepted)
     for k in (1, 2, 3):
         assert est[f"mtp_expected_accept_length_k{k}"] == pytest.approx(expected_accept_length(a, k), abs=1e-5)
     assert all(not key.startswith("actor/") for key in est)
@@ -534,22 +537,27 @@ def _train_step(model, batch, probe=None):
         p.grad = None
     reset_mtp_globals()
     logits = _forward(model, batch)
-    est = probe.estimate(logits, batch["response_mask"]) if probe is not None else None
+    est = ref = None
+    if probe is not None:  # the estimate in a training step, and the dense reference from the same capture
+        with torch.no_grad():
+            ref = _means(per_position_acceptance(logits.detach(), probe.mtp_logits(1), batch["response_mask"]))
+        est = probe.estimate(logits, batch["response_mask"])
     labels = torch.roll(batch["input_ids"], -1, dims=1)
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     loss = -(logp * batch["response_mask"]).sum() / batch["response_mask"].sum()
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach().clone(), grads, _tracker(), est
+    return logits.detach().clone(), grads, _tracker(), est, ref
 
 
 def test_probe_leaves_logits_and_grads_bit_identical(tiny):
     model, batch = tiny
-    logits0, grads0, tracker0, _ = _train_step(model, batch)
+    logits0, grads0, tracker0, _, _ = _train_step(model, batch)
     with AcceptanceProbe(model) as probe:
-        logits1, grads1, tracker1, est = _train_step(model, batch, probe)
-    logits2, grads2, _, _ = _train_step(model, batch)
-    assert est and 0.0 <= est[EXPECTED_KEY] <= 1.0
+        logits1, grads1, tracker1, est, ref = _train_step(model, batch, probe)
+    logits2, grads2, _, _, _ = _train_step(model, batch)
+    assert est[POSITIONS_KEY] == BATCH * (SEQ - PROMPT - 1)  # every counted position (< max_positions)
+    assert [est[EXPECTED_KEY], est[GREEDY_KEY], est[ARGMAX_DRAFT_KEY]] == pytest.approx(ref, abs=1e-6)
     assert any(n.startswith("mtp.") for n in grads0)  # the MTP loss reached the MTP parameters
     for other_logits, other_grads in ((logits1, grads1), (logits2, grads2)):
         assert torch.equal(logits0, other_logits)

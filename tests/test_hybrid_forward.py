@@ -527,7 +527,6 @@ def test_metrics_read_megatrons_tracker_and_reset_every_step(batch):
     assert set(m) == {"mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1"}
     assert m["mtp_losses/mtp_1_loss"] == pytest.approx(float(tr["loss_values"][0]))
     assert m["mtp_accuracy/mtp_1_top1"] == pytest.approx(float(tr["correct_values"][0] / tr["total_values"][0]))
-    assert 0.0 <= m["mtp_accuracy/mtp_1_top1"] <= 1.0
     assert collect_mtp_metrics() == {}  # reset after reading
     _step(model, batch, True)
     _step(model, batch, True, clear=False)

@@ -84,7 +84,7 @@ def _run(model, ids, masks, *, data_format, objective, bucket=None, depths=1):
         pad_to_length_bucket=bucket, acceptance=acceptance, acceptance_temperature=1.0, objective=objective,
     )
     rows = logits.unbind()
-    main = sum(F.cross_entropy(l[:-1], t[1:], reduction="sum") for l, t in zip(rows, ids))
+    main = sum(F.cross_entropy(lg[:-1], t[1:], reduction="sum") for lg, t in zip(rows, ids))
     main.backward()
     metrics = collect_mtp_metrics(1, reset=True)
     if objective != "hard_ce":

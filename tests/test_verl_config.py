@@ -617,7 +617,8 @@ def test_shared_expert_overlap_with_a_latent_moe_checkpoint_is_refused_at_start_
     for value in (False, None):
         cfg = make(verl_base, hf_dirs, **({key: value} if value is not None else {}))
         validate_verl_config(cfg)
-    import json, pathlib
+    import json
+    import pathlib
 
     hf = json.loads((pathlib.Path(hf_dirs["mtp"]) / "config.json").read_text())
     assert hf_latent_moe(hf) and not hf_latent_moe({**hf, "moe_latent_size": None})

@@ -422,7 +422,6 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     assert 0.0 <= rate <= 1.0 and 0.0 <= metrics["mtp_greedy_accept_rate"][0] <= 1.0
     assert metrics["mtp_expected_accept_length_k3"][0] == pytest.approx(1 + rate + rate**2 + rate**3)
     loss, acc = metrics["mtp_losses/mtp_1_loss"][0], metrics["mtp_accuracy/mtp_1_top1"][0]
-    assert 0 < loss < 10 and 0 <= acc <= 1
     expected_loss = float(before["loss_values"][0]) / 2  # tracker sum over 2 micro-batches, averaged
     assert loss == pytest.approx(expected_loss)
     assert acc == pytest.approx(float(before["correct_values"][0]) / N_RESPONSE_TARGETS)
@@ -465,7 +464,7 @@ def test_online_objective_trains_mtp_isolated_and_logs_its_value(megatron_env, r
     # the value megatron tracks stays the hard cross-entropy (same weights, same batch)
     assert obj_m["mtp_losses/mtp_1_loss"][0] == pytest.approx(hard_m["mtp_losses/mtp_1_loss"][0], rel=1e-6)
     value = obj_m[f"mtp_objective/mtp_1_{objective}"][0]
-    assert f"mtp_objective/mtp_1_hard_ce" not in obj_m
+    assert "mtp_objective/mtp_1_hard_ce" not in obj_m
     assert 0.0 < value < (1.0 if objective == "tv" else 10.0)
     if objective == "tv":  # 1 - the overlap; the estimate is the overlap on the first micro-batch only
         assert abs((1.0 - value) - obj_m["mtp_expected_accept_rate"][0]) < 0.25

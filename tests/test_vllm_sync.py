@@ -318,7 +318,8 @@ def test_worker_extension_splits_full_stream(env, monkeypatch):
         assert metrics == ext.mtp_sync_metrics()
         assert metrics["sync/bytes_drafter"] == _nbytes(full[n] for n in mtp)
         assert metrics["sync/bytes_target"] == _nbytes(full[n] for n in set(full) - mtp)
-        assert 0 < metrics["sync/drafter_share"] < 1
+        drafter_bytes, all_bytes = _nbytes(full[n] for n in mtp), _nbytes(full.values())
+        assert metrics["sync/drafter_share"] == pytest.approx(drafter_bytes / all_bytes, rel=1e-12)
 
 
 def test_drafter_with_own_embedding_and_head_gets_them(env):

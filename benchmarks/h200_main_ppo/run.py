@@ -390,7 +390,7 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
            "guard_lines": [ln[:600] for ln in text.splitlines() if "desync guard" in ln or "MTPDesyncError" in ln][:6],
            "table": step_table(metrics, events, a.prompts * a.n)}
     if rc != 0 or stopped:
-        print(f"--- {mode}: last lines of {log_path.name}:\n" + "\n".join(l[:300] for l in text.splitlines()[-40:]))
+        print(f"--- {mode}: last lines of {log_path.name}:\n" + "\n".join(line[:300] for line in text.splitlines()[-40:]))
     print(f"=== {mode}: rc {rc} stopped {stopped} wall {wall:.0f} s steps {sorted(metrics)}", flush=True)
     return res
 

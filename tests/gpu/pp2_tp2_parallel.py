@@ -279,7 +279,7 @@ def run_pp(dtype, results: dict, checks: list) -> None:
     mtp_zero = all(float(g.abs().sum()) == 0 for k, g in off_grads.items() if k.startswith("mtp."))
     shared = [k for k in ("embedding.word_embeddings.weight", "output_layer.weight") if k in off]
     check("negative_control", mtp_zero and off_mtp is None and all(off[k] > 10 * FLOOR[dtype] for k in shared),
-          f"run_mtp_forward=False step vs PP=1 MTP step: " + ", ".join(f"{k} rel {off[k]:.2e}" for k in shared)
+          "run_mtp_forward=False step vs PP=1 MTP step: " + ", ".join(f"{k} rel {off[k]:.2e}" for k in shared)
           + f"; max trunk rel {max(off.values()):.2e}; MTP grads all zero: {mtp_zero}; MTP metric {off_mtp}")
     if last:
         e_loss = C.rel_err(p_loss, r_loss)

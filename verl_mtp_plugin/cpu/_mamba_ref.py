@@ -45,7 +45,7 @@ def causal_conv1d_ref(x, weight, bias=None, seq_idx=None):
     With ``seq_idx [b, l]``: a tap reads only positions of the output position's sequence; positions whose
     ``seq_idx`` is negative output 0 (causal_conv1d's kernel semantics, see the module docstring).
     """
-    b, l, d = x.shape
+    b, l, d = x.shape  # noqa: E741 - l: the sequence length, as in the shapes above
     width = weight.shape[-1]
     if seq_idx is None:
         out = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=width - 1, groups=d)[..., :l]
@@ -81,7 +81,7 @@ def selective_scan_sequential(x, dt, A, B, C, initial_state=None, return_final_s
         Tensor: ``[b, l, h, p]`` with ``state_t = exp(dt A) state_{t-1} + dt B_t x_t`` and
         ``y_t = C_t . state_t`` (plus the final state / all states when asked).
     """
-    b, l, h, p = x.shape
+    b, l, h, p = x.shape  # noqa: E741 - l: the sequence length, as in the shapes above
     g = B.shape[2]
     seq_idx = check_seq_idx(seq_idx, b, l)
     if seq_idx is not None and initial_state is not None:

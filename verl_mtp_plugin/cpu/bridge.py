@@ -55,7 +55,7 @@ __all__ = [
     "role_engine",
     "verl_worker_configs",
     "write_tiny_checkpoint",
-    "LayerNormColumnParallelLinearRef",
+    "LayerNormColumnParallelLinearRef",  # noqa: F822 - built on first access (the module's __getattr__)
     "TE_PLACEHOLDER_VERSION",
     "bridge_available",
     "install_te_import_placeholder",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NON_GATED", "TorchNonGatedExperts", "non_gated_experts_ref"]
+__all__ = ["NON_GATED", "TorchNonGatedExperts", "non_gated_experts_ref"]  # noqa: F822 - lazy (__getattr__)
 
 
 def _activations():

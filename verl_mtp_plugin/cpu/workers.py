@@ -40,7 +40,6 @@ as narrow as the forcing line allows:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys

@@ -73,6 +73,8 @@ from verl_mtp_plugin.objective import (
     mtp_objective_scope,
     reset_objective_metrics,
 )
+from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, run_mtp_forward
+from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, resolve_engine_settings, strategy_error
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,7 @@ def _first_float(value) -> float:
     if isinstance(value, torch.Tensor):
         return float(value.reshape(-1)[0]) if value.numel() else 1.0
     return float(value)
-from verl_mtp_plugin.policy import MTPConfigError, MTPMode, MTPObjective, Phase, run_mtp_forward
-from verl_mtp_plugin.engine.settings import EngineMTPSettings, apply_mtp_overrides, resolve_engine_settings, strategy_error
+
 
 __all__ = [
     "MTP_GRAD_NORM_GROUP",

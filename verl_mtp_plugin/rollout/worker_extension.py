@@ -8,7 +8,7 @@ module hands its names out on first access, so importing it imports neither verl
 
 from __future__ import annotations
 
-__all__ = ["MTPColocateWorkerExtension"]
+__all__ = ["MTPColocateWorkerExtension"]  # noqa: F822 - handed out on first access (__getattr__)
 
 
 def __getattr__(name: str):

@@ -58,7 +58,6 @@ from verl_mtp_plugin.config_keys import CRITIC as _CRITIC
 from verl_mtp_plugin.config_keys import CRITIC_MEGATRON as _CRITIC_MEG
 from verl_mtp_plugin.config_keys import MODEL as _M
 from verl_mtp_plugin.config_keys import MTP as _MTP
-from verl_mtp_plugin.config_keys import RAY_ENV_VARS as _ENV
 from verl_mtp_plugin.config_keys import ROLLOUT as _RO
 from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
@@ -70,7 +69,6 @@ from verl_mtp_plugin.config_keys import (
     ENV_SYNC_CHECKSUM,
     ENV_SYNC_RECV_TIMEOUT,
     ENV_SYNC_STAGE,
-    OBJECTIVE_CONFIG_KEY,
     OBJECTIVE_ENV,
     MODEL_TYPE,
     PLUGIN_LIB,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 
 import hydra

@@ -121,11 +121,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from verl_mtp_plugin.config_keys import MTP as _MTP
 from verl_mtp_plugin.config_keys import as_bool as _truthy
 from verl_mtp_plugin.config_keys import get_key as _get
 from verl_mtp_plugin.config_keys import ROLLOUT as _RO
-from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
     ARGMAX_DRAFT_METRIC,
     DRAFT_METHOD_ESTIMATE_METRIC,

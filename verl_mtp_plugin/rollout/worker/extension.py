@@ -54,7 +54,7 @@ from verl_mtp_plugin.rollout.worker.drafter_sync import (
     text_config,
 )
 
-__all__ = ["MTPColocateWorkerExtension", "quantized_checkpoint_error"]
+__all__ = ["MTPColocateWorkerExtension", "quantized_checkpoint_error"]  # noqa: F822 - lazy (__getattr__)
 
 logger = logging.getLogger(__name__)
 
