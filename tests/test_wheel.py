@@ -45,7 +45,7 @@ def test_the_wheel_ships_every_product_module(wheel_names):
     product = {s for s in sources if not s.startswith("verl_mtp_plugin/testing/")}
     assert product - set(wheel_names) == set()
     # the CPU platform's top-level loader (a PYTHONPATH folder, not a package) and the typing marker
-    assert {"verl_mtp_plugin/cpu/pythonpath/verl_cpu_platform.py", "verl_mtp_plugin/py.typed"} <= set(wheel_names)
+    assert {"cpu_runtime/verl_mtp_cpu/pythonpath/verl_cpu_platform.py", "verl_mtp_plugin/py.typed"} <= set(wheel_names)
 
 
 def test_the_wheel_ships_the_recipes(wheel_names):

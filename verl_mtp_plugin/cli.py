@@ -24,7 +24,7 @@ def _cmd_phases(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from verl_mtp_plugin.demo import main_cli
+    from verl_mtp_cpu.demo import main_cli
 
     return main_cli(args)
 

@@ -15,7 +15,7 @@ CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-
    (``experts/cpu_moe.py:166-177``), so vLLM's backend oracle finds none for non-gated MoE
    (``oracle/unquantized.py:358-371``). ``unquantized_fused_moe_method.select_unquantized_moe_backend``
    returns, for non-gated MoE only, the CPU runtime's plain-torch experts
-   (:class:`verl_mtp_plugin.cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
+   (:class:`verl_mtp_cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
    checkpoint-to-kernel conversion is ``.contiguous()`` (the checkpoint layout the torch experts read);
    nothing Triton runs. Gated MoE keeps vLLM's own choice.
 3. ``accelerator_empty_cache``: CPU builds of torch raise from ``torch.accelerator.empty_cache()``,
@@ -62,7 +62,7 @@ __all__ = [
 _INSTALLED: set[str] = set()
 
 
-#: The CPU conv-weight path (:func:`verl_mtp_plugin.cpu.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
+#: The CPU conv-weight path (:func:`verl_mtp_cpu.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
 #: (``cpu_conv_weight_unpacked``) or ``"vllm"`` (vLLM's own dispatch, packing where the CPU has the feature).
 CONV_PACK = {"mode": "fix"}
 
@@ -158,7 +158,7 @@ def install_cpu_workarounds() -> list[str]:
         def select_torch_for_non_gated(moe_config):
             if moe_config.is_act_and_mul:
                 return real_select(moe_config)
-            from verl_mtp_plugin.cpu.vllm_moe import TorchNonGatedExperts
+            from verl_mtp_cpu.vllm_moe import TorchNonGatedExperts
 
             # the conversion for the TRITON backend is ``.contiguous()`` (the checkpoint layout, which
             # TorchNonGatedExperts reads); nothing Triton is launched
@@ -192,7 +192,7 @@ def _split_pattern(pattern: str) -> tuple[str, list[str]]:
 def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     """Nemotron-H ``config.json`` fields for the tiny megatron model of ``spec``.
 
-    Dimensions match :func:`verl_mtp_plugin.cpu.tiny.build_tiny_hybrid`: ``head_dim = hidden / heads``,
+    Dimensions match :func:`verl_mtp_cpu.tiny.build_tiny_hybrid`: ``head_dim = hidden / heads``,
     ``num_key_value_heads = num_query_groups``, Mamba ``expand=2`` (megatron's default), experts,
     shared expert and latent size from the spec. The vocab is the unpadded ``spec.vocab_size``.
     A repeated-layer MTP (``mtp_use_repeated_layer``) or a single depth becomes
@@ -205,7 +205,7 @@ def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     Returns:
         dict: ``config.json`` content (``model_type="nemotron_h"``).
     """
-    from verl_mtp_plugin.cpu.tiny import TinyHybridSpec
+    from verl_mtp_cpu.tiny import TinyHybridSpec
 
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     main, mtp_parts = _split_pattern(spec.pattern)
@@ -283,7 +283,7 @@ def init_vllm_distributed(vllm_config=None) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from verl_mtp_plugin.cpu.tiny import rendezvous
+    from verl_mtp_cpu.tiny import rendezvous
 
     if model_parallel_is_initialized():
         return
