@@ -95,7 +95,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE):
+for p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # cpu_runtime: verl_mtp_cpu
     if p not in sys.path:
         sys.path.insert(0, p)
 

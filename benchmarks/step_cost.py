@@ -72,8 +72,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 T0 = time.time()
 

@@ -69,7 +69,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, os.path.join(ROOT, "tests")):
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), os.path.join(ROOT, "tests")):  # cpu_runtime: verl_mtp_cpu
     if _p not in sys.path:
         sys.path.insert(0, _p)
 

@@ -51,8 +51,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 PYTHONPATH_DIR = HERE / "pythonpath"
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
 EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
@@ -298,7 +299,8 @@ def run_env() -> dict:
         "TRITON_CACHE_AUTOTUNING": "1",
         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), str(REPO / "cpu_runtime"),
+                                                    os.environ.get("PYTHONPATH")])),
     })
     if env.get("VERL_H200_STACK") == "te":
         # verl sets VLLM_DISABLE_COMPILE_CACHE=1 unless the launching shell sets it (verl/trainer/constants_ppo.py:

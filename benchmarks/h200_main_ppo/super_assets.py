@@ -38,8 +38,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 #: Nemotron 3 Super's layer widths (HF config of NVIDIA-Nemotron-3-Super-120B-A12B; see the reference notes)
 SUPER_WIDTHS = dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_query_groups=2,
