@@ -97,8 +97,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 T0 = time.time()
 ARMS = ("frozen", "online", "joint")
@@ -301,13 +302,13 @@ def model_spec(tiny: bool):
 
 def use_torch_mamba_reference() -> None:
     """GPU without mamba_ssm's Triton kernels: megatron's ``MambaMixer`` runs the plugin's plain-torch
-    Mamba-2 reference (:mod:`verl_mtp_plugin.cpu._mamba_ref`, the substitution the CPU tests use; the
+    Mamba-2 reference (:mod:`verl_mtp_cpu._mamba_ref`, the substitution the CPU tests use; the
     same math, a sequential scan). Chosen with ``--mamba-impl torch``: on the H200 the Triton kernels'
     compile + autotune took ~100 s per process, more than a short device call can pay. Call before
     building a model, in a process where mamba_ssm was not made importable."""
     import megatron.core.ssm.mamba_mixer as mm
 
-    from verl_mtp_plugin.cpu._mamba_ref import (
+    from verl_mtp_cpu._mamba_ref import (
         GatedRMSNormRef,
         mamba_chunk_scan_combined_ref,
         mamba_split_conv1d_scan_combined_ref,
@@ -856,7 +857,7 @@ def environment(device: torch.device) -> dict:
             env[pkg] = None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
-        from verl_mtp_plugin.cpu.mamba_triton import mamba_kernels_active
+        from verl_mtp_cpu.mamba_triton import mamba_kernels_active
 
         env["mamba_triton_kernels"] = mamba_kernels_active()
         env["mamba_impl"] = MAMBA_IMPL
@@ -960,7 +961,7 @@ def _setup(args):
     if device.type == "cuda" and args.mamba_impl == "torch":
         use_torch_mamba_reference()
     elif device.type == "cuda":
-        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
         if not install_mamba_ssm_triton():
             raise SystemExit("mamba_ssm is not importable: install the pure-Python mamba_ssm wheel (.whl)")

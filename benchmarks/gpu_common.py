@@ -22,8 +22,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 TINY = os.environ.get("BENCH_TINY", "0") == "1"
 CUDA = torch.cuda.is_available()
@@ -40,7 +41,7 @@ def setup(seed: int = 1234) -> None:
     """Mamba Triton kernels importable (GPU), NCCL/gloo world of 1, megatron parallel state, seeds."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if CUDA:
-        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import init_megatron
@@ -329,7 +330,7 @@ def env_info() -> dict:
     except Exception:
         pass
     if CUDA:
-        from verl_mtp_plugin.cpu.mamba_triton import has_causal_conv1d_cuda, mamba_kernels_active
+        from verl_mtp_cpu.mamba_triton import has_causal_conv1d_cuda, mamba_kernels_active
 
         info["mamba_triton_kernels"] = mamba_kernels_active()
         info["causal_conv1d_cuda"] = has_causal_conv1d_cuda()

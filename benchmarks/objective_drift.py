@@ -10,11 +10,11 @@ drafting method, against a frozen drafter and a stale one?
 Method (one run = one seed; every arm sees the SAME policy trajectory):
 
 1. **Checkpoint**: the demo's tiny checkpoint, rebuilt in-process with the calls
-   :func:`verl_mtp_plugin.cpu.assets.build_assets` makes (``dense_spec()``: Mamba, attention, MLP, MTP
+   :func:`verl_mtp_cpu.assets.build_assets` makes (``dense_spec()``: Mamba, attention, MLP, MTP
    ``*``; seed 0; 100 warm-up steps on the warm-up rule "repeat the digit two back" (p = 0.7) else count on,
    then 50 steps of the MTP block alone on the pure repeat rule). ``--check-assets DIR`` compares it with
    the ``model.safetensors`` of an assets directory that ``verl-mtp demo`` wrote (bit-for-bit, bf16).
-2. **RL (phase ``train``)**: GRPO towards the demo's reward (:func:`verl_mtp_plugin.cpu.reward.compute_score`:
+2. **RL (phase ``train``)**: GRPO towards the demo's reward (:func:`verl_mtp_cpu.reward.compute_score`:
    count on by one from ``b``), which moves the policy away from the rule its MTP head learned. Copies
    of the checkpoint step in lock-step, one per online objective (four since ``chained_tv``); each is
    configured as the plugin's online mode (``configure_transformer_config(cfg, "online", mtp_loss_scaling_factor=0.3)``: detached MTP
@@ -73,8 +73,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -97,8 +98,8 @@ def log(msg: str) -> None:
 
 
 def tokenizer():
-    from verl_mtp_plugin.cpu.assets import demo_tokenizer
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+    from verl_mtp_cpu.assets import demo_tokenizer
+    from verl_mtp_cpu.vllm_engine import dense_spec
 
     return demo_tokenizer(dense_spec().vocab_size)
 
@@ -112,7 +113,7 @@ def prompt_ids(tok, a: int, b: int) -> list[int]:
 
 
 def prompt_pairs(n: int, seed: int) -> list[tuple[int, int]]:
-    """``n`` (a, b) pairs with b != a, as the demo's data (:func:`verl_mtp_plugin.cpu.assets.task_rows`)."""
+    """``n`` (a, b) pairs with b != a, as the demo's data (:func:`verl_mtp_cpu.assets.task_rows`)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -123,7 +124,7 @@ def prompt_pairs(n: int, seed: int) -> list[tuple[int, int]]:
 
 def rewards(tok, pairs: list[tuple[int, int]], responses: torch.Tensor) -> torch.Tensor:
     """The demo's reward (``compute_score``) on each decoded response."""
-    from verl_mtp_plugin.cpu.reward import compute_score
+    from verl_mtp_cpu.reward import compute_score
 
     words = tok.convert_ids_to_tokens(list(range(len(tok))))
     return torch.tensor([compute_score("count_on", " ".join(words[int(t)] for t in r), str(b))
@@ -135,7 +136,7 @@ def rewards(tok, pairs: list[tuple[int, int]], responses: torch.Tensor) -> torch
 
 def specs():
     """(the checkpoint's spec: one MTP depth; the RL spec: the same block applied as 2 depths)."""
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+    from verl_mtp_cpu.vllm_engine import dense_spec
 
     return dense_spec(), dense_spec(pattern="M*-M-/*/*", mtp_use_repeated_layer=True,
                                     mtp_loss_scaling_factor=MTP_FACTOR)
@@ -147,8 +148,8 @@ def demo_checkpoint(work: str, check_assets: str | None = None) -> dict:
     if os.path.exists(path):
         state = torch.load(path)
     else:
-        from verl_mtp_plugin.cpu.assets import MTP_RULE_STEPS, warm_up
-        from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
+        from verl_mtp_cpu.assets import MTP_RULE_STEPS, warm_up
+        from verl_mtp_cpu.tiny import build_tiny_hybrid
 
         spec, _ = specs()
         torch.manual_seed(0)
@@ -163,8 +164,8 @@ def demo_checkpoint(work: str, check_assets: str | None = None) -> dict:
     if check_assets:
         from safetensors.torch import load_file
 
-        from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
-        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+        from verl_mtp_cpu.tiny import build_tiny_hybrid
+        from verl_mtp_cpu.vllm_engine import rollout_weights
 
         spec, _ = specs()
         m = build_tiny_hybrid(spec, device="cpu")
@@ -180,7 +181,7 @@ def demo_checkpoint(work: str, check_assets: str | None = None) -> dict:
 
 def build_from(state: dict, mode: str):
     from verl_mtp_plugin.control import configure_transformer_config, freeze_mtp, validate_model_for_mode
-    from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
+    from verl_mtp_cpu.tiny import build_tiny_hybrid
 
     _, spec = specs()
     model = build_tiny_hybrid(spec, device="cpu")
@@ -203,7 +204,7 @@ def is_mtp(name: str) -> bool:
 
 def rollout_stream(model) -> tuple[dict, dict]:
     """The trainer's HF stream to vLLM (bf16), split into (trunk, MTP block)."""
-    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+    from verl_mtp_cpu.vllm_engine import rollout_weights
 
     spec, _ = specs()
     trunk, mtp = {}, {}
@@ -229,7 +230,7 @@ def _pos(b, s):
 def sample(model, prompts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Batched autoregressive sampling at temperature 1, MTP skipped (rollout phase)."""
     from verl_mtp_plugin.control import hybrid_forward
-    from verl_mtp_plugin.cpu.tiny import causal_mask
+    from verl_mtp_cpu.tiny import causal_mask
 
     was = model.training
     model.eval()
@@ -256,7 +257,7 @@ def estimate(model, seq: torch.Tensor, prompt_len: int) -> tuple[dict, torch.Ten
     from verl_mtp_plugin.acceptance import AcceptanceProbe
     from verl_mtp_plugin.acceptance.estimate import acceptance_positions, acceptance_stats
     from verl_mtp_plugin.control import hybrid_forward
-    from verl_mtp_plugin.cpu.tiny import causal_mask
+    from verl_mtp_cpu.tiny import causal_mask
 
     was = model.training
     model.eval()
@@ -291,7 +292,7 @@ def train(args) -> None:
     from verl.workers.config import ActorConfig
 
     from verl_mtp_plugin.control import hybrid_forward
-    from verl_mtp_plugin.cpu.tiny import causal_mask, init_megatron
+    from verl_mtp_cpu.tiny import causal_mask, init_megatron
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.objective import collect_objective_metrics, mtp_objective_scope, reset_objective_metrics
 
@@ -433,7 +434,7 @@ def train(args) -> None:
 
 
 def measure(args) -> None:
-    from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, cpu_features
+    from verl_mtp_cpu.vllm_engine import SpecStepReader, build_engine, cpu_features
 
     done = set()
     if os.path.exists(args.jsonl):

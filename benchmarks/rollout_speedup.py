@@ -95,7 +95,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (ROOT, HERE):
+for p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # cpu_runtime: verl_mtp_cpu
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -781,7 +781,7 @@ def environment(args) -> dict:
         except Exception:
             env[pkg] = None
     if CUDA:
-        from verl_mtp_plugin.cpu.mamba_triton import mamba_kernels_active
+        from verl_mtp_cpu.mamba_triton import mamba_kernels_active
 
         env["trainer_mamba_triton_kernels"] = mamba_kernels_active()
         env["driver"] = torch.cuda.get_device_properties(0).name
@@ -942,11 +942,11 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if CUDA and args.mamba_impl == "triton":
-        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import init_megatron, reset_mtp_globals
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     init_megatron(seed=args.seed)
     if CUDA and args.mamba_impl == "torch":
@@ -1178,7 +1178,7 @@ def start_ipc_engine(spec, args, result: dict, name: str, k: int, method: str):
     """One engine of the production update path (``cpu.vllm_engine.build_engine``: the plugin's worker
     extension, engine core in its own process on CUDA), ``k`` speculative tokens drafted with ``method``,
     CUDA graphs for the sizes of ``--capture``; its build time goes to ``result["engine_build_s"][name]``."""
-    from verl_mtp_plugin.cpu.vllm_engine import build_engine as build_rollout_engine
+    from verl_mtp_cpu.vllm_engine import build_engine as build_rollout_engine
 
     mode = args.graph_modes[0]
     top = max(args.batches) * (k + 1)

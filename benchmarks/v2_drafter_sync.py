@@ -69,7 +69,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, os.path.join(ROOT, "tests")):
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), os.path.join(ROOT, "tests")):  # cpu_runtime: verl_mtp_cpu
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -254,7 +254,7 @@ class Trainer:
 
         from verl_mtp_plugin.testing.rl_loop import DemoTask, _warmup
         from verl_mtp_plugin.testing import init_megatron
-        from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+        from verl_mtp_cpu.vllm_engine import dense_spec
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
         init_megatron(seed=1234)
@@ -290,7 +290,7 @@ class Trainer:
         self.current = version
 
     def stream(self, version: int):
-        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+        from verl_mtp_cpu.vllm_engine import rollout_weights
 
         self.use(version)
         return list(rollout_weights(self.model, self.spec, "bfloat16"))
@@ -323,7 +323,7 @@ class RunnerProof:
 
     # ----------------------------------------------------------------- engines
     def build(self) -> None:
-        from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine
+        from verl_mtp_cpu.vllm_engine import SpecStepReader, build_engine
 
         a = self.args
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.runner == "v2" else "0"
@@ -483,7 +483,7 @@ class RunnerProof:
         self.save()
 
     def corrupt(self) -> None:
-        from verl_mtp_plugin.cpu.events import swap_eh as _swap_eh
+        from verl_mtp_cpu.events import swap_eh as _swap_eh
         from verl_mtp_plugin.export import hf_mtp_digests
 
         last = len(self.tr.snapshots) - 1
@@ -541,7 +541,7 @@ def warm_engines(args) -> None:
     from vllm.inputs import TokensPrompt
 
     from verl_mtp_plugin.testing.rl_loop import DemoTask
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec, write_model_dir
+    from verl_mtp_cpu.vllm_engine import dense_spec, write_model_dir
 
     spec = dense_spec(vocab_size=DemoTask().vocab_size, mtp_loss_scaling_factor=0.3)
     for runner in args.runners:
@@ -659,7 +659,7 @@ def main(argv=None) -> int:
         + (f"; verl import hook (no ray here): {hook}" if hook else ""))
     # the plugin first, then verl (a bare `import verl_mtp_plugin` stays light; see verl_mtp_plugin/__init__)
     import verl_mtp_plugin.rollout.worker_extension  # noqa: F401
-    import verl_mtp_plugin.cpu.vllm_engine  # noqa: F401
+    import verl_mtp_cpu.vllm_engine  # noqa: F401
 
     trainer = Trainer(args)
     summary = {}

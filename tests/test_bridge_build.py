@@ -9,7 +9,7 @@ engine (``EngineRegistry.new``: the plugin engine for actor and reference, verl'
 for the critic), the Megatron-Bridge provider (``_build_tf_config``: ``check_mtp_config``,
 ``AutoBridge.from_hf_pretrained`` -> ``NemotronHBridge`` -> ``HybridModelProvider.finalize``) and the
 model (``make_megatron_module`` -> ``provide_distributed_model`` with the pre-wrap hooks). CPU limits
-(see :mod:`verl_mtp_plugin.cpu.bridge`): a placeholder ``transformer_engine`` so Megatron-Bridge
+(see :mod:`verl_mtp_cpu.bridge`): a placeholder ``transformer_engine`` so Megatron-Bridge
 imports, a TE-free spec with the production parameter names, fusions off, no DDP wrap, no weight load.
 """
 
@@ -35,7 +35,7 @@ def test_every_shipped_recipe_is_covered():
 @pytest.fixture(scope="module", autouse=True)
 def _bridge_env(megatron_env):
     from verl_mtp_plugin.engine.registry import register
-    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder
+    from verl_mtp_cpu.bridge import install_te_import_placeholder
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERL_ENGINE_DEVICE", "cuda")
@@ -55,7 +55,7 @@ def tiny_spec():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_spec):
-    from verl_mtp_plugin.cpu.bridge import write_tiny_checkpoint
+    from verl_mtp_cpu.bridge import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("super_tiny"), tiny_spec)
 
@@ -83,7 +83,7 @@ def compose(name, checkpoint, extra=()):
 def build(cfg, role, *, drop_overrides=(), keep_bridge=()):
     """verl's worker config -> engine -> provider -> model for ``role``; ``keep_bridge``: CPU provider overrides
     left out, so that Megatron-Bridge's own value reaches the engine."""
-    from verl_mtp_plugin.cpu.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
+    from verl_mtp_cpu.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
 
     worker_config = verl_worker_configs(cfg, role)
     overrides = worker_config.engine_config.override_transformer_config
@@ -191,7 +191,7 @@ def test_verls_own_reference_handling_still_builds_mtp_through_the_bridge(checkp
     pattern with ``mtp_use_repeated_layer`` on)."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from verl_mtp_plugin.cpu.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
+    from verl_mtp_cpu.bridge import build_role, cpu_build_overrides, role_engine, verl_worker_configs
     from verl_mtp_plugin.engine.settings import BRIDGE_NO_MTP_OVERRIDES
 
     cfg = compose("grpo_online", checkpoint)
@@ -227,7 +227,7 @@ def test_critic_without_the_recipes_override_gets_mtp_and_the_check_refuses_it(c
 
 
 def test_virtual_pipeline_parallelism_is_refused_before_the_bridge_asserts(checkpoint):
-    from verl_mtp_plugin.cpu.bridge import role_engine, verl_worker_configs
+    from verl_mtp_cpu.bridge import role_engine, verl_worker_configs
     from verl_mtp_plugin.trainer.config import validate_verl_config
 
     cfg = compose("grpo_online", checkpoint, ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
@@ -250,7 +250,7 @@ def online_actor(checkpoint):
 
 @pytest.fixture(scope="module")
 def drafter_models(tmp_path_factory, tiny_spec):
-    from verl_mtp_plugin.cpu.vllm_drafter import build_drafter_for_spec
+    from verl_mtp_cpu.vllm_drafter import build_drafter_for_spec
 
     return build_drafter_for_spec(tiny_spec, workdir=tmp_path_factory.mktemp("vllm_super_tiny"))
 
@@ -276,7 +276,7 @@ def test_bridge_export_names_equal_expected_keys_and_the_vllm_drafter(online_act
 
 
 def test_strict_check_accepts_the_bridge_stream_and_rejects_one_changed_name(online_actor, drafter_models):
-    from verl_mtp_plugin.cpu.vllm_drafter import make_syncer
+    from verl_mtp_cpu.vllm_drafter import make_syncer
     from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
 
     stream = list(online_actor.engine.bridge.export_hf_weights(online_actor.module))

@@ -4,7 +4,7 @@
 The model-only load (``actor_rollout_ref.actor.checkpoint.load_contents`` without ``optimizer``) is checked on
 megatron's real ``DistributedOptimizer`` (bf16 model, fp32 master shards, DDP grad buffers) built by megatron's own
 ``get_megatron_optimizer``, in a process of its own with the CPU runtime's trainer-worker stand-ins
-(:func:`verl_mtp_plugin.cpu.workers.install_trainer_worker_standins`: megatron's optimizer allocates on ``"cuda"`` by
+(:func:`verl_mtp_cpu.workers.install_trainer_worker_standins`: megatron's optimizer allocates on ``"cuda"`` by
 name), as in verl's trainer workers. The verl trainer resume across modes is ``frozen_resumed`` in
 ``tests/test_main_ppo.py``.
 """
@@ -29,8 +29,8 @@ pytest.importorskip("megatron.core")
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
-    from verl_mtp_plugin.cpu.tiny import init_megatron, build_tiny_hybrid
-    from verl_mtp_plugin.cpu.workers import install_trainer_worker_standins
+    from verl_mtp_cpu.tiny import init_megatron, build_tiny_hybrid
+    from verl_mtp_cpu.workers import install_trainer_worker_standins
     from verl_mtp_plugin.compat import checkpoint_resume as cr
 
     refresh = sys.argv[1] == "refresh"

@@ -218,10 +218,10 @@ def test_k_beyond_the_checkpoint_depth_is_no_warning_when_mtp_is_frozen(capsys):
     ["run", "grpo_online", "W", "--steps", "2", "--tp", "2", "--", "trainer.total_training_steps=3"],
 ])
 def test_cpu_run_takes_hydra_overrides_before_the_options_or_after_double_dash(argv, monkeypatch, capsys):
-    """``python -m verl_mtp_plugin.cpu run RECIPE WORKDIR [options] -- OVERRIDES`` (the documented form) hands the
+    """``python -m verl_mtp_cpu run RECIPE WORKDIR [options] -- OVERRIDES`` (the documented form) hands the
     overrides to the harness as the form with the overrides before the options does."""
-    import verl_mtp_plugin.cpu.harness as harness
-    from verl_mtp_plugin.cpu.__main__ import main as cpu_main
+    import verl_mtp_cpu.harness as harness
+    from verl_mtp_cpu.__main__ import main as cpu_main
 
     seen = {}
 
@@ -238,7 +238,7 @@ def test_cpu_run_takes_hydra_overrides_before_the_options_or_after_double_dash(a
 
 
 def test_cpu_assets_refuses_overrides_after_double_dash(capsys):
-    from verl_mtp_plugin.cpu.__main__ import main as cpu_main
+    from verl_mtp_cpu.__main__ import main as cpu_main
 
     with pytest.raises(SystemExit) as e:
         cpu_main(["assets", "/nonexistent", "--", "a=b"])

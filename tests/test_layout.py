@@ -1,9 +1,12 @@
 """The package's layout holds: a core that imports neither verl nor vLLM, edge sub-packages that import
-the core (never the other way round), no import circle, each edge sub-package importable on its own.
+the core (never the other way round), no import circle, each edge sub-package importable on its own; the
+product imports nothing of the CPU runtime (``verl_mtp_cpu``, the second distribution) but the demo, from
+the command line, lazily.
 
 Imports are read from the source (AST), not from a running interpreter, so an import inside a function
 counts as much as one at module level. Every ``import``, ``from ... import`` (relative ones resolved)
-and ``importlib.import_module("<constant>")`` of a ``verl_mtp_plugin`` module is an edge of the graph.
+and ``importlib.import_module("<constant>")`` of a ``verl_mtp_plugin`` or ``verl_mtp_cpu`` module is an edge
+of the graph.
 Not an edge: the implicit import of a module's parent packages (Python runs ``verl_mtp_plugin/__init__``
 before any submodule; the package ``__init__`` files import only what they re-export, which the graph
 does contain).
@@ -19,10 +22,14 @@ import sys
 
 import pytest
 
+import verl_mtp_cpu
 import verl_mtp_plugin
 
 PKG = "verl_mtp_plugin"
 ROOT = pathlib.Path(verl_mtp_plugin.__file__).resolve().parent
+#: the CPU runtime and the demo: the repository's second distribution (cpu_runtime/), not the product
+CPU_ROOT = pathlib.Path(verl_mtp_cpu.__file__).resolve().parent
+PKGS = (PKG, "verl_mtp_cpu")
 
 #: The core: what the edges build on. None of it may import verl or vLLM (policy: not even torch).
 CORE = (
@@ -59,23 +66,28 @@ EDGES = {
     "verl_mtp_plugin.trainer": ("verl_mtp_plugin.engine", "verl_mtp_plugin.rollout"),
 }
 #: Entry points and harnesses: on top, imported by nothing inside the package but themselves.
-TOP = ("verl_mtp_plugin.cli", "verl_mtp_plugin.demo", "verl_mtp_plugin.main_ppo", "verl_mtp_plugin.__main__")
+TOP = ("verl_mtp_plugin.cli", "verl_mtp_cpu.demo", "verl_mtp_plugin.main_ppo", "verl_mtp_plugin.__main__")
 #: The CPU runtime (``verl-mtp demo`` runs verl on it): builds on the core and the edges, below the entry points.
-CPU = "verl_mtp_plugin.cpu"
+CPU = "verl_mtp_cpu"
+#: The one import of the CPU runtime inside the product: ``verl-mtp demo`` (lazily, naming the install when absent).
+PRODUCT_TO_CPU = {("verl_mtp_plugin.cli", "verl_mtp_cpu.demo")}
 #: What only the tests use (not shipped in the wheel): may import anything but the entry points; nothing
 #: outside it imports it.
 TESTING = "verl_mtp_plugin.testing"
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    """Every module of both packages (the pythonpath/ loader of the CPU runtime is not a package module)."""
+    out = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    out.update({_module_name(p, CPU_ROOT): p for p in sorted(CPU_ROOT.rglob("*.py")) if "pythonpath" not in p.parts})
+    return out
 
 
 def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
@@ -94,7 +106,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.startswith(PKG):
+                if alias.name.startswith(PKGS):
                     add(alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -103,7 +115,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if not mod.startswith(PKG):
+            if not mod.startswith(PKGS):
                 continue
             for alias in node.names:
                 full = f"{mod}.{alias.name}"
@@ -115,7 +127,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
-            and node.args[0].value.startswith(PKG)
+            and node.args[0].value.startswith(PKGS)
         ):
             add(node.args[0].value)
     return found
@@ -199,17 +211,19 @@ def test_imports_point_from_the_edges_to_the_core_never_back():
                 edge = _edge_of(mod)
                 ok = t in CORE or _in(t, edge) or any(_in(t, e) for e in EDGES[edge])
             elif _in(mod, CPU):
-                ok = not (t in TOP or _in(t, TESTING))
+                ok = not ((t in TOP and mod not in TOP) or _in(t, TESTING))
             elif _in(mod, TESTING):
                 ok = t not in TOP
             else:  # the package __init__ and the entry points
                 ok = (mod in TOP or t not in TOP) and not _in(t, TESTING)
+            if _in(mod, PKG) and not _in(mod, TESTING) and _in(t, CPU):  # the product never needs the CPU runtime
+                ok = (mod, t) in PRODUCT_TO_CPU
             if not ok:
                 wrong.append(f"{mod} -> {t}")
     assert wrong == []
     # and every module is in exactly one place of the plan
     def placed(m):
-        return m in CORE or _edge_of(m) or m in TOP or _in(m, CPU) or _in(m, TESTING) or m == PKG
+        return m in CORE or _edge_of(m) or m in TOP or _in(m, CPU) or _in(m, TESTING) or m in PKGS
 
     unplaced = [m for m in graph if not placed(m)]
     assert unplaced == []

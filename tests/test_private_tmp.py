@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from verl_mtp_plugin.cpu import harness
+from verl_mtp_cpu import harness
 
 
 def test_verls_weight_transfer_socket_is_named_after_the_ray_job_id():

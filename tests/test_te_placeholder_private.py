@@ -6,7 +6,7 @@ import pytest
 
 
 def test_private_lowercase_name_is_absent_class_names_stay():
-    from verl_mtp_plugin.cpu.bridge import _new_module
+    from verl_mtp_cpu.bridge import _new_module
 
     import sys
 
@@ -32,7 +32,7 @@ def test_from_import_of_private_name_raises_import_error():
     code = textwrap.dedent(
         """
         import sys
-        from verl_mtp_plugin.cpu.bridge import _PlaceholderFinder, _new_module
+        from verl_mtp_cpu.bridge import _PlaceholderFinder, _new_module
         if "transformer_engine" not in sys.modules:
             _new_module("transformer_engine")
             sys.meta_path.append(_PlaceholderFinder())

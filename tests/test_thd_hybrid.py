@@ -11,9 +11,9 @@ gradients (megatron normalises the MTP loss by the counted positions of the whol
 gradients weighted by their share of those positions). Without ``seq_idx`` Mamba carries state from one packed
 sample into the next and the logits differ (checked, so the comparison can fail).
 
-CPU stand-ins used (each names the library line that forces it): :mod:`verl_mtp_plugin.cpu._mamba_ref` (Mamba's
+CPU stand-ins used (each names the library line that forces it): :mod:`verl_mtp_cpu._mamba_ref` (Mamba's
 GPU kernels, with ``seq_idx`` as mamba_ssm / causal_conv1d take it) and
-:class:`verl_mtp_plugin.cpu.attention.ThdDotProductAttentionRef` (megatron takes THD attention only through TE).
+:class:`verl_mtp_cpu.attention.ThdDotProductAttentionRef` (megatron takes THD attention only through TE).
 The same comparison through verl's whole pass (``forward_step``, verl's ppo_loss, DDP) is in ``test_verl_engine.py``.
 """
 
@@ -238,7 +238,7 @@ def test_reference_mamba_kernels_restart_at_every_packed_sequence():
     """The fused training kernel and the chunked scan with seq_idx equal the sequences run one by one (conv window
     and SSM state never cross a boundary); varlen states are each sequence's last state; a seq_idx that is not
     [batch, seqlen] fails as mamba_ssm's assert does."""
-    from verl_mtp_plugin.cpu._mamba_ref import mamba_chunk_scan_combined_ref, mamba_split_conv1d_scan_combined_ref
+    from verl_mtp_cpu._mamba_ref import mamba_chunk_scan_combined_ref, mamba_split_conv1d_scan_combined_ref
 
     g = torch.Generator().manual_seed(0)
     h, p, n, ngroups, width = 4, 8, 16, 1, 4
@@ -281,7 +281,7 @@ def test_thd_attention_reference_matches_megatron_attention_per_sequence(megatro
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from verl_mtp_plugin.cpu.attention import ThdDotProductAttentionRef, packed_attention
+    from verl_mtp_cpu.attention import ThdDotProductAttentionRef, packed_attention
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     config = build_tiny_hybrid(pattern="*").config

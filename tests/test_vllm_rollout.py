@@ -3,7 +3,7 @@
 One in-process ``vllm.LLM`` per module (Nemotron-H ``M*-M-`` + MTP ``*``, bf16, MTP speculation k=1,
 the plugin's worker extension with checksum verification), updated exactly as verl updates it
 (``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender``; see
-``verl_mtp_plugin.cpu.vllm_engine``), from a megatron-core ``HybridModel`` warmed up on the demo's
+``verl_mtp_cpu.vllm_engine``), from a megatron-core ``HybridModel`` warmed up on the demo's
 count-on task (fp32 trainer, bf16 stream).
 """
 
@@ -22,7 +22,7 @@ K = 1  # draft tokens: greedy k=1 acceptance has an exact trainer-side predictio
 
 
 def _conv_paths():
-    from verl_mtp_plugin.cpu.vllm_engine import conv_paths
+    from verl_mtp_cpu.vllm_engine import conv_paths
 
     return conv_paths()
 
@@ -33,7 +33,7 @@ def _conv_paths():
 @pytest.fixture(scope="module", params=_conv_paths(), ids=lambda p: f"conv-{p}")
 def env(megatron_env, tmp_path_factory, request):
     from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
-    from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader, build_engine, dense_spec
+    from verl_mtp_cpu.vllm_engine import SpecStepReader, build_engine, dense_spec
 
     task, spec, model, gen = warmed_demo_model(dense_spec, 30)
     eng = build_engine(spec, tmp_path_factory.mktemp("rollout"), num_speculative_tokens=K, verify_checksums=True,
@@ -43,7 +43,7 @@ def env(megatron_env, tmp_path_factory, request):
 
 
 def _stream(env):
-    from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+    from verl_mtp_cpu.vllm_engine import rollout_weights
 
     return list(rollout_weights(env.model, env.spec, env.eng.dtype))
 

@@ -5,7 +5,7 @@ vocab 128 padded by Megatron to 144 rows) is exported to HF names and loaded thr
 sync code into vLLM's own ``NemotronHForCausalLM`` target and ``NemotronHMTP`` drafter, built for the
 same config through vLLM's ``get_model`` (drafter: ``get_draft_load_config``) and wired to the
 target's embedding/lm_head by vLLM's own proposer methods. CPU workarounds:
-:mod:`verl_mtp_plugin.cpu.vllm_drafter`. Models are built once per module.
+:mod:`verl_mtp_cpu.vllm_drafter`. Models are built once per module.
 """
 
 import re
@@ -30,8 +30,8 @@ E = SPEC.num_experts
 @pytest.fixture(scope="module")
 def env(megatron_env, tmp_path_factory):
     """megatron model + vLLM target and drafter (wired) for the same tiny config, in one process."""
-    from verl_mtp_plugin.cpu.vllm_drafter import build_vllm_models, hf_config_for_tiny, init_vllm_distributed
-    from verl_mtp_plugin.cpu.vllm_engine import install_engine_workarounds
+    from verl_mtp_cpu.vllm_drafter import build_vllm_models, hf_config_for_tiny, init_vllm_distributed
+    from verl_mtp_cpu.vllm_engine import install_engine_workarounds
 
     install_engine_workarounds()  # incl. CPU linear weights kept in their parameters (verl reloads the target in place)
     init_vllm_distributed()  # reuses megatron's gloo world (size 1) as vLLM's default group
@@ -325,7 +325,7 @@ def test_worker_extension_splits_full_stream(env, monkeypatch):
 def test_drafter_with_own_embedding_and_head_gets_them(env):
     """Routing by module identity: a drafter that does not share the embedding/lm_head with the
     target (vLLM 0.31 before the proposer wires them) also receives them, trimmed to the HF vocab."""
-    from verl_mtp_plugin.cpu.vllm_drafter import build_vllm_models
+    from verl_mtp_cpu.vllm_drafter import build_vllm_models
 
     vm = env.vllm
     lone = build_vllm_models(env.cfg, env.tmp.mktemp("unwired"), build_target=False, wire=False)

@@ -109,7 +109,7 @@ _RECEIVER = textwrap.dedent(
     """
     import os, signal, sys, threading, torch
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
+    from verl_mtp_cpu.vllm_engine import _verl_platform
 
     seen = []
 
@@ -138,7 +138,7 @@ def _send_to_dying_receiver(tmp_path, handle, when="holding"):
     import torch
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    from verl_mtp_plugin.cpu.vllm_engine import _verl_platform
+    from verl_mtp_cpu.vllm_engine import _verl_platform
 
     script = tmp_path / "receiver.py"
     script.write_text(_RECEIVER)
@@ -224,7 +224,7 @@ def test_a_run_that_starts_its_own_ray_cluster_is_warned_about_the_shared_weight
 
 
 def _quantized_hf_dir(root):
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     path = write_hf_config_dir(root, pattern="M*-E/*E")
     import json
@@ -265,7 +265,7 @@ def test_the_first_sync_refuses_a_quantized_checkpoint_from_the_config_vllm_load
     config) before any weight is loaded; an unquantized checkpoint passes."""
     from vllm.config import ModelConfig
 
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
     from verl_mtp_plugin.rollout.worker.extension import quantized_checkpoint_error
 
     plain = write_hf_config_dir(tmp_path / "plain", pattern="M*-E/*E")

@@ -66,7 +66,7 @@ def _tp2_slots() -> int:
     demo, it runs beside no other run of verl's trainer on a 24 GiB machine)."""
     import math
 
-    from verl_mtp_plugin.cpu.harness import RUN_MEMORY_GIB, RUN_MEMORY_GIB_TP2
+    from verl_mtp_cpu.harness import RUN_MEMORY_GIB, RUN_MEMORY_GIB_TP2
 
     return math.ceil(RUN_MEMORY_GIB_TP2 / RUN_MEMORY_GIB)
 
@@ -82,7 +82,7 @@ def slots() -> int:
     beside the foreground tests (2 on a 24 GiB machine); ``VERL_MTP_TEST_TRAINER_SLOTS`` overrides it."""
     if os.environ.get("VERL_MTP_TEST_TRAINER_SLOTS"):
         return max(1, int(os.environ["VERL_MTP_TEST_TRAINER_SLOTS"]))
-    from verl_mtp_plugin.cpu.harness import runs_side_by_side
+    from verl_mtp_cpu.harness import runs_side_by_side
 
     return runs_side_by_side(reserve_gib=FOREGROUND_GIB)
 
@@ -126,8 +126,8 @@ def _stop_demo(proc: subprocess.Popen) -> None:
 
 def demo_result(demo, mode: str):
     """The demo's run of ``mode`` (checked: exited 0)."""
-    from verl_mtp_plugin.demo import mode_overrides
-    from verl_mtp_plugin.cpu import load_result
+    from verl_mtp_cpu.demo import mode_overrides
+    from verl_mtp_cpu import load_result
 
     recipe, _ = mode_overrides(mode, seed=DEMO_SEED)
     for path in sorted((demo.out / mode).glob(f"{recipe}.plugin.step*.result.json")):
@@ -139,14 +139,14 @@ def demo_result(demo, mode: str):
 
 
 def _assets(root: pathlib.Path, deps):
-    from verl_mtp_plugin.cpu.harness import ensure_assets
+    from verl_mtp_cpu.harness import ensure_assets
 
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
 def _assets_tp2(root: pathlib.Path, deps):
     """The demo's checkpoint built with 2 Mamba groups (megatron splits them over TP ranks): same names."""
-    from verl_mtp_plugin.cpu.harness import ensure_assets
+    from verl_mtp_cpu.harness import ensure_assets
 
     return ensure_assets(root / "assets_tp2", base_env=ENV, mamba_num_groups=2)
 
@@ -154,15 +154,15 @@ def _assets_tp2(root: pathlib.Path, deps):
 def _assets_moe(root: pathlib.Path, deps):
     """The MoE checkpoint (trunk MoE layer, MTP block ``*E``) with 2 Mamba groups, for the run with expert
     parallelism."""
-    from verl_mtp_plugin.cpu.harness import ensure_assets
+    from verl_mtp_cpu.harness import ensure_assets
 
     return ensure_assets(root / "assets_moe", base_env=ENV, mamba_num_groups=2, moe=True)
 
 
 def _run(recipe, workdir, assets, **kwargs):
-    from verl_mtp_plugin.cpu import run_recipe
+    from verl_mtp_cpu import run_recipe
 
-    from verl_mtp_plugin.cpu.harness import private_tmp_prefix
+    from verl_mtp_cpu.harness import private_tmp_prefix
 
     # runs side by side each get a /tmp of their own (verl's weight-transfer socket is named after the Ray job id,
     # the same in every fresh cluster: harness.private_tmp_prefix); without one, slots() is 1
@@ -171,7 +171,7 @@ def _run(recipe, workdir, assets, **kwargs):
 
 
 def _online_resumed(root, deps):
-    from verl_mtp_plugin.demo import mode_overrides
+    from verl_mtp_cpu.demo import mode_overrides
 
     online = demo_result(deps["demo"], "online")
     recipe, extra = mode_overrides("online", seed=DEMO_SEED)
@@ -195,7 +195,7 @@ FROZEN_RESUMED_STEPS = 5
 def _frozen_resumed(root, deps):
     """The demo's frozen run resumed in mode online (grpo_online) from its checkpoint's weights, in verl's colocated
     asynchronous trainer (``mtp_colocate_async``), a checkpoint every step, the drafter written after each update."""
-    from verl_mtp_plugin.demo import mode_overrides
+    from verl_mtp_cpu.demo import mode_overrides
 
     frozen = demo_result(deps["demo"], "frozen")
     recipe, extra = mode_overrides("online", seed=DEMO_SEED)
@@ -328,7 +328,7 @@ class Runs:
 
     def stop(self) -> None:
         """Stop every run still in flight (the session is over)."""
-        from verl_mtp_plugin.cpu.harness import stop_active_runs
+        from verl_mtp_cpu.harness import stop_active_runs
 
         for proc in list(_PROCS):
             _stop_demo(proc)

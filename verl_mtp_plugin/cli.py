@@ -2,6 +2,7 @@
 
 Subcommands:
   demo     verl's own trainer runs the shipped recipes on a tiny Nemotron-H (CPU), online vs frozen
+           (needs the CPU runtime: pip install ./cpu_runtime)
   phases   print the per-phase MTP table
   check    validate a verl recipe YAML and print the table it resolves to
   keys     print the HF MTP tensor names the export produces for an HF config.json
@@ -23,8 +24,28 @@ def _cmd_phases(args) -> int:
     return 0
 
 
+#: what ``verl-mtp demo`` imports that the product does not install: the CPU runtime (``verl_mtp_cpu``, the
+#: repository's second distribution ``verl-mtp-cpu`` in ``cpu_runtime/``) and the demo's own dependencies
+DEMO_PACKAGES = ("verl_mtp_cpu", "matplotlib", "tqdm", "safetensors")
+DEMO_INSTALL = "pip install ./cpu_runtime  (the distribution verl-mtp-cpu, from the repository)"
+
+
 def _cmd_demo(args) -> int:
-    from verl_mtp_plugin.demo import main_cli
+    import importlib.util
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ImportError:
+            return True
+
+    # all of them before anything starts (matplotlib is first imported after the runs, for the plot)
+    missing = [m for m in DEMO_PACKAGES if absent(m)]
+    if missing:
+        print(f"verl-mtp demo: needs the CPU runtime and its dependencies (missing: {', '.join(missing)}): "
+              f"{DEMO_INSTALL}", file=sys.stderr)
+        return 1
+    from verl_mtp_cpu.demo import main_cli
 
     return main_cli(args)
 

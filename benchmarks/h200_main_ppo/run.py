@@ -7,7 +7,7 @@ colocated (``trainer.v1.trainer_mode=mtp_sync``, the recipes' own).
 Two sub-commands:
 
 * ``assets DIR`` (any machine; CPU is fine, ~1-2 min): the tiny MoE checkpoint + tokenizer + parquet files,
-  built from the CPU harness's pieces (:mod:`verl_mtp_plugin.cpu.assets`: its tokenizer,
+  built from the CPU harness's pieces (:mod:`verl_mtp_cpu.assets`: its tokenizer,
   count-on task and reward) with a longer answer, so a rollout has enough decode steps to time.
 * ``run`` (the GPU machine): one ``main_ppo`` run per ``--modes`` entry (``online``, ``frozen``, ``off``,
   ``break``: ``grpo_online`` with the drafter sync broken on purpose, ``swap-eh``, and
@@ -23,7 +23,7 @@ What the overrides change, and why (everything else is the recipe's):
   worker counts, no checkpoint save (Megatron-Bridge's HF save imports ``modelopt``, not carried),
   no recompute (the model is tiny);
 * forced by the image (no Transformer Engine, no apex, no ``causal_conv1d``): ``attention_backend=local``,
-  the CPU harness's fusion/kernel choices (``verl_mtp_plugin.cpu.bridge.CPU_PROVIDER_OVERRIDES``; the
+  the CPU harness's fusion/kernel choices (``verl_mtp_cpu.bridge.CPU_PROVIDER_OVERRIDES``; the
   MoE dispatcher ``allgather`` is the combination those runs proved), ``use_mamba_mem_eff_path=false``
   (megatron's fused Mamba path needs ``causal_conv1d``), ``model.use_remove_padding=false`` (packed THD
   sequences need TE attention), the stand-ins of ``pythonpath/verl_h200_standins.py``;
@@ -51,8 +51,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 PYTHONPATH_DIR = HERE / "pythonpath"
 RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
 EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
@@ -124,8 +125,8 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
     from verl_mtp_plugin.control import hybrid_forward
     from verl_mtp_plugin.metrics import reset_mtp_metrics
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
-    from verl_mtp_plugin.cpu.assets import demo_tokenizer
-    from verl_mtp_plugin.cpu.vllm_engine import write_model_dir
+    from verl_mtp_cpu.assets import demo_tokenizer
+    from verl_mtp_cpu.vllm_engine import write_model_dir
 
     init_megatron(seed=seed)
     spec = TinyHybridSpec(**SPEC)
@@ -178,7 +179,7 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
 
 def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> list[str]:
     """Hydra overrides for one run: sizes, what the image forces, instruments (module docstring)."""
-    from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES
+    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES
 
     info = json.loads((assets / "assets.json").read_text())
     resp = int(info["answer_len"])
@@ -189,7 +190,7 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
     te = getattr(a, "stack", "standins") == "te"
     resp = int(getattr(a, "response_len", 0) or resp)
     plen = 16
-    reward = pathlib.Path(a.reward).resolve() if getattr(a, "reward", None) else REPO / "verl_mtp_plugin/cpu/reward.py"
+    reward = pathlib.Path(a.reward).resolve() if getattr(a, "reward", None) else REPO / "cpu_runtime/verl_mtp_cpu/reward.py"
     out = [
         f"{ar}.model.path={assets / 'model'}",
         f"data.train_files={assets / 'data' / 'train.parquet'}",
@@ -298,7 +299,8 @@ def run_env() -> dict:
         "TRITON_CACHE_AUTOTUNING": "1",
         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PYTHONPATH_DIR), str(REPO), str(REPO / "cpu_runtime"),
+                                                    os.environ.get("PYTHONPATH")])),
     })
     if env.get("VERL_H200_STACK") == "te":
         # verl sets VLLM_DISABLE_COMPILE_CACHE=1 unless the launching shell sets it (verl/trainer/constants_ppo.py:

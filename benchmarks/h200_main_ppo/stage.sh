@@ -90,6 +90,7 @@ cp "$HERE/device_install.sh" "$CO/.h200/"
 if [ "$SRC" != "$CO" ]; then  # staging from another worktree: the calls send CO, so carry this one's source
   mkdir -p "$CO/.h200/src/benchmarks"
   cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$CO/.h200/src/"
+  cp -r "$SRC/cpu_runtime/verl_mtp_cpu" "$CO/.h200/src/"  # the CPU runtime's package (the stand-ins these runs import)
   cp -r "$HERE" "$SRC/benchmarks/step_cost.py" "$CO/.h200/src/benchmarks/"
   find "$CO/.h200/src" -name __pycache__ -prune -exec rm -rf {} +
 fi

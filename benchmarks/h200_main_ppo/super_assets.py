@@ -38,14 +38,15 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 #: Nemotron 3 Super's layer widths (HF config of NVIDIA-Nemotron-3-Super-120B-A12B; see the reference notes)
 SUPER_WIDTHS = dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_query_groups=2,
                     mamba_head_dim=64, mamba_state_dim=128, mamba_num_groups=8, moe_latent_size=1024,
                     moe_ffn_hidden_size=2688, moe_shared_expert_intermediate_size=5376, ffn_hidden_size=2688)
-REPEAT = 0.7  # the demo's warm-up mixture (verl_mtp_plugin.cpu.assets.WARMUP_REPEAT)
+REPEAT = 0.7  # the demo's warm-up mixture (verl_mtp_cpu.assets.WARMUP_REPEAT)
 
 
 def count_params(model) -> dict:
@@ -85,8 +86,8 @@ def main(argv=None) -> int:
     import torch
 
     from verl_mtp_plugin.control import configure_transformer_config, hybrid_forward
-    from verl_mtp_plugin.cpu.assets import demo_tokenizer, task_rows, warmup_response
-    from verl_mtp_plugin.cpu.vllm_engine import write_model_dir
+    from verl_mtp_cpu.assets import demo_tokenizer, task_rows, warmup_response
+    from verl_mtp_cpu.vllm_engine import write_model_dir
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
 

@@ -332,7 +332,7 @@ def main() -> int:
     ap.add_argument("--parts", default="pp,tp")
     args = ap.parse_args()
     if CUDA:
-        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from verl_mtp_plugin.testing import destroy_megatron, init_megatron

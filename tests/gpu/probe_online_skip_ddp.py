@@ -14,7 +14,7 @@ def main():
     from verl_mtp_plugin import hybrid_forward
     from verl_mtp_plugin.testing import init_megatron
     from verl_mtp_plugin.testing.gpu import megatron_ddp_and_optimizer
-    from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+    from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
     install_mamba_ssm_triton()
     init_megatron(seed=5)

@@ -1,4 +1,4 @@
-"""What the tests use and the product does not: the tiny builders re-exported from :mod:`verl_mtp_plugin.cpu.tiny`
+"""What the tests use and the product does not: the tiny builders re-exported from :mod:`verl_mtp_cpu.tiny`
 (the CPU runtime the demo runs on), megatron teardown and globals reset, random batches, a tiny ``GPTModel``.
 :mod:`.gpu` builds the GPU variants, :mod:`.rl_loop` is the hand-written RL loop. Not shipped in the wheel.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_mtp_plugin.cpu.tiny import (
+from verl_mtp_cpu.tiny import (
     ENV_INIT_METHOD,
     LatentLinearRef,
     TinyHybridSpec,

@@ -1,13 +1,13 @@
 """GPU-only setup for the tiny / benchmark ``HybridModel`` on a CUDA machine without Transformer Engine.
 
-:func:`verl_mtp_plugin.cpu.tiny.build_tiny_hybrid` builds megatron's real modules from the local
+:func:`verl_mtp_cpu.tiny.build_tiny_hybrid` builds megatron's real modules from the local
 (non-TE) spec. On a CPU it swaps Mamba's Triton kernels for a plain-torch reference; on a GPU it
 expects megatron to find ``mamba_ssm``. A typical GPU image here has ``mamba_ssm`` installed as a
 pure-Python wheel (built with ``MAMBA_SKIP_CUDA_BUILD=TRUE``) and no ``causal_conv1d``:
 
 * ``mamba_ssm/__init__.py`` imports the CUDA extension ``selective_scan_cuda`` and fails, so
   megatron would see ``HAVE_MAMBA_SSM=False``.
-  :func:`~verl_mtp_plugin.cpu.mamba_triton.install_mamba_ssm_triton` registers
+  :func:`~verl_mtp_cpu.mamba_triton.install_mamba_ssm_triton` registers
   ``sys.modules["mamba_ssm"]`` as a bare package whose ``__path__`` is the installed directory, so the
   Triton submodules megatron imports (``mamba_ssm.ops.triton.ssd_combined``,
   ``mamba_ssm.ops.triton.layernorm_gated``) load without running ``__init__``. The Mamba-2 SSD and
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_mtp_plugin.cpu.mamba_triton import has_causal_conv1d_cuda, install_mamba_ssm_triton, mamba_kernels_active
+from verl_mtp_cpu.mamba_triton import has_causal_conv1d_cuda, install_mamba_ssm_triton, mamba_kernels_active
 
 __all__ = [
     "build_gpu_hybrid",
@@ -44,7 +44,7 @@ def gpu_config_overrides() -> dict:
 
 
 def build_gpu_hybrid(spec=None, *, config_overrides: dict | None = None, **fields):
-    """:func:`verl_mtp_plugin.cpu.tiny.build_tiny_hybrid` on CUDA with the real Mamba Triton kernels.
+    """:func:`verl_mtp_cpu.tiny.build_tiny_hybrid` on CUDA with the real Mamba Triton kernels.
 
     Args:
         spec (TinyHybridSpec | None): the shape; ``fields`` override single fields.

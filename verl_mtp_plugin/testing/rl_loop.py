@@ -1,6 +1,6 @@
 """A hand-written RL loop over every phase, on a tiny Nemotron-3-shaped HybridModel (test-only).
 
-``verl-mtp demo`` runs verl's own trainer (:mod:`verl_mtp_plugin.demo`). This loop stays for the checks
+``verl-mtp demo`` runs verl's own trainer (:mod:`verl_mtp_cpu.demo`). This loop stays for the checks
 verl's run cannot show (logits parity between the logprob and train passes, online isolation bit for bit,
 frozen MTP without optimizer state, the training-inference log-prob mismatch, tokens/s against a
 no-speculation engine; ``tests/test_rl_loop.py``) and for the rollout tests and benchmarks that reuse its
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_mtp_plugin.cpu.events import swap_eh
+from verl_mtp_cpu.events import swap_eh
 
 from verl_mtp_plugin.policy import MTPMode, Phase, run_mtp_forward
 
@@ -173,7 +173,7 @@ def _mtp_tracker_total() -> float:
 def _build(mode: MTPMode, task: DemoTask, device: str, seed: int):
     """Dense Nemotron-3-shaped model (Mamba, attention, MLP; MTP ``*``); no MTP in mode off."""
     from verl_mtp_plugin.testing import build_tiny_hybrid
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec
+    from verl_mtp_cpu.vllm_engine import dense_spec
 
     torch.manual_seed(seed)
     pattern = "M*-M-" if mode is MTPMode.OFF else "M*-M-/*"
@@ -524,11 +524,11 @@ def _make_rollout(model, spec, mode, out, break_sync, k, seed):
 
 
 class _VllmRollout:
-    """Two real vLLM engines (``verl_mtp_plugin.cpu.vllm_engine``): MTP speculation with k draft
+    """Two real vLLM engines (``verl_mtp_cpu.vllm_engine``): MTP speculation with k draft
     tokens, and a no-speculation baseline for tokens/s, both updated through verl's update path."""
 
     def __init__(self, model, spec, mode, out, break_sync, k, seed):
-        from verl_mtp_plugin.cpu.vllm_engine import build_engine
+        from verl_mtp_cpu.vllm_engine import build_engine
 
         self.model, self.spec, self.mode, self.break_sync = model, spec, mode, break_sync
         self.num_speculative_tokens = 0 if mode is MTPMode.OFF else int(k)
@@ -546,7 +546,7 @@ class _VllmRollout:
             model=model if break_sync == "skip-drafter" else None,
             drafter_sync="frozen" if frozen else "online", verify_checksums=True, seed=seed,
         )
-        from verl_mtp_plugin.cpu.vllm_engine import SpecStepReader
+        from verl_mtp_cpu.vllm_engine import SpecStepReader
 
         self.reader = SpecStepReader(self.engine) if self.num_speculative_tokens else None
         self._warm = False
@@ -560,13 +560,13 @@ class _VllmRollout:
                 f"checksum-verified) + a no-speculation baseline, both updated through verl's update_weights_from_ipc{extra}")
 
     def _weights(self):
-        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+        from verl_mtp_cpu.vllm_engine import rollout_weights
 
         w = rollout_weights(self.model, self.spec, self.engine.dtype)
         return list(swap_eh(w)) if self.break_sync == "swap-eh" else w
 
     def sync(self, step):
-        from verl_mtp_plugin.cpu.vllm_engine import rollout_weights
+        from verl_mtp_cpu.vllm_engine import rollout_weights
 
         try:
             metrics = self.engine.sync(self._weights())
@@ -674,7 +674,7 @@ class _Log:
         print(f"load: warm-up {warm} supervised steps (loss {warm_loss:.3f}) stands in for a checkpoint")
         print(f"rollout: {rollout}")
         if device == "cpu":
-            from verl_mtp_plugin.cpu.vllm_engine import cpu_features
+            from verl_mtp_cpu.vllm_engine import cpu_features
 
             f = cpu_features(ask_vllm=False)
             print(f"cpu: {f['model']}; avx512_bf16 {'yes' if f['avx512_bf16'] else 'no'}; amx {', '.join(f['amx']) or 'none'}"

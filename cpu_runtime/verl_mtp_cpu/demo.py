@@ -6,17 +6,17 @@ recipes/nemotron3_super_mtp/config --config-name grpo_<mode>`` — Hydra, Ray, T
 with MTP speculation (k=2) and its agent loop, the weight sync through the plugin's worker extension,
 reward, GRPO, the actor update with the MTP loss, checkpoint save. Only the sizes (shrunk to the tiny
 model and one CPU "GPU") and the learning rate (:data:`DEMO_LR`) differ from the recipe, with the CPU
-harness of :mod:`verl_mtp_plugin.cpu` (its module docstrings list each stand-in and the
+harness of :mod:`verl_mtp_cpu` (its module docstrings list each stand-in and the
 library line that forces it).
 
 By default it runs **online** and **frozen** side by side (``--sequential``: one after the other) at the same
 settings, on the same checkpoint and task. While they run, each run shows the phase it is in (Ray, the actor/ref
-workers, vLLM's server, the first weight sync, step k/N: :mod:`verl_mtp_plugin.demo_progress`), a bar per run on a
+workers, vLLM's server, the first weight sync, step k/N: :mod:`verl_mtp_cpu.demo_progress`), a bar per run on a
 terminal and a line per phase change elsewhere.
 The checkpoint was warmed up (trunk and MTP head together) on one rule — each next digit mostly repeats the
 digit two back, ``a b a b ...`` — and then its MTP head alone on that rule without exceptions (so it drafts "two
 back" with a clear margin); the reward pays for another — count on by one from the last digit
-(:mod:`verl_mtp_plugin.cpu.reward`). RL moves the policy from the rule the MTP head learned to
+(:mod:`verl_mtp_cpu.reward`). RL moves the policy from the rule the MTP head learned to
 the rewarded one: the frozen drafter keeps drafting the old rule and vLLM's acceptance of its drafts falls,
 while online MTP trains the head on the policy's own samples and its acceptance follows the policy. Per step
 it prints the reward, vLLM's measured first-draft acceptance (``rollout/spec_accept_rate_pos_0``, from the
@@ -203,9 +203,9 @@ def _run_modes(modes, *, parallel: bool, steps: int, out: pathlib.Path, assets, 
     """Run each mode's recipe through verl's trainer: side by side (``parallel``; each run is its own Ray cluster,
     and one run keeps about one of two cores busy: most of a run is start-up and waiting between processes) or
     one after the other, stopping at the first run that fails. Returns mode -> result (runs that started)."""
-    from verl_mtp_plugin.cpu import run_recipe
-    from verl_mtp_plugin.cpu.harness import run_files
-    from verl_mtp_plugin.demo_progress import RunProgress
+    from verl_mtp_cpu import run_recipe
+    from verl_mtp_cpu.harness import run_files
+    from verl_mtp_cpu.demo_progress import RunProgress
 
     def start(mode, position=0):
         recipe, extra = mode_overrides(mode, seed=seed, break_sync=break_sync)
@@ -289,8 +289,8 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
             (:func:`check_story`).
         DemoRunError: verl's trainer failed for another reason.
     """
-    from verl_mtp_plugin.cpu.harness import ensure_assets
-    from verl_mtp_plugin.cpu.vllm_engine import cpu_features
+    from verl_mtp_cpu.harness import ensure_assets
+    from verl_mtp_cpu.vllm_engine import cpu_features
 
     modes = tuple(modes)
     for m in modes:
@@ -312,7 +312,7 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
           "the reward pays for counting on by one (b b+1 b+2 ...). Same settings in every mode: "
           f"8 prompts x 4 samples per step, actor lr {DEMO_LR:g}, temperature 1.")
     print(f"cpu: {f['model']}; avx512_bf16 {'yes' if f['avx512_bf16'] else 'no'}; amx {', '.join(f['amx']) or 'none'}; "
-          "CPU stand-ins: verl_mtp_plugin.cpu", flush=True)
+          "CPU stand-ins: verl_mtp_cpu", flush=True)
     assets_dir = outp / "assets"
     if not (assets_dir / "verl_cpu_assets.json").exists():
         print("building the tiny checkpoint (warm-up on the repeat rule, ~1-2 min) ...", flush=True)
@@ -321,7 +321,7 @@ def run_demo(*, modes=("online", "frozen"), steps: int = 10, out: str = "demo_ou
     failure = None
     parallel = parallel and len(modes) > 1
     if parallel:
-        from verl_mtp_plugin.cpu.harness import RUN_MEMORY_GIB, runs_side_by_side
+        from verl_mtp_cpu.harness import RUN_MEMORY_GIB, runs_side_by_side
 
         if runs_side_by_side(most=len(modes)) < len(modes):
             parallel = False
@@ -561,7 +561,7 @@ def _stop_runs_on_sigterm():
     import signal
 
     def stop(signum, frame):
-        from verl_mtp_plugin.cpu.harness import stop_active_runs
+        from verl_mtp_cpu.harness import stop_active_runs
 
         stop_active_runs()
         sys.exit(128 + signum)

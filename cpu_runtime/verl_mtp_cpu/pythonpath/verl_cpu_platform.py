@@ -6,7 +6,7 @@ the ``verl_mtp_plugin`` package there runs the package's ``__init__``, which reg
 engines with verl (``verl_mtp_plugin/__init__.py``: ``"verl" in sys.modules``), and that import chain
 asks verl for its platform (``verl/workers/engine/fsdp/transformer_impl.py:89``,
 ``device_name = get_device_name()``) before the CPU platform could be registered. This module loads
-:mod:`verl_mtp_plugin.cpu.platform` from its file, under its own name, without importing
+:mod:`verl_mtp_cpu.platform` from its file, under its own name, without importing
 the package; the rest of the package is imported later, normally.
 """
 
@@ -14,7 +14,7 @@ import importlib.util
 import pathlib
 import sys
 
-_NAME = "verl_mtp_plugin.cpu.platform"
+_NAME = "verl_mtp_cpu.platform"
 if _NAME not in sys.modules:
     _spec = importlib.util.spec_from_file_location(_NAME, pathlib.Path(__file__).resolve().parents[1] / "platform.py")
     _mod = importlib.util.module_from_spec(_spec)

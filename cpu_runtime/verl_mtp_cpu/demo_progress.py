@@ -1,7 +1,7 @@
 """What ``verl-mtp demo`` shows while a run of verl's trainer is under way: the phase the run is in (Ray, the
 actor/ref workers, vLLM's server, the first weight sync, step k/N) and a line per finished step.
 
-Each run is read from what it already writes (:func:`verl_mtp_plugin.cpu.run_recipe`): its log (the trainer's
+Each run is read from what it already writes (:func:`verl_mtp_cpu.run_recipe`): its log (the trainer's
 stdout and stderr, one line each, prefixed with the run's seconds), the harness events (``<tag>.events.jsonl``:
 the plugin's CPU hooks report there when a trainer worker starts, when vLLM's worker loads the plugin's worker
 extension, and after each weight update) and verl's metrics file (one row per step). The plugin's own markers

@@ -15,9 +15,9 @@ TEDotProductAttention instead."``). :class:`ThdDotProductAttentionRef` is megatr
 Every sequence runs through megatron's own ``DotProductAttention.forward`` (one ``[n, 1, heads, dim]`` batch, an
 explicit causal mask), so a packed batch computes exactly what the same sequences compute unpacked. Unpacked
 input goes to ``DotProductAttention.forward`` unchanged. Used by the CPU hybrid spec
-(:func:`verl_mtp_plugin.cpu.tiny._local_hybrid_stack_spec`); in verl's trainer workers, where Megatron-Bridge puts
+(:func:`verl_mtp_cpu.tiny._local_hybrid_stack_spec`); in verl's trainer workers, where Megatron-Bridge puts
 megatron's plain ``DotProductAttention`` back for ``attention_backend=local``, the worker stand-in
-``thd_local_attention`` (:mod:`verl_mtp_plugin.cpu.workers`) routes packed input through :func:`packed_attention`. A harness event ``packed_attention`` (sequences, rows)
+``thd_local_attention`` (:mod:`verl_mtp_cpu.workers`) routes packed input through :func:`packed_attention`. A harness event ``packed_attention`` (sequences, rows)
 records a packed forward in a run's events file whenever a process sees more sequences in one pack than before.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from verl_mtp_plugin.cpu.events import record_packed
+from verl_mtp_cpu.events import record_packed
 
 __all__ = ["ThdDotProductAttentionRef", "packed_attention"]
 

@@ -1,23 +1,23 @@
 """Stand-ins inside verl's Ray trainer workers on CPU (actor, reference, critic), CPU-only.
 
 Installed once per worker process by :func:`install_trainer_worker_standins`, which the CPU platform
-(:mod:`verl_mtp_plugin.cpu.platform`) calls from verl's ``initialize_global_process_group_ray``
+(:mod:`verl_mtp_cpu.platform`) calls from verl's ``initialize_global_process_group_ray``
 (first thing in ``TrainingWorker.__init__``, ``verl/workers/engine_workers.py:89``), before any model
 is built. Each stand-in is named in :data:`STANDINS` with the library line that forces it; each is
 as narrow as the forcing line allows:
 
 * ``cpu_current_device``, ``te_import_placeholder``, ``mamba_reference``: the CPU runtime's own
-  (:func:`verl_mtp_plugin.cpu.tiny._install_cpu_current_device`,
-  :func:`verl_mtp_plugin.cpu.bridge.install_te_import_placeholder`,
-  :func:`verl_mtp_plugin.cpu.tiny._install_mamba_reference_on_cpu`), as in every CPU build test.
+  (:func:`verl_mtp_cpu.tiny._install_cpu_current_device`,
+  :func:`verl_mtp_cpu.bridge.install_te_import_placeholder`,
+  :func:`verl_mtp_cpu.tiny._install_mamba_reference_on_cpu`), as in every CPU build test.
 * ``te_free_default_hybrid_spec``: Megatron-Bridge's default hybrid spec is TE's; verl passes
   ``override_transformer_config`` through OmegaConf, which cannot carry the callable
   ``hybrid_stack_spec``, so the TE branch of the default resolves to the CPU runtime's TE-layout
-  local spec (:func:`verl_mtp_plugin.cpu.bridge.te_layout_hybrid_stack_spec`).
+  local spec (:func:`verl_mtp_cpu.bridge.te_layout_hybrid_stack_spec`).
 * ``latent_moe_projection``: megatron builds the latent-MoE projections (Nemotron 3 Super's
   ``moe_latent_size``) only through TE's ``TELinear``; ``megatron.core.transformer.moe.moe_layer`` (its only
   users of ``HAVE_TE`` / ``TELinear`` are the latent projections, and ``te_checkpoint`` only under fp8/fp4) sees
-  the CPU runtime's replicated torch linear :class:`verl_mtp_plugin.cpu.tiny.LatentLinearRef`, as every CPU
+  the CPU runtime's replicated torch linear :class:`verl_mtp_cpu.tiny.LatentLinearRef`, as every CPU
   build of the tiny MoE model does.
 * ``inference_rng_tracker``: megatron's CPU-safe RNG tracker, created before verl seeds the CUDA one;
   its (CUDA) states, which verl checkpoints and requires non-empty on resume, are the host generator's.
@@ -203,7 +203,7 @@ def _install_host_streams() -> None:
 def _install_te_free_default_hybrid_spec() -> None:
     import megatron.bridge.models.hybrid.hybrid_provider as hp
 
-    from verl_mtp_plugin.cpu.bridge import te_layout_hybrid_stack_spec
+    from verl_mtp_cpu.bridge import te_layout_hybrid_stack_spec
 
     real = hp.get_default_hybrid_stack_spec
     if getattr(real, "_verl_cpu", False):
@@ -244,7 +244,7 @@ def _install_thd_local_attention() -> None:
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from verl_mtp_plugin.cpu.attention import packed_attention
+    from verl_mtp_cpu.attention import packed_attention
 
     real = DotProductAttention.forward
     if getattr(real, "_verl_cpu_thd", False):
@@ -285,7 +285,7 @@ def _install_latent_moe_projection() -> None:
     """``latent_moe_projection`` (see the module docstring): the names megatron's MoE layer reads at build."""
     from megatron.core.transformer.moe import moe_layer
 
-    from verl_mtp_plugin.cpu.tiny import LatentLinearRef
+    from verl_mtp_cpu.tiny import LatentLinearRef
 
     if not moe_layer.HAVE_TE:
         moe_layer.HAVE_TE, moe_layer.TELinear = True, LatentLinearRef
@@ -301,9 +301,9 @@ def install_trainer_worker_standins() -> list[str]:
         raise RuntimeError("verl_cpu stand-ins are for machines without CUDA")
     if _INSTALLED:
         return installed()
-    from verl_mtp_plugin.cpu.tiny import _install_cpu_current_device, _install_mamba_reference_on_cpu
-    from verl_mtp_plugin.cpu.bridge import install_te_import_placeholder, register_bridge_module_types
-    from verl_mtp_plugin.cpu.events import event
+    from verl_mtp_cpu.tiny import _install_cpu_current_device, _install_mamba_reference_on_cpu
+    from verl_mtp_cpu.bridge import install_te_import_placeholder, register_bridge_module_types
+    from verl_mtp_cpu.events import event
 
     event("trainer_worker")  # harness event: a trainer worker starts, before its model is built (the demo's phases)
     _install_cpu_current_device()

@@ -1,8 +1,8 @@
-"""``python -m verl_mtp_plugin.cpu``: build the assets, or run a recipe through verl's real
+"""``python -m verl_mtp_cpu``: build the assets, or run a recipe through verl's real
 trainer on CPU.
 
-    python -m verl_mtp_plugin.cpu assets DIR [--mamba-num-groups 2] [--moe]
-    python -m verl_mtp_plugin.cpu run grpo_online WORKDIR [--entry verl] [--steps 2]
+    python -m verl_mtp_cpu assets DIR [--mamba-num-groups 2] [--moe]
+    python -m verl_mtp_cpu run grpo_online WORKDIR [--entry verl] [--steps 2]
         [--resume] [--reward zero_score] [--break-sync swap-eh] [--tp 2] [--ep 2] [--drafter-dump]
         [-- HYDRA_OVERRIDES...]
 """
@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m verl_mtp_plugin.cpu")
+    ap = argparse.ArgumentParser(prog="python -m verl_mtp_cpu")
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("assets", help="build the tiny checkpoint, tokenizer and data")
     a.add_argument("root")
@@ -46,12 +46,12 @@ def main(argv=None) -> int:
             ap.error("overrides after -- are for the run command")
         args.overrides = [*args.overrides, *after]
     if args.cmd == "assets":
-        from verl_mtp_plugin.cpu.assets import build_assets
+        from verl_mtp_cpu.assets import build_assets
 
         assets = build_assets(args.root, mamba_num_groups=args.mamba_num_groups, moe=args.moe)
         print(json.dumps({"root": str(assets.root), **assets.info()}))
         return 0
-    from verl_mtp_plugin.cpu.harness import run_recipe
+    from verl_mtp_cpu.harness import run_recipe
 
     res = run_recipe(args.recipe, args.workdir, entry=args.entry, steps=args.steps, resume=args.resume,
                      reward=args.reward, break_sync=args.break_sync, extra_overrides=args.overrides,

@@ -11,11 +11,11 @@ Everything here is real megatron-core (``HybridModel``, ``HybridStack``, ``Trans
   ``fc2_latent_proj``, Nemotron 3 Super's ``moe_latent_size``) only through TE's ``TELinear``; a
   plain ``y = x W^T`` module stands in, swapped in only while the model is constructed.
 * On machines without CUDA, Mamba's Triton kernels (fused training scan, chunked scan, gated RMSNorm) are replaced by the
-  plain-torch reference in :mod:`verl_mtp_plugin.cpu._mamba_ref` (packed sequences through ``seq_idx`` included), and
+  plain-torch reference in :mod:`verl_mtp_cpu._mamba_ref` (packed sequences through ``seq_idx`` included), and
   megatron's version gate for packed Mamba training (``ssm/mamba_mixer.py:746-750``
   ``_check_mamba_sequence_packing_support`` imports ``causal_conv1d`` / ``mamba_ssm`` for their versions) answers
   for that reference; on a GPU the real kernels run.
-* :class:`~verl_mtp_plugin.cpu.attention.ThdDotProductAttentionRef` as core attention: megatron's own
+* :class:`~verl_mtp_cpu.attention.ThdDotProductAttentionRef` as core attention: megatron's own
   ``DotProductAttention`` that also takes packed (THD) sequences, which megatron otherwise takes only through
   Transformer Engine's ``TEDotProductAttention`` (``transformer/dot_product_attention.py:153`` asserts
   ``packed_seq_params is None``).
@@ -167,7 +167,7 @@ def _install_mamba_reference_on_cpu() -> None:
         return
     import megatron.core.ssm.mamba_mixer as mm
 
-    from verl_mtp_plugin.cpu._mamba_ref import (
+    from verl_mtp_cpu._mamba_ref import (
         GatedRMSNormRef,
         mamba_chunk_scan_combined_ref,
         mamba_split_conv1d_scan_combined_ref,
@@ -268,7 +268,7 @@ def _local_hybrid_stack_spec(num_experts: int | None, fused_norm_linear: type | 
         TransformerLayerSubmodules,
     )
 
-    from verl_mtp_plugin.cpu.attention import ThdDotProductAttentionRef
+    from verl_mtp_cpu.attention import ThdDotProductAttentionRef
 
     class LocalHybridStack(HybridStack):
         """HybridStack whose final norm is megatron's WrappedTorchNorm instead of TENorm."""
@@ -423,7 +423,7 @@ def build_tiny_hybrid(
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     if "M" in spec.pattern and torch.cuda.is_available():
         # before megatron's MambaMixer is imported: mamba_ssm's Triton kernels without its CUDA extension
-        from verl_mtp_plugin.cpu.mamba_triton import install_mamba_ssm_triton
+        from verl_mtp_cpu.mamba_triton import install_mamba_ssm_triton
 
         install_mamba_ssm_triton()
     from megatron.core.models.hybrid.hybrid_model import HybridModel

