@@ -8,9 +8,19 @@ import sys
 
 import pytest
 
-import conftest
-
 TESTS = pathlib.Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def conftest(request):
+    """tests/conftest.py as pytest loaded it (in a whole-suite run the module name ``conftest`` may name another
+    folder's conftest, e.g. tests/gpu/conftest.py, so it is looked up by its file)."""
+    want = (TESTS / "conftest.py").resolve()
+    for plugin in request.config.pluginmanager.get_plugins():
+        path = getattr(plugin, "__file__", None)
+        if path and pathlib.Path(path).resolve() == want:
+            return plugin
+    raise AssertionError("tests/conftest.py is not among pytest's plugins")
 
 #: collects the suite as ``pytest --collect-only`` does and prints each test's layer markers
 _COLLECT = """
@@ -42,7 +52,7 @@ def layers() -> dict[str, list[str]]:
     return _collect()
 
 
-def test_every_test_has_exactly_one_layer(layers):
+def test_every_test_has_exactly_one_layer(layers, conftest):
     assert len(layers) > 600  # the whole suite was collected
     assert {n: m for n, m in layers.items() if len(m) != 1} == {}
     assert {m[0] for m in layers.values()} == set(conftest.LAYERS)  # no empty layer
@@ -63,7 +73,7 @@ def test_the_layers_follow_what_the_tests_start(layers):
     assert readers and {layers[n][0] for n in readers} == {"e2e"}
 
 
-def test_the_tables_name_existing_files_and_tests(layers):
+def test_the_tables_name_existing_files_and_tests(layers, conftest):
     names = {(n.split("::")[0].split("/")[-1], n.split("::")[1].split("[")[0]) for n in layers}
     files = {f for f, _ in names}
     for table in (conftest.E2E_TESTS, conftest.INTEGRATION_TESTS, conftest.INTEGRATION_FIXTURES):
@@ -81,7 +91,7 @@ def test_a_layer_selection_collects_that_layer_only(layers):
                          and n.startswith(("tests/test_policy.py::", "tests/test_vllm_moe.py::"))}
 
 
-def test_the_unit_guard_refuses_a_python_process_and_lets_other_commands_run(request):
+def test_the_unit_guard_refuses_a_python_process_and_lets_other_commands_run(request, conftest):
     import multiprocessing
 
     guard = conftest._UnitGuard(request.node)
