@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays")
     d.add_argument("--sequential", action="store_true",
                    help="run the modes one after the other (default: side by side, each its own Ray cluster; "
-                        "about 5 GiB of memory per run)")
+                        "7-9 GiB of memory per run, measured; side by side only where that much is free)")
     d.add_argument("--break-sync", default="none", choices=["none", "skip-drafter", "swap-eh"],
                    help="break the drafter sync on purpose: the desync guard must stop the run (exit 2)")
     d.set_defaults(fn=_cmd_demo)
