@@ -1,17 +1,9 @@
-"""Cost of the MTP layers in each phase of an RL step.
-
-Commands:
-
-* ``logprob``: the log-prob phase (forward only) with the MTP layers present, skipped and run (GPU);
-* ``train``: overhead of the online (isolated) MTP mode in a full training step (GPU);
-* ``estimate``: cost of the trainer's MTP acceptance estimate inside a train step (CPU);
-* ``gpu-all``: ``logprob`` (P1), ``train`` (P2) and ``sync_cost.py throughput`` (P4, on P2's online model)
-  in one process.
+"""Cost of the MTP layers in each phase of an RL step: log-prob forward, training step, the trainer's
+acceptance estimate; ``gpu-all`` runs P1 (``logprob``), P2 (``train``) and P4 (``sync_cost.py throughput``)
+in one process.
 
 The GPU commands write one JSON each to ``$OUT`` (or ``benchmarks/results/``) and print one summary line
 each; ``BENCH_TINY=1`` shrinks their shapes so they run on a CPU (timings then mean nothing).
-
-Run: ``python benchmarks/phase_cost.py COMMAND [options]`` (``COMMAND --help`` describes each).
 """
 
 from __future__ import annotations
@@ -28,9 +20,7 @@ import torch
 GPU_ALL = ("p1", "p2", "p4")
 
 
-# --------------------------------------------------------------------------------------------------
-# logprob (P1)
-# --------------------------------------------------------------------------------------------------
+# logprob (P1) -------------------------------------------------------------------------------------
 
 
 def _pair(spec):
@@ -139,9 +129,7 @@ def logprob(shapes=("nemotron3_like_moe", "baseline_dense")):
     return results
 
 
-# --------------------------------------------------------------------------------------------------
-# train (P2)
-# --------------------------------------------------------------------------------------------------
+# train (P2) ---------------------------------------------------------------------------------------
 
 
 def _kernel_times(fn):
@@ -362,9 +350,7 @@ def train(keep_online_model: bool = False, rounds: int = 4, warmup: int = 2, ite
     return out, ctx
 
 
-# --------------------------------------------------------------------------------------------------
-# estimate
-# --------------------------------------------------------------------------------------------------
+# estimate -----------------------------------------------------------------------------------------
 
 
 def _estimate_arguments(ap):
@@ -503,9 +489,7 @@ def estimate(args) -> dict:
     return res
 
 
-# --------------------------------------------------------------------------------------------------
-# gpu-all
-# --------------------------------------------------------------------------------------------------
+# gpu-all ------------------------------------------------------------------------------------------
 
 
 def gpu_all(which=GPU_ALL):

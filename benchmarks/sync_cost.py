@@ -1,15 +1,6 @@
-"""Cost of one MTP weight sync to the vLLM drafter.
-
-Commands:
-
-* ``bytes``: bytes the drafter receives per sync, verl 0.9.1 vs the plugin (CPU: the tiny model exported for
-  real, Nemotron 3 Super from its config; ``--vllm`` also times the drafter's share on vLLM's CPU models);
-* ``memory``: peak memory one online drafter sync adds on a rollout worker, the previous code vs the current
-  one (CPU);
-* ``throughput``: MTP weight sync throughput on the GPU vs the device's copy bandwidth (``BENCH_TINY=1``
-  shrinks the shape so it runs on a CPU; timings then mean nothing).
-
-Run: ``python benchmarks/sync_cost.py COMMAND [options]`` (``COMMAND --help`` describes each).
+"""Cost of one MTP weight sync to the vLLM drafter: bytes it receives, memory it adds on a rollout worker,
+GPU throughput. ``throughput`` writes a JSON to ``$OUT`` (or ``benchmarks/results/``); ``BENCH_TINY=1``
+shrinks its shape so it runs on a CPU (timings then mean nothing).
 """
 
 from __future__ import annotations
@@ -28,9 +19,7 @@ import common as C
 import torch
 
 
-# --------------------------------------------------------------------------------------------------
-# bytes
-# --------------------------------------------------------------------------------------------------
+# bytes --------------------------------------------------------------------------------------------
 
 
 BUCKET_MB = 2048  # verl's default actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes
@@ -287,9 +276,7 @@ def sync_bytes(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------------
-# memory
-# --------------------------------------------------------------------------------------------------
+# memory -------------------------------------------------------------------------------------------
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -329,8 +316,6 @@ class PeakSampler:
 
 def _old_sync_class():
     """The previous MTPDrafterSync behaviour (whole stream listed; staged tensors kept through the load)."""
-    import itertools  # noqa: F401
-
     from verl_mtp_plugin.rollout.worker.drafter_sync import MTPDrafterSync
 
     class BeforeSync(MTPDrafterSync):
@@ -486,9 +471,7 @@ def memory(args):
         print(f"{path:8} {b / mib:11.1f} {a / mib:10.1f} {a / b if b else float('nan'):13.2f} {b / m:11.2f} {a / m:10.2f}")
 
 
-# --------------------------------------------------------------------------------------------------
-# throughput
-# --------------------------------------------------------------------------------------------------
+# throughput ---------------------------------------------------------------------------------------
 
 
 class _DrafterBuffers:
