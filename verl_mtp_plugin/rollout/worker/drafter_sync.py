@@ -434,7 +434,7 @@ class MTPDrafterSync:
 
         The copy is needed because transfer buffers are reused between buckets; it is made on the
         tensors' device and lives until :meth:`finish` (Nemotron 3 Super: ~5.5 GiB of MTP weights in
-        bf16 per rollout rank; ``benchmarks/sync_memory.py`` measures the peak). Nothing is copied when
+        bf16 per rollout rank; ``benchmarks/sync_cost.py memory`` measures the peak). Nothing is copied when
         the drafter is skipped (``frozen``).
 
         Why the MTP part is not streamed into the drafter bucket by bucket: the update must be checked

@@ -1,16 +1,19 @@
-"""Shared pieces of the GPU benchmarks: environment setup, the benchmark shape, timing with
-CUDA events in alternating rounds, analytic matmul-FLOP counts, and result files.
+"""Shared pieces of the benchmark drivers (``phase_cost.py``, ``sync_cost.py``): the subcommand parser,
+environment setup, the GPU benchmark shape, timing with CUDA events in alternating rounds, analytic
+matmul-FLOP counts, and result files.
 
-The benchmarks run through the plugin's public API (``verl_mtp_plugin.hybrid_forward``,
+The GPU benchmarks run through the plugin's public API (``verl_mtp_plugin.hybrid_forward``,
 ``freeze_mtp``, ``configure_transformer_config``, ``testing.build_tiny_hybrid`` via
-``testing.gpu.build_gpu_hybrid``). ``BENCH_TINY=1`` shrinks every shape so the scripts can be checked
+``testing.gpu.build_gpu_hybrid``). ``BENCH_TINY=1`` shrinks every shape so they can be checked
 on a CPU (timings then mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -35,6 +38,28 @@ MAIN_PATTERN = "MEMEM*EMEMEM*EME"
 MTP_PATTERN = "*E"
 #: environment.md section 9 baseline (dense MLP, no MoE), reproduced for the log-prob phase.
 BASELINE_DENSE_PATTERN = "M-M*M-M-M*M-M-/*-"
+
+
+def run_subcommands(doc: str, commands: dict, argv=None):
+    """Parse ``argv`` (default ``sys.argv[1:]``) as ``COMMAND [options]`` and run the command.
+
+    ``commands``: name -> ``(fn, add_arguments, call)``. The command's help is the first line of ``fn``'s
+    docstring, its description the whole docstring; ``add_arguments(parser)`` (or None) declares its options;
+    ``call(args)`` runs it (None: ``fn(args)``). ``args.argv`` holds the command's own arguments.
+    """
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (fn, add_arguments, call) in commands.items():
+        text = inspect.cleandoc(fn.__doc__ or "")
+        p = sub.add_parser(name, help=text.split("\n")[0], description=text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if add_arguments is not None:
+            add_arguments(p)
+        p.set_defaults(_call=call or fn)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    args.argv = argv[1:]
+    return args._call(args)
 
 
 def setup(seed: int = 1234) -> None:

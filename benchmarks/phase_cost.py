@@ -1,0 +1,535 @@
+"""Cost of the MTP layers in each phase of an RL step: log-prob forward, training step, the trainer's
+acceptance estimate; ``gpu-all`` runs P1 (``logprob``), P2 (``train``) and P4 (``sync_cost.py throughput``)
+in one process.
+
+The GPU commands write one JSON each to ``$OUT`` (or ``benchmarks/results/``) and print one summary line
+each; ``BENCH_TINY=1`` shrinks their shapes so they run on a CPU (timings then mean nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import common as C
+import torch
+
+GPU_ALL = ("p1", "p2", "p4")
+
+
+# logprob (P1) -------------------------------------------------------------------------------------
+
+
+def _pair(spec):
+    """(model with MTP, model without MTP holding the same trunk weights), eval mode."""
+    m_mtp = C.build(spec)
+    main = spec.pattern.split("/")[0]
+    m_base = C.build(spec, pattern=main)
+    sd = {k: v for k, v in m_mtp.state_dict().items() if not k.startswith("mtp.")}
+    missing, unexpected = m_base.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"trunk weights do not match: missing={missing} unexpected={unexpected}")
+    m_mtp.eval()
+    m_base.eval()
+    return m_mtp, m_base
+
+
+def run_shape(name, spec, *, b=1, rounds=3, warmup=3, iters=10):
+    from verl_mtp_plugin import hybrid_forward
+
+    seq = C.seq_len()
+    m_mtp, m_base = _pair(spec)
+    ids, pos, mask = C.batch(spec, seq, b)
+
+    def fwd(model, run_mtp):
+        def f():
+            with torch.no_grad():
+                hybrid_forward(model, ids, pos, mask, run_mtp_forward=run_mtp)
+
+        return f
+
+    with torch.no_grad():  # same logits from both models (skip parity, reported here, asserted in tests/gpu)
+        a = hybrid_forward(m_base, ids, pos, mask, run_mtp_forward=False).float()
+        a2 = hybrid_forward(m_base, ids, pos, mask, run_mtp_forward=False).float()
+        s = hybrid_forward(m_mtp, ids, pos, mask, run_mtp_forward=False).float()
+        parity = {
+            "skip_vs_no_mtp": {"max_abs_diff": float((a - s).abs().max()), "rel_l2": float((a - s).norm() / a.norm()),
+                               "bitwise_equal": bool(torch.equal(a, s))},
+            "no_mtp_run_to_run": {"max_abs_diff": float((a - a2).abs().max()),
+                                  "rel_l2": float((a - a2).norm() / a.norm()), "bitwise_equal": bool(torch.equal(a, a2))},
+            "logits_std": float(a.std()),
+        }
+        del a, a2, s
+    res = C.time_variants(
+        {"no_mtp_model": fwd(m_base, False), "mtp_skipped": fwd(m_mtp, False), "mtp_run": fwd(m_mtp, True)},
+        rounds=rounds, warmup=warmup, iters=iters, interleave=True,
+    )
+    counts = C.param_counts(m_mtp)
+    flops = C.matmul_flops(m_mtp, tokens=b * seq, seq=seq)
+    out = {
+        "shape": name,
+        "spec": C.spec_dict(spec),
+        "batch": b,
+        "seq": seq,
+        "params": counts,
+        "params_no_mtp_model": C.param_counts(m_base)["total"],
+        "timings_ms": res,
+        "skip_over_no_mtp": {k: C.ratio(res, "mtp_skipped", "no_mtp_model", k) for k in ("min", "median")},
+        "run_over_no_mtp": {k: C.ratio(res, "mtp_run", "no_mtp_model", k) for k in ("min", "median")},
+        "paired_median_ratio": {"skip_over_no_mtp": C.paired_ratio(res, "mtp_skipped", "no_mtp_model"),
+                                "run_over_no_mtp": C.paired_ratio(res, "mtp_run", "no_mtp_model")},
+        "mtp_fwd_flop_extra_over_base_fwd": flops["mtp_fwd_extra_over_base_fwd"],
+        "logits_parity_skip_vs_no_mtp": parity,
+    }
+    del m_mtp, m_base
+    C.free()
+    return out
+
+
+def logprob(shapes=("nemotron3_like_moe", "baseline_dense")):
+    """P1: cost of the log-prob phase with MTP layers present.
+
+    Forward only (``torch.no_grad``, eval mode, what verl's log-prob / ref phases run), one CUDA process,
+    three variants timed in alternating rounds:
+
+    * ``no_mtp_model``: the same trunk built without MTP (the ideal);
+    * ``mtp_skipped``: the model with MTP, ``hybrid_forward(..., run_mtp_forward=False)`` (the plugin);
+    * ``mtp_run``: the model with MTP, ``run_mtp_forward=True`` (what verl 0.9 does in log-prob today).
+
+    Both models hold the same trunk weights. Goal: ``mtp_skipped / no_mtp_model <= 1.01``.
+    Writes ``gpu_phase_cost.json``.
+    """
+    C.setup()
+    results = {"env": C.env_info(), "shapes": []}
+    for name in shapes:
+        if name == "nemotron3_like_moe":
+            spec = C.bench_spec()
+        else:
+            spec = C.bench_spec(pattern=C.BASELINE_DENSE_PATTERN if not C.TINY else "M-M*/*-", num_experts=16)
+        r = run_shape(name, spec)
+        results["shapes"].append(r)
+        t = r["timings_ms"]
+        print(
+            f"[P1 {name}] params total {r['params']['total'] / 1e6:.1f}M (MTP {r['params']['mtp'] / 1e6:.1f}M) "
+            f"b={r['batch']} S={r['seq']} | fwd ms min/median: no-MTP {C.fmt_ms(t['no_mtp_model'])}, "
+            f"skipped {C.fmt_ms(t['mtp_skipped'])}, run {C.fmt_ms(t['mtp_run'])} | skip/no-MTP "
+            f"{r['skip_over_no_mtp']['min']:.3f} (min) {r['skip_over_no_mtp']['median']:.3f} (median) | run/no-MTP "
+            f"{r['run_over_no_mtp']['min']:.3f} / {r['run_over_no_mtp']['median']:.3f} | paired median "
+            f"skip {r['paired_median_ratio']['skip_over_no_mtp']:.3f} run {r['paired_median_ratio']['run_over_no_mtp']:.3f} | peak GiB "
+            f"{t['no_mtp_model']['peak_over_start_gib']:.2f} / {t['mtp_skipped']['peak_over_start_gib']:.2f} / "
+            f"{t['mtp_run']['peak_over_start_gib']:.2f} | parity {r['logits_parity_skip_vs_no_mtp']}",
+            flush=True,
+        )
+    path = C.write_json("gpu_phase_cost.json", results)
+    print("[P1] wrote", path, flush=True)
+    return results
+
+
+# train (P2) ---------------------------------------------------------------------------------------
+
+
+def _kernel_times(fn):
+    """Device time (ms) per GPU kernel name for one call of ``fn`` (torch.profiler; kernel events
+    only, so operators and the kernels they launch are not counted twice)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if C.CUDA else [])
+    with profile(activities=acts) as prof:
+        fn()
+        C.sync()
+    out = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    return out
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "sm90_", "cublas", "ampere_", "wgmma")):
+        return "matmul (cuBLAS)"
+    if any(k in n for k in ("_chunk_", "chunk_scan", "chunk_state", "state_passing", "bmm_chunk", "layer_norm_fwd",
+                             "layer_norm_bwd", "_layer_norm", "rmsnorm")):
+        return "mamba / gated-norm triton"
+    if "softmax" in n or "log_softmax" in n or "nll" in n or "cross_entropy" in n or "logsumexp" in n:
+        return "softmax / cross-entropy"
+    if "reduce" in n or "argmax" in n or "max_kernel" in n or "sum" in n:
+        return "reductions (argmax, sums, norms)"
+    if "nccl" in n:
+        return "nccl"
+    if "memcpy" in n or "memset" in n or "copy" in n or "cat" in n:
+        return "copies"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n:
+        return "optimizer"
+    if "index" in n or "scatter" in n or "gather" in n or "sort" in n or "topk" in n or "embedding" in n:
+        return "index / scatter / gather (MoE, embedding)"
+    if "elementwise" in n or "vectorized" in n or "unrolled" in n:
+        return "elementwise"
+    return "other"
+
+
+def train(keep_online_model: bool = False, rounds: int = 4, warmup: int = 2, iters: int = 6):
+    """P2: overhead of the online (isolated) MTP mode in a full training step.
+
+    One step = forward (logits, ``labels=None`` as in verl's RL path) + a policy-gradient style loss on the
+    log-probs + backward + megatron DDP grad sync (``overlap_grad_reduce=True``, fp32 grad buffers) +
+    megatron distributed optimizer step (Adam, fp32 main params). Two models with the same weights:
+
+    * ``online``: ``configure_transformer_config(..., "online")`` (``mtp_detach_heads=True``), MTP trainable,
+      ``hybrid_forward(..., run_mtp_forward=True)``: MTP loss on the sampled tokens, MTP params in the
+      optimizer;
+    * ``mtp_skipped``: the same model with ``freeze_mtp`` (no grad buffer, no optimizer state for MTP) and
+      ``run_mtp_forward=False``: what the step costs when the MTP layers are carried but not trained.
+
+    Goal: time overhead <= the MTP layers' matmul-FLOP share + 3 points. The FLOP counts are analytic
+    (``common.matmul_flops``); a ``torch.profiler`` pass attributes the extra kernel time.
+    Writes ``gpu_train_overhead.json``.
+    """
+    from verl_mtp_plugin import configure_transformer_config, freeze_mtp, hybrid_forward
+
+    C.setup()
+    spec = C.bench_spec()
+    seq, b = C.seq_len(), 1
+    ids, pos, mask = C.batch(spec, seq, b)
+    labels = torch.roll(ids, -1, dims=1)
+    adv = torch.randn(b, seq, generator=torch.Generator().manual_seed(1)).to(C.device())
+
+    overrides = configure_transformer_config({}, "online")
+    mem0 = torch.cuda.memory_allocated() if C.CUDA else 0
+    m_on = C.build(spec, config_overrides=overrides)
+    m_skip = C.build(spec, config_overrides=overrides)
+    m_skip.load_state_dict(m_on.state_dict())
+    frozen = freeze_mtp(m_skip)
+    counts = C.param_counts(m_on)
+    flops = C.matmul_flops(m_on, tokens=b * seq, seq=seq)
+
+    if C.CUDA:
+        from verl_mtp_plugin.testing.gpu import megatron_ddp_and_optimizer
+
+        mem_a = torch.cuda.memory_allocated()
+        ddp_on, opt_on = megatron_ddp_and_optimizer(m_on)
+        mem_b = torch.cuda.memory_allocated()
+        ddp_skip, opt_skip = megatron_ddp_and_optimizer(m_skip)
+        mem_c = torch.cuda.memory_allocated()
+    else:  # BENCH_TINY plumbing check: megatron's optimizers need CUDA
+        ddp_on, ddp_skip = m_on, m_skip
+        opt_on = torch.optim.AdamW([p for p in m_on.parameters() if p.requires_grad], lr=1e-4)
+        opt_skip = torch.optim.AdamW([p for p in m_skip.parameters() if p.requires_grad], lr=1e-4)
+
+    def make_step(ddp, opt, run_mtp):
+        def step():
+            if C.CUDA:
+                ddp.zero_grad_buffer()
+            opt.zero_grad()
+            logits = hybrid_forward(ddp, ids, pos, mask, run_mtp_forward=run_mtp)
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            loss = -(logp * adv).mean()
+            loss.backward()
+            if C.CUDA:
+                ddp.finish_grad_sync()
+            opt.step()
+
+        return step
+
+    steps = {"online": make_step(ddp_on, opt_on, True), "mtp_skipped": make_step(ddp_skip, opt_skip, False)}
+    # First steps: Triton autotune, optimizer state allocation, DDP's golden grad-ready counts.
+    for s in steps.values():
+        s()
+    C.sync()
+    persistent = {}
+    if C.CUDA:
+        # Persistent memory of each model: params + grad buffers + fp32 main params + Adam state.
+        from verl_mtp_plugin.testing.gpu import optimizer_model_params
+
+        def state_bytes(opt):
+            opts = getattr(opt, "chained_optimizers", None) or [opt]
+            tot = 0
+            for o in opts:
+                inner = getattr(o, "optimizer", o)
+                for st in inner.state.values():
+                    tot += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+                for g in inner.param_groups:
+                    tot += sum(p.numel() * p.element_size() for p in g["params"])  # fp32 main params
+            return tot
+
+        def bucket_bytes(ddp):
+            return sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in ddp.buffers + ddp.expert_parallel_buffers)
+
+        for name, m, ddp, opt in (("online", m_on, ddp_on, opt_on), ("mtp_skipped", m_skip, ddp_skip, opt_skip)):
+            pb = sum(p.numel() * p.element_size() for p in m.parameters())
+            mtp_ids = {id(p) for n, p in m.named_parameters() if n.startswith("mtp.")}
+            in_opt = [p for p in optimizer_model_params(opt)]
+            persistent[name] = {
+                "params_gib": pb / 2**30,
+                "grad_buffers_gib": bucket_bytes(ddp) / 2**30,
+                "optimizer_main_params_and_state_gib": state_bytes(opt) / 2**30,
+                "mtp_params_in_optimizer": sum(1 for p in in_opt if id(p) in mtp_ids),
+                "params_in_optimizer": len(in_opt),
+            }
+            persistent[name]["total_gib"] = sum(v for k, v in persistent[name].items() if k.endswith("_gib"))
+        persistent["ddp_wrap_alloc_gib"] = {"online": (mem_b - mem_a) / 2**30, "mtp_skipped": (mem_c - mem_b) / 2**30}
+        persistent["two_models_bf16_params_alloc_gib"] = (mem_a - mem0) / 2**30
+
+    res = C.time_variants(steps, rounds=rounds, warmup=warmup, iters=iters, interleave=True)
+    overhead = {k: C.ratio(res, "online", "mtp_skipped", k) - 1.0 for k in ("min", "median")}
+    overhead["paired_median"] = C.paired_ratio(res, "online", "mtp_skipped") - 1.0
+    goal = flops["mtp_extra_over_base"] + 0.03
+    tflops = {
+        "online": (flops["base_step"] + flops["mtp_extra"]) / (res["online"]["min"] * 1e-3) / 1e12,
+        "mtp_skipped": flops["base_step"] / (res["mtp_skipped"]["min"] * 1e-3) / 1e12,
+    }
+    prof = {}
+    try:
+        k_on = _kernel_times(steps["online"])
+        k_skip = _kernel_times(steps["mtp_skipped"])
+        cats = {}
+        for name in set(k_on) | set(k_skip):
+            c = _category(name)
+            d = cats.setdefault(c, {"online_ms": 0.0, "mtp_skipped_ms": 0.0})
+            d["online_ms"] += k_on.get(name, 0.0)
+            d["mtp_skipped_ms"] += k_skip.get(name, 0.0)
+        for d in cats.values():
+            d["extra_ms"] = d["online_ms"] - d["mtp_skipped_ms"]
+        diff = sorted(((k_on.get(n, 0.0) - k_skip.get(n, 0.0), n) for n in set(k_on) | set(k_skip)), reverse=True)
+        tot_on, tot_skip = sum(k_on.values()), sum(k_skip.values())
+        prof = {
+            "kernel_total_ms": {"online": tot_on, "mtp_skipped": tot_skip},
+            "kernel_time_overhead": tot_on / tot_skip - 1.0 if tot_skip else None,
+            "by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]["extra_ms"])),
+            "top_extra_kernels": [{"kernel": n[:160], "extra_ms": round(d, 3)} for d, n in diff[:25]],
+        }
+    except Exception as e:  # the profiler is a diagnostic; timings above stand without it
+        prof = {"error": repr(e)}
+
+    out = {
+        "env": C.env_info(),
+        "spec": C.spec_dict(spec),
+        "batch": b,
+        "seq": seq,
+        "params": counts,
+        "frozen_in_skip_model": len(frozen),
+        "ddp": {"overlap_grad_reduce": True, "use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
+        "timings_ms": res,
+        "overhead": overhead,
+        "flops": flops,
+        "goal_overhead_max": goal,
+        "achieved_matmul_tflops_at_min": tflops,
+        "persistent_memory": persistent,
+        "profile_one_step": prof,
+    }
+    path = C.write_json("gpu_train_overhead.json", out)
+    t = res
+    print(
+        f"[P2] params total {counts['total'] / 1e6:.1f}M MTP {counts['mtp'] / 1e6:.1f}M | step ms min/median: online "
+        f"{C.fmt_ms(t['online'])}, skipped {C.fmt_ms(t['mtp_skipped'])} | overhead {overhead['min'] * 100:.1f}% (min) "
+        f"{overhead['median'] * 100:.1f}% (median) {overhead['paired_median'] * 100:.1f}% (paired median) | MTP matmul FLOPs: +{flops['mtp_extra_over_base'] * 100:.1f}% of the "
+        f"skipped step ({flops['mtp_share_of_online_step'] * 100:.1f}% of the online step) -> goal <= "
+        f"{goal * 100:.1f}% | step peak over start GiB: online {t['online']['peak_over_start_gib']:.2f}, skipped "
+        f"{t['mtp_skipped']['peak_over_start_gib']:.2f} | TFLOP/s {tflops['online']:.0f} / {tflops['mtp_skipped']:.0f}",
+        flush=True,
+    )
+    if persistent:
+        print("[P2] persistent memory", {k: v for k, v in persistent.items()}, flush=True)
+    if prof and "by_category" in prof and prof["kernel_time_overhead"] is not None:
+        print("[P2] GPU kernel time per step (profiler):", {k: round(v, 1) for k, v in prof["kernel_total_ms"].items()},
+              f"overhead {prof['kernel_time_overhead'] * 100:.1f}%", flush=True)
+        print("[P2] extra kernel ms by category:",
+              {k: round(v["extra_ms"], 2) for k, v in prof["by_category"].items()}, flush=True)
+    print("[P2] wrote", path, flush=True)
+    ctx = {"model": m_on} if keep_online_model else {}
+    del ddp_on, ddp_skip, opt_on, opt_skip, m_skip
+    if not keep_online_model:
+        del m_on
+    C.free()
+    return out, ctx
+
+
+# estimate -----------------------------------------------------------------------------------------
+
+
+def _estimate_arguments(ap):
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-positions", type=int, default=256)
+    ap.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256, 512])
+    ap.add_argument("--sweep-rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: CPU time is not inflated by spinning threads on a busy machine)")
+
+
+def estimate(args) -> dict:
+    """Cost of the in-trainer MTP acceptance estimate, side by side in one run.
+
+    A train step (forward with MTP + policy-style loss on the returned logits + backward) on a real
+    megatron-core HybridModel, timed without the probe and with :class:`AcceptanceProbe` attached and
+    ``estimate()`` called between forward and backward, interleaved (A, B, A, B, ...) so drift affects
+    both equally. ``estimate()`` is also timed on its own inside the B steps. CPU, ~2-4 minutes on 2 cores.
+    """
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+
+    from verl_mtp_plugin.acceptance import EXPECTED_KEY, GREEDY_KEY, AcceptanceProbe, acceptance_positions
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
+
+    init_megatron(seed=1234)
+    h = args.hidden
+    model = build_tiny_hybrid(
+        hidden_size=h,
+        vocab_size=args.vocab,
+        ffn_hidden_size=4 * h,
+        num_attention_heads=8,
+        num_query_groups=4,
+        moe_ffn_hidden_size=h,
+        moe_shared_expert_intermediate_size=h,
+        moe_latent_size=h // 2,
+        mamba_head_dim=32,
+        max_sequence_length=args.seq,
+    )
+    batch = make_batch(batch=args.batch, seq=args.seq, vocab=args.vocab, prompt_len=args.prompt, seed=0)
+    mask = batch["response_mask"]
+    labels = torch.roll(batch["input_ids"], -1, dims=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time
+
+    def now():
+        return {k: f() for k, f in clocks.items()}
+
+    def since(t0):
+        return {k: f() - t0[k] for k, f in clocks.items()}
+
+    def step(with_probe: bool):
+        for p in params:
+            p.grad = None
+        reset_mtp_globals()
+        t0 = now()
+        probe = AcceptanceProbe(model) if with_probe else None
+        logits = hybrid_forward(
+            model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+            run_mtp_forward=True, loss_mask=mask,
+        )
+        est, t_est = {}, None
+        if probe is not None:
+            te = now()
+            est = probe.estimate(logits, mask, max_positions=args.max_positions)
+            t_est = since(te)
+            probe.close()
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * mask).sum() / mask.sum()
+        loss.backward()
+        return since(t0), t_est, est
+
+    for _ in range(args.warmup):
+        step(False)
+        step(True)
+    base, probed, est_times = [], [], []
+    est = {}
+    for _ in range(args.rounds):
+        base.append(step(False)[0])
+        t, te, est = step(True)
+        probed.append(t)
+        est_times.append(te)
+
+    # estimate() alone for other subsample sizes, on no-grad forwards of the same batch.
+    sweep = {}
+    for n in args.sweep:
+        times = []
+        for _ in range(args.sweep_rounds):
+            with AcceptanceProbe(model) as probe, torch.no_grad():
+                logits = hybrid_forward(
+                    model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                    run_mtp_forward=True, loss_mask=mask,
+                )
+                te = now()
+                probe.estimate(logits, mask, max_positions=n)
+                times.append(since(te))
+        sweep[n] = times
+
+    def stat(rows, clock, fn=statistics.median):
+        return fn([r[clock] for r in rows])
+
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, device cpu, load average at end {os.getloadavg()[0]:.1f}")
+    print(f"model: HybridModel pattern {model.hybrid_layer_pattern!r}, hidden {h}, vocab {args.vocab}, "
+          f"{n_params / 1e6:.2f}M params; batch {args.batch} x seq {args.seq} (prompt {args.prompt}); "
+          f"max_positions {args.max_positions}; {args.rounds} interleaved rounds after {args.warmup} warm-up")
+    print("(wall = perf_counter; cpu = process CPU time, robust to other processes on a shared machine)")
+    res = {}
+    for clock in ("cpu", "wall"):
+        a, b, e = stat(base, clock), stat(probed, clock), stat(est_times, clock)
+        amin, bmin = stat(base, clock, min), stat(probed, clock, min)
+        res[clock] = dict(step_without=a, step_with=b, ratio=b / a, estimate=e, estimate_over_step=e / a)
+        print(f"[{clock:4s}] train step fwd+bwd: without probe median {a * 1e3:8.1f} ms (min {amin * 1e3:.1f}), "
+              f"with probe median {b * 1e3:8.1f} ms (min {bmin * 1e3:.1f}); ratio of medians {b / a:.4f}, "
+              f"of mins {bmin / amin:.4f}")
+        print(f"[{clock:4s}] estimate() inside the step: median {e * 1e3:7.2f} ms = {100 * e / a:.2f}% of the step")
+    counted = int(acceptance_positions(mask, 1).sum())
+    print(f"estimate() alone by max_positions (no-grad forwards, {counted} counted positions in the batch), "
+          "median cpu / wall, % of the step's median:")
+    for n, times in sweep.items():
+        c, w = stat(times, "cpu"), stat(times, "wall")
+        print(f"  max_positions {n:5d}: cpu {c * 1e3:7.2f} ms = {100 * c / res['cpu']['step_without']:.2f}%   "
+              f"wall {w * 1e3:7.2f} ms = {100 * w / res['wall']['step_without']:.2f}%")
+    res["sweep"] = sweep
+    print(f"last estimate: {EXPECTED_KEY}={est.get(EXPECTED_KEY):.4f} {GREEDY_KEY}={est.get(GREEDY_KEY):.4f}")
+    return res
+
+
+# gpu-all ------------------------------------------------------------------------------------------
+
+
+def gpu_all(which=GPU_ALL):
+    """P1 (``logprob``), P2 (``train``) and P4 (``sync_cost.py throughput``, on P2's online model) in one process.
+
+    One JSON per benchmark in ``$OUT`` (or ``benchmarks/results/``) and one summary line each on stdout.
+    """
+    t0 = time.time()
+    C.setup()
+    print("[env]", C.env_info(), flush=True)
+    if "p1" in which:
+        logprob()
+        print(f"[time] after P1 {time.time() - t0:.0f} s", flush=True)
+    model = None
+    if "p2" in which:
+        _, ctx = train(keep_online_model="p4" in which)
+        model = ctx.get("model")
+        print(f"[time] after P2 {time.time() - t0:.0f} s", flush=True)
+    if "p4" in which:
+        import sync_cost
+
+        sync_cost.throughput(model)
+        print(f"[time] after P4 {time.time() - t0:.0f} s", flush=True)
+
+
+def _gpu_all_arguments(ap):
+    ap.add_argument("which", nargs="*", type=str.lower, choices=GPU_ALL, help="benchmarks to run (default: all three)")
+
+
+COMMANDS = {
+    "logprob": (logprob, None, lambda args: logprob()),
+    "train": (train, None, lambda args: train()),
+    "estimate": (estimate, _estimate_arguments, None),
+    "gpu-all": (gpu_all, _gpu_all_arguments, lambda args: gpu_all(tuple(args.which) or GPU_ALL)),
+}
+
+
+def main(argv=None):
+    return C.run_subcommands(__doc__, COMMANDS, argv)
+
+
+if __name__ == "__main__":
+    main()
