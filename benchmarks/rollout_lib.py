@@ -64,17 +64,9 @@ def log(msg: str) -> None:
 
 
 def import_verl_algorithms():
-    """verl's GRPO advantage, policy-loss registry and ``ActorConfig``.
-
-    verl 0.9.1 imports ``ray`` at module level on this import path (``verl.protocol`` annotates
-    ``futures: list[ray.ObjectRef]``), but none of the functions used here touch ray. Where ray is not
-    installed (the GPU machine: its wheel alone exceeds what a device call may carry), a placeholder
-    module named ``ray`` holding only ``ObjectRef`` is registered first; any other use of it fails
-    with AttributeError. Where ray is installed nothing is registered.
-
-    Returns:
-        tuple: ``(compute_grpo_outcome_advantage, get_policy_loss_fn, ActorConfig)``.
-    """
+    """``(compute_grpo_outcome_advantage, get_policy_loss_fn, ActorConfig)`` from verl. verl imports ``ray`` on
+    this path only for an annotation (``verl.protocol``): where ray is not installed (the GPU machine) a placeholder
+    ``ray`` holding only ``ObjectRef`` is registered first."""
     if "ray" not in sys.modules and importlib.util.find_spec("ray") is None:
         ray = types.ModuleType("ray")
         ray.__doc__ = "placeholder: ray is not installed here; only the ObjectRef annotation verl.protocol needs"
@@ -123,13 +115,8 @@ def make_deps_bundle(path: str) -> None:
 
 @dataclasses.dataclass
 class Language:
-    """Noisy progressions. Token ids: 0 pad, 1 bos, ``2 .. 2+D-1`` digits, then ``F`` filler tokens.
-
-    A sequence is ``<bos>`` + ``prompt_digits`` clean progression digits ``v_0, v_0+s, ...`` (mod D,
-    step ``s`` in 1..``max_step``) + ``response_len`` continuation tokens: token ``t`` is the digit
-    ``v_t`` with probability ``1 - noise`` and a uniformly chosen filler otherwise (the hidden
-    progression advances either way).
-    """
+    """Noisy progressions (module docstring). Token ids: 0 pad, 1 bos, ``2 .. 2+D-1`` digits, then ``F`` fillers;
+    the hidden progression advances under fillers too."""
 
     num_digits: int = 20
     num_fillers: int = 8
@@ -268,18 +255,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, mode: str, fwd: Fwd, prompts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Plain autoregressive sampling at temperature 1 by inverse CDF (full recompute per token).
-
-    Args:
-        prompts (Tensor): ``[n, p]`` prompt ids on the model's device.
-        uniforms (Tensor): ``[n, L]`` U(0,1) numbers on the same device; row ``i``'s token ``j`` is the
-            first token whose cumulative probability reaches ``uniforms[i, j]``, an exact sample from the
-            current policy. Reusing the same numbers for the held-out rows at every step (common random
-            numbers) makes step-to-step differences reflect the policy, not the draw.
-
-    Returns:
-        Tensor: ``[n, p + L]``.
-    """
+    """Autoregressive sampling at temperature 1 by inverse CDF (full recompute per token): token ``j`` of row ``i``
+    is the first whose cumulative probability reaches ``uniforms[i, j]`` (``[n, L]`` U(0,1) on the model's
+    device). Returns ``[n, p + L]``."""
     from verl_mtp_plugin.policy import Phase, run_mtp_forward
 
     run = run_mtp_forward(mode, Phase.ROLLOUT)

@@ -43,12 +43,7 @@ for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its C
         sys.path.insert(0, _p)
 
 import rollout_lib as lib  # noqa: E402
-
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+from rollout_lib import T0, log  # noqa: E402
 
 
 # =========================================================================== speedup
@@ -130,8 +125,6 @@ class RL:
         return row
 
 
-
-
 def measure(llm, prompts: list[list[int]], *, temperature: float, args) -> dict:
     """Warm-up call, then ``args.reps`` timed ``generate`` calls; tokens/s (median) and acceptance."""
     from vllm import SamplingParams
@@ -167,7 +160,6 @@ def measure(llm, prompts: list[list[int]], *, temperature: float, args) -> dict:
                             if f"rollout/spec_accept_rate_pos_{i}" in m],
         "num_drafts": m.get("rollout/spec_num_drafts"),
     }
-
 
 
 def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
@@ -248,7 +240,6 @@ def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None
     summarize_batches(result)
     write()
     print_batches(result)
-
 
 
 def summarize_batches(result: dict) -> None:
