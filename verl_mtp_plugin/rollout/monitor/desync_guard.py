@@ -38,7 +38,8 @@ is the step's mean drafts with ``k`` chosen by batch size) and extended past its
 ``c_K - c_{K-1}``. The default table (:data:`DEFAULT_VERIFY_COST`, one per drafting method) is **measured**: one
 NVIDIA H200, vLLM 0.26 on the V2 model runner with CUDA graphs, the Nemotron 3 Nano / Lightning 30B-A3B shape
 (``benchmarks/RESULTS.md``, "Step cost by size", table "c_k for k = 1, 2, 3 x greedy / probabilistic x 64 / 256
-sequences", made by ``benchmarks/step_cost.py --shapes nano30b --ks 0,1,2,3 --batches 64,256 --rounds 2``):
+sequences", made by ``benchmarks/speculation.py step-cost --shapes nano30b --ks 0,1,2,3 --batches 64,256
+--rounds 2``):
 
     sequences   greedy c_1 / c_2 / c_3     probabilistic c_1 / c_2 / c_3
     64          1.184 / 1.325 / 1.457      1.183 / 1.346 / 1.467
