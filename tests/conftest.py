@@ -103,6 +103,7 @@ INTEGRATION_FIXTURES = {
 INTEGRATION_TESTS = {
     "test_acceptance.py": {"test_vocab_sharded_reductions_match_full_vocab", "test_probe_under_tensor_parallelism"},
     "test_acceptance_tp.py": "*",
+    "test_benchmark_commands.py": "*",  # each driver's --help
     "test_checkpoint_resume.py": {"test_model_only_load_refreshes_the_distributed_optimizers_fp32_masters"},
     "test_config_reader.py": {"test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners"},
     "test_export_tp.py": "*",
