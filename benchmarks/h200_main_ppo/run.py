@@ -52,8 +52,10 @@ REPO = HERE.parents[1]
 for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from verl_mtp_cpu.events import ENV_BREAK_SYNC  # noqa: E402
+from verl_mtp_cpu.harness import RECIPE_DIR, provider_overrides, run_trainer  # noqa: E402
+
 PYTHONPATH_DIR = HERE / "pythonpath"
-RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
 EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
 
 #: mode -> (recipe, extra overrides, break switch)
@@ -177,8 +179,6 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
 
 def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> list[str]:
     """Hydra overrides for one run: sizes, what the image forces, instruments (module docstring)."""
-    from verl_mtp_cpu.harness import provider_overrides
-
     info = json.loads((assets / "assets.json").read_text())
     resp = int(info["answer_len"])
     k = 2  # the recipe's num_speculative_tokens
@@ -285,9 +285,6 @@ def run_env() -> dict:
 def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
     """One ``main_ppo`` run of ``mode`` through the CPU harness's run loop (:func:`verl_mtp_cpu.harness.run_trainer`):
     its own process group, the wall-clock and silence limits, stopped ``GRACE_S`` after a fatal log line."""
-    from verl_mtp_cpu.events import ENV_BREAK_SYNC
-    from verl_mtp_cpu.harness import run_trainer
-
     recipe, extra, brk = MODES[mode]
     workdir = pathlib.Path(a.workdir) / mode
     shutil.rmtree(workdir, ignore_errors=True)
