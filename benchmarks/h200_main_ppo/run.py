@@ -11,7 +11,8 @@ Two sub-commands:
   count-on task and reward) with a longer answer, so a rollout has enough decode steps to time.
 * ``run`` (the GPU machine): one ``main_ppo`` run per ``--modes`` entry (``online``, ``frozen``, ``off``,
   ``break``: ``grpo_online`` with the drafter sync broken on purpose, ``swap-eh``, and
-  ``verl_mtp_plugin.mtp_guard.action=fail``), each in its own process group with a wall-clock limit; after
+  ``verl_mtp_plugin.mtp_guard.action=fail``), each through the CPU harness's run loop
+  (:func:`verl_mtp_cpu.harness.run_trainer`: its own process group, wall-clock and silence limits); after
   each run ``<out>/summary.json`` is rewritten (per-step metrics from verl's file logger, the vLLM worker
   extension's per-update events, the table of :func:`step_table`), so a cut call keeps what finished.
 
@@ -393,30 +394,8 @@ def cmd_run(a) -> int:
         summary["runs"][mode] = res
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print_tables(summary)
+    print_md(summary, str(out / "summary.json"))
     return 0
-
-
-def print_tables(summary: dict) -> None:
-    cols = [("gen s", "timing_s/gen"), ("sync s", "timing_s/update_weights"), ("logp s", "timing_s/old_log_prob"),
-            ("ref s", "timing_s/ref"), ("upd s", "timing_s/update_actor"), ("step s", "timing_s/step"),
-            ("tok/s", "gen_tokens_per_s"), ("vLLM a0", "rollout/spec_accept_rate_pos_0"),
-            ("vLLM a1", "rollout/spec_accept_rate_pos_1"), ("argmax", "actor/mtp_argmax_draft_accept_rate"),
-            ("overlap", "actor/mtp_expected_accept_rate"), ("drafter B", "sync/bytes_drafter"),
-            ("score", "critic/score/mean")]
-    for mode, r in summary["runs"].items():
-        if "table" not in r:
-            print(f"{mode}: {r}")
-            continue
-        print(f"\n{mode}: rc {r['rc']} {r.get('stopped') or ''} wall {r['wall_s']} s; digests {r.get('digests', {}).get('all_equal')}"
-              f" loads {r.get('digests', {}).get('drafter_loaded_in_updates')}")
-        print("step " + " ".join(f"{c:>9}" for c, _ in cols))
-        for row in r["table"]:
-            vals = []
-            for _, k in cols:
-                v = row.get(k)
-                vals.append(f"{v:9.3f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>9}")
-            print(f"{row['step']:>4} " + " ".join(vals))
 
 
 #: the markdown table of ``run.py table``: (header, row key, format)
@@ -439,31 +418,35 @@ MD_COLS = [
 ]
 
 
+def print_md(summary: dict, source: str) -> None:
+    """The markdown per-step table of each mode of ``summary`` (read from ``source``)."""
+    for mode, r in summary["runs"].items():
+        if "table" not in r:
+            print(f"**{mode}** ({source}): {r}\n")
+            continue
+        d = digest_check(r.get("events", []))
+        print(f"**{mode}** ({source}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
+              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
+              f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
+              f"sync's: {d.get('all_equal')}\n")
+        if not r["table"]:
+            continue
+        cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
+        print("| step | " + " | ".join(c[0] for c in cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for row in r["table"]:
+            vals = []
+            for _, key, fmt in cols:
+                v = row.get(key)
+                vals.append("-" if v is None else fmt.format(v))
+            print(f"| {row['step']} | " + " | ".join(vals) + " |")
+        print()
+
+
 def cmd_table(a) -> int:
     """Markdown per-step tables from ``summary.json`` files (``run.py table SUMMARY [SUMMARY ...]``)."""
     for path in a.summaries:
-        summary = json.loads(pathlib.Path(path).read_text())
-        for mode, r in summary["runs"].items():
-            if "table" not in r:
-                print(f"**{mode}** ({path}): {r}\n")
-                continue
-            d = digest_check(r.get("events", []))
-            print(f"**{mode}** ({path}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
-                  f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
-                  f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
-                  f"sync's: {d.get('all_equal')}\n")
-            if not r["table"]:
-                continue
-            cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
-            print("| step | " + " | ".join(c[0] for c in cols) + " |")
-            print("|---|" + "---|" * len(cols))
-            for row in r["table"]:
-                vals = []
-                for _, key, fmt in cols:
-                    v = row.get(key)
-                    vals.append("-" if v is None else fmt.format(v))
-                print(f"| {row['step']} | " + " | ".join(vals) + " |")
-            print()
+        print_md(json.loads(pathlib.Path(path).read_text()), path)
     return 0
 
 
