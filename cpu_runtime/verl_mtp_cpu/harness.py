@@ -16,11 +16,14 @@ weight sync, reward, advantages, the update with the MTP loss, checkpoint save a
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import io
 import json
 import os
 import pathlib
 import re
+import selectors
 import shutil
 import signal
 import subprocess
@@ -482,10 +485,6 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 bufsize=0, start_new_session=True)
         _ACTIVE[proc.pid] = proc
-        import codecs
-        import io
-        import selectors
-
         # the output as it comes, read from the pipe itself (a buffered readline would keep the lines after the
         # first of a chunk until more output arrives), decoded as text mode would (universal newlines)
         text = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(errors="replace"), translate=True)
