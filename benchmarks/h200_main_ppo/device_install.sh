@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (checkout root): gather the three staged parts (.stage/h1..h3, carried by earlier calls
 # and copied to /tmp/stage), verify them against .h200/manifest.txt, install into /tmp/site. Idempotent: on a
-# machine that has it already, it only says so. Then: export PYTHONPATH=.h200/src:/tmp/site
+# machine that has it already, it only says so. Then: export PYTHONPATH=.h200/src:/tmp/site (the source sync_src.sh
+# staged from another worktree), or PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site for the checkout's own (the product
+# and the CPU runtime's verl_mtp_cpu; run.py and super_assets.py put both on their path themselves).
 set -u
 mkdir -p /tmp/stage
 for d in .stage/h1 .stage/h2 .stage/h3; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done

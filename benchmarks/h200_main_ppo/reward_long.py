@@ -9,7 +9,11 @@ two back (the rule its MTP head learned), so GRPO moves it to counting on.
 
 Measured with the first version (no ``MAX_STEPS``; H200, 2026-12-04): the policy stopped ending its responses, and
 from GRPO step 6 every response ran to ``data.max_response_length`` (verl's ``response_length/clip_ratio`` 1.0).
+The rule is the CPU harness's (:func:`verl_mtp_cpu.reward.counted_on`; ``run.py`` puts ``verl_mtp_cpu`` on the
+path of every process of the run).
 """
+
+from verl_mtp_cpu.reward import counted_on
 
 #: the shortest response of the pretraining data: the score's smallest denominator
 MIN_STEPS = 256
@@ -18,11 +22,5 @@ MAX_STEPS = 384
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
-    prev = str(ground_truth).strip()
     got = str(solution_str).split()
-    right = 0
-    for tok in got[:MAX_STEPS]:
-        if tok.isdigit() and len(tok) == 1 and prev.isdigit() and int(tok) == (int(prev) + 1) % 10:
-            right += 1
-        prev = tok
-    return right / max(MIN_STEPS, len(got))
+    return counted_on(got[:MAX_STEPS], ground_truth) / max(MIN_STEPS, len(got))

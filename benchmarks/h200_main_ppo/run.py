@@ -11,7 +11,8 @@ Two sub-commands:
   count-on task and reward) with a longer answer, so a rollout has enough decode steps to time.
 * ``run`` (the GPU machine): one ``main_ppo`` run per ``--modes`` entry (``online``, ``frozen``, ``off``,
   ``break``: ``grpo_online`` with the drafter sync broken on purpose, ``swap-eh``, and
-  ``verl_mtp_plugin.mtp_guard.action=fail``), each in its own process group with a wall-clock limit; after
+  ``verl_mtp_plugin.mtp_guard.action=fail``), each through the CPU harness's run loop
+  (:func:`verl_mtp_cpu.harness.run_trainer`: its own process group, wall-clock and silence limits); after
   each run ``<out>/summary.json`` is rewritten (per-step metrics from verl's file logger, the vLLM worker
   extension's per-update events, the table of :func:`step_table`), so a cut call keeps what finished.
 
@@ -43,10 +44,8 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -54,8 +53,10 @@ REPO = HERE.parents[1]
 for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from verl_mtp_cpu.events import ENV_BREAK_SYNC  # noqa: E402
+from verl_mtp_cpu.harness import RECIPE_DIR, provider_overrides, run_trainer  # noqa: E402
+
 PYTHONPATH_DIR = HERE / "pythonpath"
-RECIPE_DIR = REPO / "recipes" / "nemotron3_super_mtp" / "config"
 EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
 
 #: mode -> (recipe, extra overrides, break switch)
@@ -179,8 +180,6 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
 
 def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> list[str]:
     """Hydra overrides for one run: sizes, what the image forces, instruments (module docstring)."""
-    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES
-
     info = json.loads((assets / "assets.json").read_text())
     resp = int(info["answer_len"])
     k = 2  # the recipe's num_speculative_tokens
@@ -253,35 +252,8 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
         out += [f"{ar}.actor.megatron.param_offload=false", f"{ar}.actor.megatron.optimizer_offload=false",
                 f"{ar}.ref.megatron.param_offload=false"]
     if not te:
-        for key, v in CPU_PROVIDER_OVERRIDES.items():
-            if key == "sequence_parallel":
-                continue
-            out.append(f"+{otc}.{key}={str(v).lower() if isinstance(v, bool) else v}")
+        out += provider_overrides(otc)
     return out + list(a.override or [])
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_env() -> dict:
@@ -312,79 +284,29 @@ def run_env() -> dict:
 
 
 def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
+    """One ``main_ppo`` run of ``mode`` through the CPU harness's run loop (:func:`verl_mtp_cpu.harness.run_trainer`):
+    its own process group, the wall-clock and silence limits, stopped ``GRACE_S`` after a fatal log line."""
     recipe, extra, brk = MODES[mode]
     workdir = pathlib.Path(a.workdir) / mode
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    metrics_path, events_path = workdir / "metrics.jsonl", workdir / "events.jsonl"
     steps = a.break_steps if mode == "break" else a.steps + 1 if mode == "online-break" else a.steps
     brk = brk.format(last=steps)  # weight update N precedes step N's rollout (update 1 at start-up)
     ns = argparse.Namespace(**{**vars(a), "steps": steps})
     cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
-    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")
-    env = run_env()
-    env.update({
-        "VERL_FILE_LOGGER_PATH": str(metrics_path),
-        "VERL_CPU_EVENTS": str(events_path),
-        "VERL_CPU_BREAK_SYNC": brk,
-        "RAY_TMPDIR": ray_tmp,
-    })
-    env.pop("RAY_ADDRESS", None)
     log_path = out / f"{mode}.log"
-    t0 = time.perf_counter()
-    stopped, first_error, last_line = None, None, time.perf_counter()
     print(f"=== {mode}: {recipe}, {steps} steps, limit {timeout_s:.0f} s", flush=True)
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
-        import selectors
 
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        try:
-            while True:
-                now = time.perf_counter() - t0
-                if now > timeout_s:
-                    stopped = f"timeout after {timeout_s:.0f} s"
-                    break
-                if first_error is not None and time.perf_counter() - first_error > GRACE_S:
-                    stopped = f"still running {GRACE_S:.0f} s after a fatal log line"
-                    break
-                if time.perf_counter() - last_line > a.silence_s:
-                    stopped = f"no output for {a.silence_s:.0f} s"
-                    break
-                if sel.select(timeout=1.0):
-                    line = proc.stdout.readline()
-                    if line == "":
-                        break
-                    last_line = time.perf_counter()
-                    log.write(f"[{now:6.1f}s] {line}")
-                    log.flush()
-                    if a.echo or re.search(r"step:\d+ -|Traceback|Error|error:|MTPDesync|guard", line):
-                        sys.stdout.write(f"[{mode} {now:5.0f}s] {line[:400]}" + ("" if line.endswith("\n") else "\n"))
-                    if first_error is None and any(p.search(line) for p in FATAL):
-                        first_error = time.perf_counter()
-                elif proc.poll() is not None:
-                    break
-        finally:
-            sel.close()
-            if stopped is not None or proc.poll() is None:
-                try:
-                    proc.wait(5 if stopped is None else 0.1)
-                except subprocess.TimeoutExpired:
-                    _stop(proc)
-            rest = proc.stdout.read() if proc.stdout else ""
-            log.write(rest or "")
-            rc = proc.wait()
-            _stop(proc)
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-        if stopped:
-            log.write(f"\n[h200 driver] stopped: {stopped}\n")
-    wall = time.perf_counter() - t0
-    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(metrics_path) if "step" in r}
-    events = _read_jsonl(events_path)
+    def show(t: float, line: str) -> None:
+        if a.echo or re.search(r"step:\d+ -|Traceback|Error|error:|MTPDesync|guard", line):
+            sys.stdout.write(f"[{mode} {t:5.0f}s] {line[:400]}" + ("" if line.endswith("\n") else "\n"))
+
+    run = run_trainer(cmd, cwd=workdir, env={**run_env(), ENV_BREAK_SYNC: brk}, log_path=log_path,
+                      metrics_path=workdir / "metrics.jsonl", events_path=workdir / "events.jsonl",
+                      timeout_s=timeout_s, silence_s=a.silence_s, fatal=FATAL, grace_s=GRACE_S, on_line=show,
+                      label="h200 driver")
+    rc, stopped, wall, metrics, events = run.rc, run.stopped, run.wall_s, run.metrics, run.events
     text = log_path.read_text(errors="replace")
     res = {"mode": mode, "recipe": recipe, "rc": rc, "stopped": stopped, "wall_s": round(wall, 1),
            "steps_logged": sorted(metrics), "metrics": metrics, "events": events, "cmd": cmd,
@@ -472,30 +394,8 @@ def cmd_run(a) -> int:
         summary["runs"][mode] = res
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    print_tables(summary)
+    print_md(summary, str(out / "summary.json"))
     return 0
-
-
-def print_tables(summary: dict) -> None:
-    cols = [("gen s", "timing_s/gen"), ("sync s", "timing_s/update_weights"), ("logp s", "timing_s/old_log_prob"),
-            ("ref s", "timing_s/ref"), ("upd s", "timing_s/update_actor"), ("step s", "timing_s/step"),
-            ("tok/s", "gen_tokens_per_s"), ("vLLM a0", "rollout/spec_accept_rate_pos_0"),
-            ("vLLM a1", "rollout/spec_accept_rate_pos_1"), ("argmax", "actor/mtp_argmax_draft_accept_rate"),
-            ("overlap", "actor/mtp_expected_accept_rate"), ("drafter B", "sync/bytes_drafter"),
-            ("score", "critic/score/mean")]
-    for mode, r in summary["runs"].items():
-        if "table" not in r:
-            print(f"{mode}: {r}")
-            continue
-        print(f"\n{mode}: rc {r['rc']} {r.get('stopped') or ''} wall {r['wall_s']} s; digests {r.get('digests', {}).get('all_equal')}"
-              f" loads {r.get('digests', {}).get('drafter_loaded_in_updates')}")
-        print("step " + " ".join(f"{c:>9}" for c, _ in cols))
-        for row in r["table"]:
-            vals = []
-            for _, k in cols:
-                v = row.get(k)
-                vals.append(f"{v:9.3f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>9}")
-            print(f"{row['step']:>4} " + " ".join(vals))
 
 
 #: the markdown table of ``run.py table``: (header, row key, format)
@@ -518,31 +418,35 @@ MD_COLS = [
 ]
 
 
+def print_md(summary: dict, source: str) -> None:
+    """The markdown per-step table of each mode of ``summary`` (read from ``source``)."""
+    for mode, r in summary["runs"].items():
+        if "table" not in r:
+            print(f"**{mode}** ({source}): {r}\n")
+            continue
+        d = digest_check(r.get("events", []))
+        print(f"**{mode}** ({source}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
+              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
+              f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
+              f"sync's: {d.get('all_equal')}\n")
+        if not r["table"]:
+            continue
+        cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
+        print("| step | " + " | ".join(c[0] for c in cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for row in r["table"]:
+            vals = []
+            for _, key, fmt in cols:
+                v = row.get(key)
+                vals.append("-" if v is None else fmt.format(v))
+            print(f"| {row['step']} | " + " | ".join(vals) + " |")
+        print()
+
+
 def cmd_table(a) -> int:
     """Markdown per-step tables from ``summary.json`` files (``run.py table SUMMARY [SUMMARY ...]``)."""
     for path in a.summaries:
-        summary = json.loads(pathlib.Path(path).read_text())
-        for mode, r in summary["runs"].items():
-            if "table" not in r:
-                print(f"**{mode}** ({path}): {r}\n")
-                continue
-            d = digest_check(r.get("events", []))
-            print(f"**{mode}** ({path}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
-                  f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
-                  f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
-                  f"sync's: {d.get('all_equal')}\n")
-            if not r["table"]:
-                continue
-            cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
-            print("| step | " + " | ".join(c[0] for c in cols) + " |")
-            print("|---|" + "---|" * len(cols))
-            for row in r["table"]:
-                vals = []
-                for _, key, fmt in cols:
-                    v = row.get(key)
-                    vals.append("-" if v is None else fmt.format(v))
-                print(f"| {row['step']} | " + " | ".join(vals) + " |")
-            print()
+        print_md(json.loads(pathlib.Path(path).read_text()), path)
     return 0
 
 

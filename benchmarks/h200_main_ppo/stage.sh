@@ -17,8 +17,9 @@
 #                         model_hosting_container_standards), transformers 5.10.4 + tokenizers 0.22.2 (verl <5.11, Bridge <=5.12.1;
 #                         the image has 5.17), jsonschema (ray), mamba_ssm 2.3.2.post1 built pure-Python,
 #                         and the 20 wheels vLLM 0.26 imports that the image lacks)
-#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, assets/, and src/ (this
-#                          worktree's verl_mtp_plugin, recipes, benchmarks/h200_main_ppo) when CHECKOUT is another one
+#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, assets/, and src/ when
+#                          CHECKOUT is another worktree (sync_src.sh: this worktree's verl_mtp_plugin with its recipes,
+#                          the CPU runtime's verl_mtp_cpu, benchmarks/*.py and benchmarks/h200_main_ppo)
 # On the device: calls 1-3 carry .stage/h1, .stage/h2, .stage/h3 (`mkdir -p /tmp/stage && cp .stage/h*/* /tmp/stage/`);
 # then every run call carries .h200 and starts with `bash .h200/device_install.sh` (idempotent).
 set -euo pipefail
@@ -87,13 +88,8 @@ rm -rf "$CO/.stage/h1" "$CO/.stage/h2" "$CO/.stage/h3" "$CO/.h200" && mkdir -p "
 [ -f "$W/bundle.partad" ] && { echo "bundle needs more than 3 parts of $PART_MIB MiB"; exit 2; }
 mv "$W/bundle.partaa" "$CO/.stage/h1/"; mv "$W/bundle.partab" "$CO/.stage/h2/"; mv "$W/bundle.partac" "$CO/.stage/h3/"
 cp "$HERE/device_install.sh" "$CO/.h200/"
-if [ "$SRC" != "$CO" ]; then  # staging from another worktree: the calls send CO, so carry this one's source
-  mkdir -p "$CO/.h200/src/benchmarks"
-  cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$CO/.h200/src/"
-  cp -r "$SRC/cpu_runtime/verl_mtp_cpu" "$CO/.h200/src/"  # the CPU runtime's package (the stand-ins these runs import)
-  cp -r "$HERE" "$SRC/benchmarks/step_cost.py" "$CO/.h200/src/benchmarks/"
-  find "$CO/.h200/src" -name __pycache__ -prune -exec rm -rf {} +
-fi
+# staging from another worktree: the calls send CO, so carry this one's source
+if [ "$SRC" != "$CO" ]; then bash "$HERE/sync_src.sh" "$CO"; fi
 [ -n "$ASSETS" ] && cp -r "$ASSETS" "$CO/.h200/assets"
 du -sb "$CO"/.stage/h1 "$CO"/.stage/h2 "$CO"/.stage/h3 "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
 cat "$CO/.h200/manifest.txt"

@@ -46,7 +46,6 @@ for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU run
 SUPER_WIDTHS = dict(vocab_size=131072, hidden_size=4096, num_attention_heads=32, num_query_groups=2,
                     mamba_head_dim=64, mamba_state_dim=128, mamba_num_groups=8, moe_latent_size=1024,
                     moe_ffn_hidden_size=2688, moe_shared_expert_intermediate_size=5376, ffn_hidden_size=2688)
-REPEAT = 0.7  # the demo's warm-up mixture (verl_mtp_cpu.assets.WARMUP_REPEAT)
 
 
 def count_params(model) -> dict:
@@ -86,7 +85,7 @@ def main(argv=None) -> int:
     import torch
 
     from verl_mtp_plugin.control import configure_transformer_config, hybrid_forward
-    from verl_mtp_cpu.assets import demo_tokenizer, task_rows, warmup_response
+    from verl_mtp_cpu.assets import WARMUP_REPEAT, demo_tokenizer, task_rows, warmup_response
     from verl_mtp_cpu.vllm_engine import write_model_dir
     from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
     from verl_mtp_plugin.testing import TinyHybridSpec, build_tiny_hybrid, causal_mask, init_megatron
@@ -170,7 +169,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
         return done
 
-    joint_done = phase(a.steps, REPEAT, list(model.parameters()), "joint", a.lr)
+    joint_done = phase(a.steps, WARMUP_REPEAT, list(model.parameters()), "joint", a.lr)  # the demo's mixture
     mtp_params = [p for n, p in model.named_parameters() if n.startswith("mtp.")]
     assert mtp_params, "no MTP parameters"
     mtp_done = phase(a.mtp_steps, 1.0, mtp_params, "mtp_only", a.lr)

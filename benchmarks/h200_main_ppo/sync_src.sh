@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Refresh CHECKOUT/.h200/src from this worktree (plugin, recipes, this folder, the benchmarks the device calls run:
-# step_cost.py, rollout_speedup.py and the two modules it imports) before a device call.
+# Refresh CHECKOUT/.h200/src from this worktree before a device call (stage.sh does it when it stages for another
+# checkout): the plugin and recipes (a link into its package), the CPU runtime's package verl_mtp_cpu (the stand-ins,
+# events and harness run loop these runs import; in a checkout it is cpu_runtime/), every benchmarks/*.py (the
+# drivers and the modules they import) and this folder. The calls then run `python3 .h200/src/benchmarks/...` with
+# PYTHONPATH=.h200/src:/tmp/site.
 set -euo pipefail
 CO=$(cd "${1:?usage: sync_src.sh CHECKOUT}" && pwd)
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
+rm -rf "$CO/.h200/src"
 mkdir -p "$CO/.h200/src/benchmarks"
-BENCH="step_cost.py rollout_speedup.py acceptance_drift.py v2_drafter_sync.py"
-rm -rf "$CO/.h200/src/verl_mtp_plugin" "$CO/.h200/src/verl_mtp_cpu" "$CO/.h200/src/recipes" "$CO/.h200/src/benchmarks/h200_main_ppo"
-for f in $BENCH; do rm -f "$CO/.h200/src/benchmarks/$f"; done
-cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$CO/.h200/src/"
-cp -r "$SRC/cpu_runtime/verl_mtp_cpu" "$CO/.h200/src/"  # the CPU runtime's package (the stand-ins these runs import)
+cp -r "$SRC/verl_mtp_plugin" "$SRC/recipes" "$SRC/cpu_runtime/verl_mtp_cpu" "$CO/.h200/src/"
+cp "$SRC"/benchmarks/*.py "$CO/.h200/src/benchmarks/"
 cp -r "$SRC/benchmarks/h200_main_ppo" "$CO/.h200/src/benchmarks/"
-for f in $BENCH; do cp "$SRC/benchmarks/$f" "$CO/.h200/src/benchmarks/"; done
 find "$CO/.h200/src" -name __pycache__ -prune -exec rm -rf {} +
 cp "$SRC/benchmarks/h200_main_ppo/device_install.sh" "$CO/.h200/"
 du -sh "$CO/.h200"

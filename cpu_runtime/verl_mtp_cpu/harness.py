@@ -16,23 +16,28 @@ weight sync, reward, advantages, the update with the MTP loss, checkpoint save a
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import io
 import json
 import os
 import pathlib
+import re
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from verl_mtp_cpu.assets import RESPONSE_LENGTH, Assets
 from verl_mtp_plugin.recipe_paths import CONFIG_DIR, RECIPES
 
-__all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "cpu_env", "cpu_overrides", "ensure_assets",
-           "load_result", "private_tmp_prefix", "run_files", "run_recipe", "runs_side_by_side", "stop_active_runs"]
+__all__ = ["RECIPES", "RECIPE_DIR", "RecipeResult", "RecipeRunError", "TrainerRun", "cpu_env", "cpu_overrides",
+           "ensure_assets", "load_result", "private_tmp_prefix", "provider_overrides", "read_jsonl", "run_files",
+           "run_recipe", "run_trainer", "runs_side_by_side", "stop_active_runs"]
 
 RECIPE_DIR = CONFIG_DIR  # the shipped recipes, found through the package
 #: the CPU platform's entry for VERL_USE_EXTERNAL_MODULES (a top-level module in PYTHONPATH_DIR, see there)
@@ -163,8 +168,6 @@ def cpu_env(metrics_path: pathlib.Path, events_path: pathlib.Path, *, entry: str
 
 
 def _megatron_cpu(prefix: str, tp: int = 1, ep: int = 1) -> list[str]:
-    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES
-
     otc = f"{prefix}.megatron.override_transformer_config"
     out = [
         f"{prefix}.megatron.tensor_model_parallel_size={tp}",
@@ -183,11 +186,16 @@ def _megatron_cpu(prefix: str, tp: int = 1, ep: int = 1) -> list[str]:
         f"{otc}.recompute_method=null",
         f"{otc}.recompute_num_layers=null",
     ]
-    for k, v in CPU_PROVIDER_OVERRIDES.items():
-        if k == "sequence_parallel":
-            continue
-        out.append(f"+{otc}.{k}={str(v).lower() if isinstance(v, bool) else v}")
-    return out
+    return out + provider_overrides(otc)
+
+
+def provider_overrides(otc: str) -> list[str]:
+    """:data:`verl_mtp_cpu.bridge.CPU_PROVIDER_OVERRIDES` (the fusion and kernel choices a TE-free build needs, but
+    ``sequence_parallel``: the caller's) as Hydra overrides of ``otc`` (an ``override_transformer_config``)."""
+    from verl_mtp_cpu.bridge import CPU_PROVIDER_OVERRIDES
+
+    return [f"+{otc}.{k}={str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in CPU_PROVIDER_OVERRIDES.items() if k != "sequence_parallel"]
 
 
 def runs_side_by_side(reserve_gib: float = 0.0, most: int = 4) -> int:
@@ -354,7 +362,8 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
     return out
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    """The JSON lines of ``path`` (none when it is missing; a line cut mid-write is skipped)."""
     if not path.exists():
         return []
     out = []
@@ -401,13 +410,13 @@ def load_result(workdir, recipe: str, *, entry: str = "plugin", steps: int, resu
     if not path.exists():
         raise FileNotFoundError(f"no finished run {tag} in {workdir}")
     info = json.loads(path.read_text())
-    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(workdir / f"{tag}.metrics.jsonl") if "step" in r}
+    metrics = {int(r["step"]): r["data"] for r in read_jsonl(workdir / f"{tag}.metrics.jsonl") if "step" in r}
     return RecipeResult(
         recipe=recipe, entry=entry, rc=int(info["rc"]), wall_s=float(info["wall_s"]), workdir=workdir,
         log_path=workdir / f"{tag}.log", cmd=list(info.get("cmd", [])), metrics=metrics,
         # the checkpoints there when the run ended (a later run resuming from the same folder adds its own)
         checkpoints={s: p for s, p in _checkpoints(workdir / "ckpt").items() if s <= steps},
-        events=_read_jsonl(workdir / f"{tag}.events.jsonl"),
+        events=read_jsonl(workdir / f"{tag}.events.jsonl"),
         stopped=info.get("stopped"), ended_at=info.get("ended_at"),
     )
 
@@ -435,6 +444,107 @@ def _stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@dataclasses.dataclass
+class TrainerRun:
+    """What :func:`run_trainer` saw of one process of verl's trainer."""
+
+    rc: int  # its exit status (of the stop, when it was stopped)
+    wall_s: float
+    stopped: str | None  # why it was stopped (a limit), None when it ended by itself
+    #: ``{global step: {metric: value}}`` from verl's file logger
+    metrics: dict[int, dict[str, Any]]
+    events: list[dict]  # the harness events (:mod:`verl_mtp_cpu.events`)
+
+
+def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_path: pathlib.Path,
+                metrics_path: pathlib.Path, events_path: pathlib.Path, timeout_s: float,
+                silence_s: float | None = None, fatal: tuple[re.Pattern, ...] = (), grace_s: float = 40.0,
+                on_line: Callable[[float, str], Any] | None = None, label: str = "verl_cpu harness") -> TrainerRun:
+    """Run one process of verl's trainer (``cmd``: ``python -m ...main_ppo ...``) to its end, the loop that
+    :func:`run_recipe` and the GPU drivers (``benchmarks/h200_main_ppo/run.py``) share.
+
+    The process starts in a session (process group) of its own, with ``env`` plus verl's file logger writing
+    ``metrics_path``, the harness events going to ``events_path`` and a fresh Ray temp dir (no ``RAY_ADDRESS``: a
+    cluster of its own). Its output goes to ``log_path`` a line at a time (``[seconds] line``; ``on_line(seconds,
+    line)`` sees each). The outcome is its exit; it is stopped (SIGTERM, then SIGKILL, to the whole group: the
+    driver and its Ray cluster) only past ``timeout_s``, after ``silence_s`` without output, or ``grace_s`` after
+    a line that matches one of ``fatal`` while it keeps running. Whatever is left in its group is stopped at the
+    end, and the metrics and events it wrote are read back."""
+    from verl_mtp_cpu.events import ENV_EVENTS
+
+    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
+    env = {**env, "VERL_FILE_LOGGER_PATH": str(metrics_path), ENV_EVENTS: str(events_path), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    stopped, first_fatal, last_line = None, None, t0
+    with open(log_path, "w", buffering=1) as log:  # a line at a time: the demo shows the run's phases as they come
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                bufsize=0, start_new_session=True)
+        _ACTIVE[proc.pid] = proc
+        # the output as it comes, read from the pipe itself (a buffered readline would keep the lines after the
+        # first of a chunk until more output arrives), decoded as text mode would (universal newlines)
+        text = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(errors="replace"), translate=True)
+        fd, pending = proc.stdout.fileno(), [""]
+
+        def lines(data: bytes) -> list[str]:
+            *done, pending[0] = (pending[0] + text.decode(data)).split("\n")
+            return [line + "\n" for line in done]
+
+        sel = selectors.DefaultSelector()
+        sel.register(fd, selectors.EVENT_READ)
+        try:
+            # The run's outcome is its exit: verl's trainer ends by itself on a failure (a failed weight
+            # update reaches it within seconds, the desync guard raises in it). A run past its limits is
+            # stopped, as a hang.
+            while True:
+                now = time.perf_counter()
+                if now - t0 > timeout_s:
+                    stopped = f"timeout after {timeout_s:.0f} s"
+                    break
+                if first_fatal is not None and now - first_fatal > grace_s:
+                    stopped = f"still running {grace_s:.0f} s after a fatal log line"
+                    break
+                if silence_s is not None and now - last_line > silence_s:
+                    stopped = f"no output for {silence_s:.0f} s"
+                    break
+                if sel.select(timeout=1.0):
+                    data = os.read(fd, 1 << 16)
+                    if not data:
+                        break  # EOF: the process closed its output
+                    last_line = time.perf_counter()
+                    for line in lines(data):
+                        log.write(f"[{last_line - t0:6.1f}s] {line}")
+                        if on_line is not None:
+                            on_line(last_line - t0, line)
+                        if first_fatal is None and any(p.search(line) for p in fatal):
+                            first_fatal = last_line
+                elif proc.poll() is not None:
+                    break
+        finally:
+            sel.close()
+            if stopped is not None or proc.poll() is None:
+                try:
+                    proc.wait(5 if stopped is None else 0.1)
+                except subprocess.TimeoutExpired:
+                    _stop(proc)
+            rest = [pending[0]]
+            while data := os.read(fd, 1 << 16):
+                rest.append(text.decode(data))
+            log.write("".join(rest) + text.decode(b"", final=True))
+            proc.stdout.close()
+            rc = proc.wait()
+            _stop(proc)  # whatever the run left in its process group (Ray's processes)
+            _ACTIVE.pop(proc.pid, None)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+        if stopped:
+            log.write(f"\n[{label}] stopped: {stopped}\n")
+    return TrainerRun(rc=rc, wall_s=time.perf_counter() - t0, stopped=stopped,
+                      metrics={int(r["step"]): r["data"] for r in read_jsonl(metrics_path) if "step" in r},
+                      events=read_jsonl(events_path))
 
 
 def run_recipe(
@@ -503,7 +613,6 @@ def run_recipe(
     overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp, ep=ep)
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
-    ray_tmp = tempfile.mkdtemp(prefix="rv", dir="/tmp")  # short: Ray's socket paths live below it
     orig_tmp = None
     if private_tmp:
         orig_tmp = _outside_tmp_dir()
@@ -516,59 +625,18 @@ def run_recipe(
     if dump is not None:
         shutil.rmtree(dump, ignore_errors=True)
     env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync, drafter_dump=dump,
-                                   tp=tp),
-           "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
-    t0 = time.perf_counter()
-    stopped = None
-    with open(log_path, "w", buffering=1) as log:  # a line at a time: the demo shows the run's phases as they come
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
-        _ACTIVE[proc.pid] = proc
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        try:
-            # The run's outcome is its exit: verl's trainer ends by itself on a failure (a failed weight
-            # update reaches it within seconds, the desync guard raises in it). Only a run past its time
-            # limit is stopped, as a hang.
-            while True:
-                if time.perf_counter() - t0 > timeout_s:
-                    stopped = f"timeout after {timeout_s:.0f} s"
-                    break
-                if sel.select(timeout=1.0):
-                    line = proc.stdout.readline()
-                    if line == "":
-                        break  # EOF: the process closed its output
-                    log.write(f"[{time.perf_counter() - t0:6.1f}s] {line}")
-                    if echo:
-                        sys.stdout.write(line)
-                elif proc.poll() is not None:
-                    break
-        finally:
-            sel.close()
-            if stopped is not None or proc.poll() is None:
-                try:
-                    proc.wait(5 if stopped is None else 0.1)
-                except subprocess.TimeoutExpired:
-                    _stop(proc)
-            rest = proc.stdout.read() if proc.stdout else ""
-            log.write(rest or "")
-            rc = proc.wait()
-            _stop(proc)  # whatever the run left in its process group (Ray's processes)
-            _ACTIVE.pop(proc.pid, None)
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-            if orig_tmp is not None:
-                try:
-                    orig_tmp.rmdir()  # the mount point of the real /tmp inside the run's namespace (empty here)
-                except OSError:
-                    pass
-        if stopped:
-            log.write(f"\n[verl_cpu harness] stopped: {stopped}\n")
-    wall = time.perf_counter() - t0
+                                   tp=tp)}
+    try:
+        run = run_trainer(cmd, cwd=workdir, env=env, log_path=log_path, metrics_path=metrics_path,
+                          events_path=events_path, timeout_s=timeout_s,
+                          on_line=(lambda _t, line: sys.stdout.write(line)) if echo else None)
+    finally:
+        if orig_tmp is not None:
+            try:
+                orig_tmp.rmdir()  # the mount point of the real /tmp inside the run's namespace (empty here)
+            except OSError:
+                pass
+    rc, stopped, wall = run.rc, run.stopped, run.wall_s
     (workdir / f"{tag}.result.json").write_text(json.dumps(
         {"recipe": recipe, "entry": entry, "rc": rc if stopped is None else (rc if rc else -1), "wall_s": wall,
          "stopped": stopped, "cmd": cmd, "ended_at": time.time()}, indent=1))

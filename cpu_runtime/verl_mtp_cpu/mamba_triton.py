@@ -13,7 +13,7 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["has_causal_conv1d_cuda", "install_mamba_ssm_triton", "mamba_kernels_active"]
+__all__ = ["bare_mamba_ssm", "has_causal_conv1d_cuda", "install_mamba_ssm_triton", "mamba_kernels_active"]
 
 _MIXER = "megatron.core.ssm.mamba_mixer"
 
@@ -21,6 +21,32 @@ _MIXER = "megatron.core.ssm.mamba_mixer"
 def has_causal_conv1d_cuda() -> bool:
     """True when ``causal_conv1d``'s CUDA extension is importable (megatron's fused Mamba path needs it)."""
     return importlib.util.find_spec("causal_conv1d_cuda") is not None
+
+
+def bare_mamba_ssm() -> bool:
+    """Register ``sys.modules["mamba_ssm"]`` as the package's directory only, where ``mamba_ssm`` is installed without
+    its CUDA extension (``mamba_ssm/__init__.py`` imports ``selective_scan_cuda``) and not imported yet. Imports
+    nothing else (the H200 drivers' stand-ins call it in every process at start-up).
+
+    Returns:
+        bool: True when it registered the bare package now.
+    """
+    if "mamba_ssm" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("selective_scan_cuda"):
+        return False
+    pkg = types.ModuleType("mamba_ssm")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    pkg.__file__ = None
+    try:
+        from importlib.metadata import version
+
+        pkg.__version__ = version("mamba_ssm")
+    except Exception:  # metadata absent: megatron only reads the version for logs
+        pkg.__version__ = "unknown"
+    sys.modules["mamba_ssm"] = pkg
+    return True
 
 
 def install_mamba_ssm_triton() -> bool:
@@ -51,18 +77,7 @@ def install_mamba_ssm_triton() -> bool:
         spec = importlib.util.find_spec("mamba_ssm")
         if spec is None or not spec.submodule_search_locations:
             return False
-        if importlib.util.find_spec("selective_scan_cuda") is None:
-            # __init__ would import the missing CUDA extension: expose the package directory only.
-            pkg = types.ModuleType("mamba_ssm")
-            pkg.__path__ = list(spec.submodule_search_locations)
-            pkg.__file__ = None
-            try:
-                from importlib.metadata import version
-
-                pkg.__version__ = version("mamba_ssm")
-            except Exception:  # metadata absent: megatron only reads the version for logs
-                pkg.__version__ = "unknown"
-            sys.modules["mamba_ssm"] = pkg
+        bare_mamba_ssm()
     import megatron.core.ssm.mamba_mixer as mm
 
     return bool(mm.HAVE_MAMBA_SSM)

@@ -16,15 +16,19 @@ from the rule its MTP head learned to the one the reward pays for.
 STEPS = 8
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
+def counted_on(words: list[str], ground_truth) -> int:
+    """How many of ``words`` count on by one (mod 10) from the word before (``ground_truth`` for the first)."""
     prev = str(ground_truth).strip()
-    got = str(solution_str).split()[:STEPS]
     right = 0
-    for tok in got:
+    for tok in words:
         if tok.isdigit() and len(tok) == 1 and prev.isdigit() and int(tok) == (int(prev) + 1) % 10:
             right += 1
         prev = tok
-    return right / STEPS
+    return right
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_):
+    return counted_on(str(solution_str).split()[:STEPS], ground_truth) / STEPS
 
 
 def zero_score(data_source, solution_str, ground_truth, extra_info=None, **_):

@@ -26,10 +26,8 @@ Hydra overrides that the missing TE / apex / causal_conv1d force (``attention_ba
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-import types
 
 STANDINS = {
     "mamba_ssm_triton": "megatron/core/ssm/mamba_mixer.py imports mamba_ssm, whose __init__ imports the absent "
@@ -45,19 +43,10 @@ def _log(msg: str) -> None:
 
 
 def _bare_mamba_ssm() -> None:
-    if "mamba_ssm" in sys.modules:
-        return
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None or not spec.submodule_search_locations:
-        return
-    if importlib.util.find_spec("selective_scan_cuda") is not None:
-        return  # a full mamba_ssm build: nothing to stand in for
-    pkg = types.ModuleType("mamba_ssm")
-    pkg.__path__ = list(spec.submodule_search_locations)
-    pkg.__file__ = None
-    pkg.__version__ = "2.3.2.post1"
-    sys.modules["mamba_ssm"] = pkg
-    _INSTALLED.append("mamba_ssm_triton")
+    from verl_mtp_cpu.mamba_triton import bare_mamba_ssm
+
+    if bare_mamba_ssm():  # nothing on a full mamba_ssm build (its CUDA extension present)
+        _INSTALLED.append("mamba_ssm_triton")
 
 
 def install_trainer_worker_standins() -> list[str]:
