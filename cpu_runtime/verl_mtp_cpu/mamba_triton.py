@@ -43,8 +43,10 @@ def bare_mamba_ssm() -> bool:
         from importlib.metadata import version
 
         pkg.__version__ = version("mamba_ssm")
-    except Exception:  # metadata absent: megatron only reads the version for logs
-        pkg.__version__ = "unknown"
+    except Exception:  # metadata absent: megatron compares __version__ with minimum versions
+        # (megatron.core.ssm.mamba_mixer, packed sequences), so it must parse: the release these kernels were
+        # proven with on the H200
+        pkg.__version__ = "2.3.2.post1"
     sys.modules["mamba_ssm"] = pkg
     return True
 
