@@ -50,9 +50,11 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _p in (str(REPO), str(REPO / "cpu_runtime")):  # the product and its CPU runtime (verl_mtp_cpu)
+# the product, its CPU runtime (verl_mtp_cpu) and the benchmarks' shared task module (task.py)
+for _p in (str(REPO), str(REPO / "cpu_runtime"), str(REPO / "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from task import task_rows  # noqa: E402
 from verl_mtp_cpu.events import ENV_BREAK_SYNC  # noqa: E402
 from verl_mtp_cpu.harness import RECIPE_DIR, provider_overrides, run_trainer  # noqa: E402
 
@@ -90,30 +92,6 @@ SPEC = dict(pattern="MEM*EME/*E", vocab_size=64, hidden_size=256, ffn_hidden_siz
             num_query_groups=2, num_experts=4, moe_topk=2, moe_ffn_hidden_size=128,
             moe_shared_expert_intermediate_size=128, moe_latent_size=None, mamba_head_dim=64, mamba_state_dim=64,
             mamba_num_groups=2, max_sequence_length=256, mtp_loss_scaling_factor=0.3)
-
-
-def _answer(a: int, b: int, n: int) -> list[int]:
-    step = (b - a) % 10
-    return [(b + step * k) % 10 for k in range(1, n + 1)]
-
-
-def task_rows(n: int, split: str, seed: int, answer_len: int) -> list[dict]:
-    """The CPU harness's count-on task (``assets.task_rows``) with answers of ``answer_len`` digits."""
-    import random
-
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, step = rng.randint(0, 9), rng.randint(1, 2)
-        b = (a + step) % 10
-        rows.append({
-            "data_source": "count_on",
-            "prompt": [{"role": "user", "content": f"count {a} {b}"}],
-            "ability": "count",
-            "reward_model": {"style": "rule", "ground_truth": " ".join(map(str, _answer(a, b, answer_len)))},
-            "extra_info": {"split": split, "index": i},
-        })
-    return rows
 
 
 def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: float, seed: int = 0,
