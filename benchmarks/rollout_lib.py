@@ -1,4 +1,4 @@
-"""Shared pieces of ``speculation.py speedup`` and ``drift.py gpu``: the trainer and its synthetic language,
+"""The trainer side and the engines of ``speculation.py speedup``: the trainer and its synthetic language,
 pretraining, policy snapshots, and the rollout engines of the production update path.
 
 * **Language** ("noisy progressions"): ``<bos>`` + 4 digits of an arithmetic progression mod 20 + a continuation
@@ -504,8 +504,8 @@ def environment(args) -> dict:
     return env
 
 
-def add_args(ap: argparse.ArgumentParser, *, objectives: bool) -> None:
-    """The options of ``speculation.py speedup`` (``objectives=False``) and ``drift.py gpu`` (``True``)."""
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The options of ``speculation.py speedup``."""
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None, help="file tag (default: h200/gpu on CUDA, cpu otherwise)")
     ap.add_argument("--seed", type=int, default=7)
@@ -555,34 +555,12 @@ def add_args(ap: argparse.ArgumentParser, *, objectives: bool) -> None:
     ap.add_argument("--capture", default="full", choices=("full", "lean"),
                     help="CUDA-graph sizes: full (every size up to N x (k+1)) or lean (1..8 and N, N x (k+1) of "
                          "--batches: the sizes these fixed-batch calls run; shorter engine builds)")
-    if not objectives:
-        ap.add_argument("--trainer-only", action="store_true",
-                        help="train, save the policy versions to --state, build no engine (the engines run in a "
-                             "later call)")
-        return
-    ap.add_argument("--objectives", default=None,
-                    help="comma list of online MTP objectives (hard_ce, soft_ce, tv) trained in lock-step on the same "
-                         "rollouts (the first is the lead whose trunk every copy receives after each update): per "
-                         "policy version the acceptance estimates of each objective's drafter, the frozen one and the "
-                         "stale one (objective_drift_run); with --state the versions of --measure-versions are saved "
-                         "and a later call with the same flags measures every arm in vLLM (run_objectives_ipc)")
-    ap.add_argument("--rl-schedule", default=None,
-                    help="'updates@lr,...' (default: --rl-steps at --rl-lr), e.g. 12@1e-6,3@2e-4 "
-                         "(the recipe's learning rate, then the fast stress drift)")
-    ap.add_argument("--kl-coef", type=float, default=0.0, help="KL loss to the start policy (recipes: 0.001)")
-    ap.add_argument("--kl-type", default="low_var_kl", help="verl kl_penalty type (recipes: low_var_kl)")
-    ap.add_argument("--entropy-coeff", type=float, default=0.0, help="entropy bonus (recipes: 0)")
-    ap.add_argument("--rl-weight-decay", type=float, default=0.0, help="AdamW weight decay in RL (recipes: 0.1)")
-    ap.add_argument("--stale-lag", type=int, default=10, help="the stale drafter's age in updates")
-    ap.add_argument("--measure-versions", default=None,
-                    help="with --state: policy versions saved for the engines (default: 0 and the end of each "
-                         "--rl-schedule segment)")
-    ap.add_argument("--draft-methods", default=None,
-                    help="engine call: comma list of drafting methods, one engine per k and method "
-                         "(default: --draft-sample-method)")
+    ap.add_argument("--trainer-only", action="store_true",
+                    help="train, save the policy versions to --state, build no engine (the engines run in a "
+                         "later call)")
 
 
-def finish_args(args, *, objectives: bool):
+def finish_args(args):
     """Device-dependent defaults and checks of :func:`add_args`'s options."""
     args.device = "cuda" if CUDA else "cpu"
     gpu = args.device == "cuda"
@@ -602,28 +580,8 @@ def finish_args(args, *, objectives: bool):
     args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
     if any(k < 1 for k in args.ks):
         raise SystemExit("--ks: speculative token counts must be >= 1")
-    if not objectives:
-        if args.trainer_only and not args.state:
-            raise SystemExit("--trainer-only needs --state (where the policy versions go)")
-        return args
-    from verl_mtp_plugin.objective import MTPObjective
-
-    args.objectives = [o for o in (args.objectives or "").split(",") if o]
-    if not args.objectives:
-        raise SystemExit("--objectives: name the online MTP objectives to compare (e.g. hard_ce,soft_ce,tv)")
-    for o in args.objectives:
-        MTPObjective.parse(o, "--objectives")
-    if args.trainer_dtype != "fp32":
-        raise SystemExit("--objectives needs --trainer-dtype fp32 (the objective copies receive the lead's trunk "
-                         "by a parameter copy, which megatron's bf16 optimizer would overwrite from its fp32 "
-                         "main params)")
-    args.measure_versions = [int(x) for x in (args.measure_versions or "").split(",") if x.strip()]
-    args.draft_methods = [m for m in (args.draft_methods or args.draft_sample_method).split(",") if m]
-    for m in args.draft_methods:
-        if m not in ("greedy", "probabilistic"):
-            raise SystemExit(f"--draft-methods: {m!r} is not greedy or probabilistic")
-    sched = args.rl_schedule or f"{args.rl_steps}@{args.rl_lr}"
-    args.rl_schedule = [(int(a), float(b)) for a, b in (x.split("@") for x in sched.split(",") if x)]
+    if args.trainer_only and not args.state:
+        raise SystemExit("--trainer-only needs --state (where the policy versions go)")
     return args
 
 

@@ -295,8 +295,6 @@ def cmd_speedup(args) -> int:
     ctx = lib.prepare(args)
     result, write, spec, lang, state, model, fwd = (ctx.result, ctx.write, ctx.spec, ctx.lang, ctx.state, ctx.model,
                                                     ctx.fwd)
-    if state is not None and "objective_snapshots" in state:
-        raise SystemExit(f"--state {args.state} holds an objectives run: `drift.py gpu` runs its engines")
     if state is not None:
         log(f"trainer run loaded from {args.state} ({len(state['snapshots'])} policy versions, saved "
             f"{state['saved_utc']}); no trainer in this process")
@@ -907,13 +905,13 @@ def main(argv=None) -> int:
                                  "module docstring and benchmarks/RESULTS.md.")
     sub = ap.add_subparsers(dest="command", required=True)
     sp = sub.add_parser("speedup", help="tokens/s: no speculation vs synced vs stale drafter (production update path)")
-    lib.add_args(sp, objectives=False)
+    lib.add_args(sp)
     sc = sub.add_parser("step-cost", help="c_k: one speculative decode step over a plain one, by shape, k and batch")
     add_step_cost_args(sc)
     args = ap.parse_args(argv)
     command = args.__dict__.pop("command")  # not part of the run's recorded config
     if command == "speedup":
-        return cmd_speedup(lib.finish_args(args, objectives=False))
+        return cmd_speedup(lib.finish_args(args))
     return cmd_step_cost(finish_step_cost_args(args))
 
 
