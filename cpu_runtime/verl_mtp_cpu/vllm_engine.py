@@ -369,7 +369,7 @@ def expand_kernel_ref(output, input, cu_num_tokens, replace_from, replace_to, MA
 _KERNEL_OVERRIDES = {"vllm.v1.sample.rejection_sampler.expand_kernel": expand_kernel_ref}
 
 
-def _register_kernel_overrides() -> None:
+def register_kernel_overrides() -> None:
     """Register the CPU kernel fixes through vLLM's own override registry
     (``vllm.triton_utils.dispatcher.register_kernels``); must run after every engine start, because the
     CPU worker (re-)registers vLLM's own overrides when it starts."""
@@ -774,7 +774,7 @@ def build_engine(
     shares_world = in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
     with cpu_conv_pack(conv_pack):
         llm = LLM(**args)
-    _register_kernel_overrides()
+    register_kernel_overrides()
     engine = RolloutEngine(
         llm=llm, spec=spec, model_dir=model_dir, num_speculative_tokens=int(num_speculative_tokens), dtype=dtype,
         in_process=in_process, log_stats=log_stats, use_shm=use_shm, conv_pack=conv_pack,

@@ -35,7 +35,7 @@ import os
 import sys
 
 from verl_mtp_cpu.events import ENV_BREAK_SYNC, ENV_DRAFTER_DUMP, event, parse_break_sync, swap_eh, truncate_eh
-from verl_mtp_cpu.vllm_engine import _register_kernel_overrides, install_engine_workarounds
+from verl_mtp_cpu.vllm_engine import register_kernel_overrides, install_engine_workarounds
 
 __all__ = ["CPUMTPColocateWorkerExtension", "WORKAROUNDS"]
 
@@ -75,7 +75,7 @@ class CPUMTPColocateWorkerExtension(_base()):
 
     def _verl_cpu_kernels(self) -> None:
         if not getattr(self, "_verl_cpu_kernels_done", False):
-            _register_kernel_overrides()
+            register_kernel_overrides()
             self._verl_cpu_kernels_done = True
 
     def monkey_patch_model(self, *args, **kwargs):
