@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -684,6 +685,9 @@ def spec_counts(llm):
     return total_counts(counts_from_vllm_metrics(llm.get_metrics()).values())
 
 
+_CALLS = itertools.count()
+
+
 def rollout_call(llm, prompts: list[list[int]], lengths: list[int], args, depths) -> dict:
     """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
     exactly its length (``ignore_eos``) at ``--temperature``; the time each one finished, seen by the driver."""
@@ -693,9 +697,10 @@ def rollout_call(llm, prompts: list[list[int]], lengths: list[int], args, depths
 
     eng = llm.llm_engine
     before = spec_counts(llm)
+    call = next(_CALLS)
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(
+        eng.add_request(f"{call}-{i}", {"prompt_token_ids": p}, SamplingParams(
             temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False))
     finish, tokens = [], 0
     while eng.has_unfinished_requests():
@@ -796,11 +801,12 @@ def cmd_rollout(args) -> int:
                                               "visits": []})
         depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if arm == "schedule"
                   else (arm,) if arm else None)
-        visit = {"round": rnd, "place": place, "build_s": time.time() - t0, "calls": {}}
+        visit = {"round": rnd, "place": place, "build_s": time.time() - t0, "calls": {},
+                 "num_gpu_blocks": getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None)}
         log(f"{key}: engine built in {visit['build_s']:.0f}s")
         try:
-            for n in args.batches:  # warm-up: one call per batch size, not timed
-                rollout_call(llm, prompts[:n], batches[str(n)]["lengths"], args, depths)
+            for n in args.batches:  # warm-up per batch size (first calls, Triton autotuning), not timed
+                rollout_call(llm, prompts[:n], [min(x, 16) for x in batches[str(n)]["lengths"]], args, depths)
             for rep in range(args.reps):
                 shift = (rep + place) % len(args.batches)
                 for n in args.batches[shift:] + args.batches[:shift]:
