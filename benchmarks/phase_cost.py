@@ -8,6 +8,7 @@ each; ``BENCH_TINY=1`` shrinks their shapes so they run on a CPU (timings then m
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import statistics
@@ -519,11 +520,161 @@ def _gpu_all_arguments(ap):
     ap.add_argument("which", nargs="*", type=str.lower, choices=GPU_ALL, help="benchmarks to run (default: all three)")
 
 
+# memory ------------------------------------------------------------------------------------------
+
+
+MEMORY_ARMS = ("skip", "hard_ce", "soft_ce", "tv", "chained_tv")
+
+
+def _te_model(spec, overrides: dict):
+    """megatron's own Transformer Engine hybrid spec (``hybrid_stack_spec``: TE linear/norm/attention, grouped
+    experts, the fused Mamba path) at ``spec``'s widths, bf16, on the GPU."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.models.hybrid.hybrid_layer_allocation import parse_hybrid_pattern
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    p = parse_hybrid_pattern(spec.pattern)
+    cfg = TransformerConfig(
+        num_layers=len(p.main_pattern.replace("|", "")), mtp_num_layers=p.mtp_num_depths or None,
+        hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.hidden_size // spec.num_attention_heads,
+        params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0, attention_dropout=0.0, is_hybrid_model=True,
+        normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=False, activation_func=squared_relu,
+        mamba_state_dim=spec.mamba_state_dim, mamba_head_dim=spec.mamba_head_dim, mamba_num_groups=spec.mamba_num_groups,
+        use_mamba_mem_eff_path=True, num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
+        moe_latent_size=spec.moe_latent_size, **overrides)
+    return HybridModel(config=cfg, hybrid_stack_spec=hybrid_stack_spec, vocab_size=spec.vocab_size,
+                       max_sequence_length=spec.max_sequence_length, hybrid_layer_pattern=spec.pattern,
+                       position_embedding_type="none", share_embeddings_and_output_weights=False).cuda()
+
+
+def _saved_bytes():
+    """A context counting the bytes autograd saves for backward (distinct storages): on a CPU, where no
+    allocator statistics exist, the device-independent part of what each objective holds."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        if torch.is_tensor(t):
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            if key not in seen:
+                seen.add(key)
+                total[0] += t.untyped_storage().nbytes()
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
+
+
+def memory(args) -> dict:
+    """Memory of one training forward + backward per MTP objective at the recipe's tokens per GPU.
+
+    One micro-batch of ``--tokens`` tokens (``--seqs`` sequences: packed THD on the Transformer Engine stack,
+    ``[seqs, tokens/seqs]`` on the local one), vocabulary ``--vocab``, the online mode
+    (``configure_transformer_config(..., "online")``): ``hybrid_forward`` under ``mtp_objective_scope`` (arm
+    ``skip``: ``run_mtp_forward=False``), an fp32 cross-entropy on the logits (verl's log-probs), backward. Per call:
+    peak allocated memory above what was allocated before the forward (CUDA), and the bytes autograd saved for
+    backward (every device). Arms rotated per round. Writes ``memory_per_objective.json``.
+    """
+    from verl_mtp_plugin import configure_transformer_config, hybrid_forward
+    from verl_mtp_plugin.objective import mtp_objective_scope
+
+    C.setup()
+    stack = args.stack or ("te" if C.CUDA and importlib.util.find_spec("transformer_engine") else "local")
+    if stack == "te" and not C.CUDA:
+        raise SystemExit("--stack te needs CUDA and Transformer Engine (../shared/tools/h200-te/)")
+    spec = C.bench_spec(pattern=args.pattern, vocab_size=args.vocab, hidden_size=args.hidden,
+                        ffn_hidden_size=4 * args.hidden, max_sequence_length=args.tokens)
+    overrides = configure_transformer_config({}, "online", mtp_loss_scaling_factor=0.3)
+    model = _te_model(spec, overrides) if stack == "te" else C.build(spec, config_overrides=overrides)
+    n_seq, per = args.seqs, args.tokens // args.seqs
+    g = torch.Generator().manual_seed(0)
+    packed = None
+    if stack == "te":
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        ids = torch.randint(0, spec.vocab_size, (1, per * n_seq), generator=g).to(C.device())
+        pos = torch.arange(per).repeat(n_seq)[None].to(C.device())
+        cu = torch.arange(0, per * n_seq + 1, per, dtype=torch.int32, device=C.device())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=per,
+                                 max_seqlen_kv=per, total_tokens=per * n_seq)
+        mask = None
+    else:
+        ids, pos, mask = C.batch(spec, per, n_seq)
+    loss_mask = torch.ones(ids.shape, device=C.device())
+    labels = torch.roll(ids, -1, dims=1)
+    rows: list = []
+    for rnd in range(args.rounds):
+        arms = list(args.arms[rnd % len(args.arms):] + args.arms[: rnd % len(args.arms)])
+        for arm in arms:
+            model.zero_grad(set_to_none=True)
+            C.sync()
+            base = torch.cuda.memory_allocated() if C.CUDA else 0
+            if C.CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            hooks, saved = _saved_bytes()
+            kw = {"loss_mask": loss_mask, "packed_seq_params": packed} if arm != "skip" else {"packed_seq_params": packed}
+            with hooks:
+                if arm == "skip":
+                    logits = hybrid_forward(model, ids, pos, mask, run_mtp_forward=False, **kw)
+                else:
+                    with mtp_objective_scope(model, arm, temperature=1.0, loss_mask=loss_mask, packed_seq_params=packed):
+                        logits = hybrid_forward(model, ids, pos, mask, run_mtp_forward=True, **kw)
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                loss = -logp.mean()
+            del logits, logp
+            loss.backward()
+            C.sync()
+            row = {"round": rnd, "arm": arm, "saved_for_backward_gib": saved[0] / 2**30,
+                   "peak_above_start_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if C.CUDA else None}
+            rows.append(row)
+            print(f"[memory] round {rnd} {arm:<10} saved {row['saved_for_backward_gib']:.3f} GiB, peak above start "
+                  f"{row['peak_above_start_gib'] if row['peak_above_start_gib'] is None else round(row['peak_above_start_gib'], 2)}",
+                  flush=True)
+            del loss
+    summary = {}
+    for arm in args.arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        summary[arm] = {k: [r[k] for r in mine] for k in ("saved_for_backward_gib", "peak_above_start_gib")}
+    res = {"stack": stack, "tokens": per * n_seq, "seqs": n_seq, "vocab": spec.vocab_size, "spec": C.spec_dict(spec),
+           "params": C.param_counts(model), "env": C.env_info(), "calls": rows, "by_arm": summary,
+           "resident_gib": torch.cuda.memory_allocated() / 2**30 if C.CUDA else None}
+    print(f"[memory] wrote {C.write_json(f'memory_per_objective_{args.tag}.json', res)}")
+    return res
+
+
+def _memory_arguments(ap):
+    ap.add_argument("--stack", choices=("te", "local"), default=None,
+                    help="te: megatron's Transformer Engine hybrid spec, packed THD (default on CUDA with TE); "
+                         "local: the testing package's local spec, [seqs, tokens/seqs] (CPU)")
+    ap.add_argument("--arms", default=",".join(MEMORY_ARMS), help="skip (MTP not run) and MTP objectives")
+    ap.add_argument("--tokens", type=int, default=18432, help="tokens of the micro-batch (the recipe's per GPU)")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences packed into it")
+    ap.add_argument("--vocab", type=int, default=131072)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--pattern", default="M*E/*E", help="hybrid pattern main/mtp")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tag", default="gpu")
+
+
+def _memory_run(args):
+    args.arms = tuple(a for a in args.arms.split(",") if a)
+    bad = [a for a in args.arms if a not in MEMORY_ARMS]
+    if bad:
+        raise SystemExit(f"--arms: {bad} not in {MEMORY_ARMS}")
+    return memory(args)
+
+
 COMMANDS = {
     "logprob": (logprob, None, lambda args: logprob()),
     "train": (train, None, lambda args: train()),
     "estimate": (estimate, _estimate_arguments, None),
     "gpu-all": (gpu_all, _gpu_all_arguments, lambda args: gpu_all(tuple(args.which) or GPU_ALL)),
+    "memory": (memory, _memory_arguments, _memory_run),
 }
 
 
