@@ -327,6 +327,31 @@ _TP2_SCRIPT = textwrap.dedent(
             dist.all_gather_object(both, got)
             assert both[0] == both[1], both  # every TP rank computes the same value
 
+        # 2b. sequence parallelism: the target reads the main hidden states gathered over the TP ranks; the same
+        #     weights give the objective value and MTP gradients they give without it
+        weights = model.state_dict()
+        for objective in ("soft_ce", "tv"):
+            values, mtp_grads = {}, {}
+            for sp in (False, True):
+                reset_mtp_globals()
+                m_sp = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
+                                         config_overrides=dict(tensor_model_parallel_size=2, sequence_parallel=sp))
+                m_sp.load_state_dict(weights)
+                reset_objective_metrics()
+                with mtp_objective_scope(m_sp, objective, temperature=0.8, loss_mask=mask):
+                    out = hybrid_forward(m_sp, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                         run_mtp_forward=True, loss_mask=mask)
+                (out * 0).sum().backward()
+                for p in m_sp.parameters():  # norms under SP hold their sequence shard's part (megatron all-reduces)
+                    if sp and getattr(p, "sequence_parallel", False) and p.grad is not None:
+                        dist.all_reduce(p.grad, group=m_sp.tp_group)
+                values[sp] = collect_objective_metrics(objective)[f"mtp_objective/mtp_1_{objective}"]
+                mtp_grads[sp] = {n: p.grad for n, p in m_sp.named_parameters() if n.startswith("mtp.") and p.grad is not None}
+            assert abs(values[True] - values[False]) < 1e-5, (objective, values)
+            assert mtp_grads[False] and mtp_grads[True].keys() == mtp_grads[False].keys()
+            for n, g in mtp_grads[False].items():
+                assert torch.allclose(mtp_grads[True][n], g, atol=1e-6), (objective, n)
+
         # 3. chained_tv on the recipes' MTP shape (one block applied as 2 depths) at TP=2: each depth's value
         #    equals the TP=1 chain on the gathered logits (depth d at t against the main head at t+d)
         reset_mtp_globals()
@@ -501,6 +526,55 @@ def test_chained_tv_on_the_model_equals_the_reference_value_and_gradient(batch, 
         torch.testing.assert_close(grads[n], model.get_parameter(n).grad, rtol=1e-4, atol=1e-7, msg=n)
     tv = _mtp_only_grads(model, batch, "tv", t)  # the chain is not the depths on their own
     assert not torch.allclose(grads["mtp.layers.0.eh_proj.weight"], tv["mtp.layers.0.eh_proj.weight"], rtol=1e-3)
+
+
+def _saved_bytes_grads_and_values(model, batch, objective):
+    """One forward + backward of the MTP loss alone: the bytes autograd saved for backward (distinct storages),
+    every parameter's gradient and the logged objective values."""
+    from verl_mtp_plugin.testing import reset_mtp_globals
+
+    reset_mtp_globals()
+    reset_objective_metrics()
+    model.zero_grad(set_to_none=True)
+    saved = {}
+
+    def pack(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = _forward(model, batch, objective)
+    (out * 0).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    values = collect_objective_metrics(objective) if objective != "hard_ce" else {}
+    return sum(saved.values()), grads, values
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])
+def test_the_target_is_read_in_chunks_equal_to_the_whole_and_no_logits_copy_is_kept(batch, objective, monkeypatch):
+    """The main head's target is computed chunk by chunk from the main hidden states (``TargetLogits``), in forward
+    and again in backward, never whole: the MTP gradients and logged values equal those of the whole target (the
+    output layer's logits, what the scope computed before), and backward keeps no more than ``hard_ce``'s forward
+    does, where the whole target kept one more [tokens, vocab] tensor."""
+    from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True, mtp_detach_heads=True)
+    saved, grads, values = _saved_bytes_grads_and_values(model, batch, objective)
+    hard_saved, _, _ = _saved_bytes_grads_and_values(model, batch, "hard_ce")
+    monkeypatch.setattr(obj.TargetLogits, "of", classmethod(lambda cls, inner, hidden: None))  # the whole target
+    whole_saved, whole_grads, whole_values = _saved_bytes_grads_and_values(model, batch, objective)
+    assert set(grads) == set(whole_grads) and any(n.startswith("mtp.") for n in grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert values.keys() == whole_values.keys() and values
+    for k, v in values.items():
+        assert v == pytest.approx(whole_values[k], rel=1e-6, abs=1e-7)
+    tokens_x_vocab = batch["input_ids"].numel() * model.output_layer.weight.shape[0] * 4  # one float32 [tokens, V]
+    assert whole_saved - saved >= 0.9 * tokens_x_vocab  # the whole target (its storage) was kept for backward
+    assert saved <= hard_saved + tokens_x_vocab // 8  # per-row numbers only beyond hard_ce
 
 
 @pytest.mark.usefixtures("megatron_env")

@@ -41,10 +41,12 @@ Memory: ``soft_ce`` / ``tv`` (and so ``chained_tv``, whose chain is a product of
 :func:`~verl_mtp_plugin.acceptance.estimate.chunk_rows` tokens at a time, forward and backward (backward recomputes
 each chunk's softmaxes from per-row numbers the forward kept), so their float32 intermediates are one chunk's
 ``[rows, V/tp]`` (:data:`~verl_mtp_plugin.acceptance.estimate.CHUNK_BYTES`, 256 MiB), not several
-``[tokens, V/tp]``. What stays alive until backward: the MTP logits and the policy's target logits (both in the
-logits' dtype, the target shared by the depths) and a few float32 numbers per token. Every tensor-parallel rank cuts
-the same chunks, so the vocabulary reductions pair up chunk by chunk. The logged hard cross-entropy runs in the same
-chunks (:func:`_chunked_hard_ce`).
+``[tokens, V/tp]``. The policy's target logits are never whole either (:class:`TargetLogits`): each chunk's rows
+are the output layer's product of that chunk of the main hidden states, in forward and again in backward. What stays
+alive until backward beyond ``hard_ce``: a few float32 numbers per token (measured on CPU: the bytes saved for
+backward equal ``hard_ce``'s; the whole target kept one ``[tokens, V/tp]`` tensor more, 4.5 GiB in bf16 at 18,432
+tokens x 131072 at TP 1). Every tensor-parallel rank cuts the same chunks, so the vocabulary reductions pair up
+chunk by chunk. The logged hard cross-entropy runs in the same chunks (:func:`_chunked_hard_ce`).
 
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
@@ -54,8 +56,9 @@ value depends on the logits of depths ``1..d``, so its backward reaches the earl
 objective).detach()``: the gradient is the objective's, the value megatron's tracker records stays the
 hard cross-entropy, so ``mtp_losses/mtp_{k}_loss`` keeps verl's meaning for every objective; the
 objective's own value is logged as ``mtp_objective/mtp_{k}_{objective}`` (:data:`OBJECTIVE_KEY`). The
-target logits cost one extra output-layer product of the main hidden states per micro-batch, under
-``no_grad`` with the output weight detached: the policy's target never sends a gradient anywhere, so what
+target logits cost output-layer products of the main hidden states (per depth, once in forward and once in
+backward: 2 per depth instead of one whole product per micro-batch), under ``no_grad`` with the output weight
+detached: the policy's target never sends a gradient anywhere, so what
 the MTP gradient reaches is what megatron's own loss reaches (online: the MTP block only, with
 ``mtp_detach_heads``; joint: the trunk and output layer too, through ``q``).
 """
@@ -125,6 +128,58 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+class TargetLogits:
+    """The main head's logits ``[s, b, V/tp]`` as a source of row chunks, never whole: each read is the output
+    layer's product of a chunk of the main hidden states (``F.linear`` with the output weight, as megatron's
+    ``ColumnParallelLinear`` computes its vocabulary shard), then ``_scale_logits``; detached. Under sequence
+    parallelism the hidden states are gathered first (``[s, b, h]``: small). Index the first dimension with a slice
+    to shift it (``target[d:]``: positions ``t + d``)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, scale):
+        self.hidden, self.weight, self.scale = hidden, weight, scale
+        self.shape = (*hidden.shape[:-1], weight.shape[0])
+
+    @classmethod
+    def of(cls, inner, main_hidden: torch.Tensor):
+        """For HybridModel ``inner``'s output layer, or ``None`` where it does more than a matmul (a bias, a
+        gathered vocabulary): the caller then computes the whole logits."""
+        layer = inner.output_layer
+        if getattr(layer, "bias", None) is not None or getattr(layer, "gather_output", False):
+            return None
+        weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else layer.weight
+        with torch.no_grad():
+            hidden = main_hidden.detach()
+            if getattr(layer, "sequence_parallel", False):
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                              group=layer.tp_group)
+        return cls(hidden, weight.detach(), inner._scale_logits)
+
+    def __getitem__(self, index) -> "TargetLogits":
+        if not isinstance(index, slice):
+            raise TypeError("TargetLogits is indexed by a slice of its first dimension")
+        return TargetLogits(self.hidden[index], self.weight, self.scale)
+
+    def rows(self, chunk: slice) -> torch.Tensor:
+        """Rows ``chunk`` of the ``[N, V/tp]`` view (``N = s * b``, position-major as ``_rows``)."""
+        with torch.no_grad():
+            h = self.hidden.reshape(-1, self.hidden.shape[-1])[chunk]
+            return self.scale(torch.nn.functional.linear(h, self.weight))
+
+
+def _row_reader(p):
+    """``chunk -> [rows, V]`` for a logits tensor or a :class:`TargetLogits`."""
+    if isinstance(p, TargetLogits):
+        return p.rows
+    p2 = _rows(p)
+    return lambda chunk: p2[chunk]
+
+
+def _detached(p):
+    return p if isinstance(p, TargetLogits) else p.detach()
+
+
 class _ChunkedObjective(torch.autograd.Function):
     """A per-row objective of ``(q_logits, p_logits)`` computed :func:`chunk_rows` rows at a time, in forward and in
     backward: only one chunk's float32 ``[rows, V/tp]`` intermediates are alive at once. Saved for backward: the
@@ -143,13 +198,13 @@ class _ChunkedObjective(torch.autograd.Function):
 
     @classmethod
     def forward(cls, ctx, q_logits, p_logits, temperature, group):
-        q2, p2 = _rows(q_logits), _rows(p_logits)
+        q2, p_rows = _rows(q_logits), _row_reader(p_logits)
         n, step = q2.shape[0], chunk_rows(q2.shape[-1])
         value = torch.empty(n, dtype=torch.float32, device=q_logits.device)
         stats = torch.empty(5, n, 1, dtype=torch.float32, device=q_logits.device)  # m_q, z_q, m_p, z_p, extra
         for i in range(0, n, step):
             xq, q, (mq, zq) = _softmax_rows(q2[i : i + step], temperature, group)
-            xp, p, (mp, zp) = _softmax_rows(p2[i : i + step], temperature, group)
+            xp, p, (mp, zp) = _softmax_rows(p_rows(slice(i, i + step)), temperature, group)
             v, extra = cls._forward_rows(q, xq.sub_(zq.log()), p, xp.sub_(zp.log()), group)
             value[i : i + step] = v
             for j, t in enumerate((mq, zq, mp, zp)):
@@ -157,21 +212,29 @@ class _ChunkedObjective(torch.autograd.Function):
             if extra is not None:
                 stats[4, i : i + step, 0] = extra
             del xq, q, xp, p
-        ctx.save_for_backward(q_logits, p_logits, stats)
+        if isinstance(p_logits, TargetLogits):  # recomputed chunk by chunk in backward: nothing [rows, V] is kept
+            ctx.save_for_backward(q_logits, stats)
+            ctx.p_source = p_logits
+        else:
+            ctx.save_for_backward(q_logits, p_logits, stats)
+            ctx.p_source = None
         ctx.temperature = temperature
         return value.reshape(q_logits.shape[:-1])
 
     @classmethod
     def backward(cls, ctx, grad):
-        q_logits, p_logits, stats = ctx.saved_tensors
+        if ctx.p_source is not None:
+            (q_logits, stats), p_logits = ctx.saved_tensors, ctx.p_source
+        else:
+            q_logits, p_logits, stats = ctx.saved_tensors
         t = ctx.temperature
-        q2, p2, grad = _rows(q_logits), _rows(p_logits), grad.reshape(-1, 1).float()
+        q2, p_rows, grad = _rows(q_logits), _row_reader(p_logits), grad.reshape(-1, 1).float()
         n, step = q2.shape[0], chunk_rows(q2.shape[-1])
         out = torch.empty_like(q2)
         for i in range(0, n, step):
             c = slice(i, i + step)
             _, q, _ = _softmax_rows(q2[c], t, None, (stats[0, c], stats[1, c]))
-            _, p, _ = _softmax_rows(p2[c], t, None, (stats[2, c], stats[3, c]))
+            _, p, _ = _softmax_rows(p_rows(c), t, None, (stats[2, c], stats[3, c]))
             out[c] = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
             del q, p
         return out.reshape(q_logits.shape), None, None, None
@@ -203,7 +266,7 @@ class _TV(_ChunkedObjective):
 
 
 def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -> float:
-    if q_logits.shape != p_logits.shape:
+    if tuple(q_logits.shape) != tuple(p_logits.shape):
         raise ValueError(
             f"MTP logits {tuple(q_logits.shape)} and the policy's target logits {tuple(p_logits.shape)} must have the "
             "same shape [..., V] (align them first: q at t, p at t+d)"
@@ -220,14 +283,15 @@ def soft_ce_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperatur
 
     Args:
         q_logits (Tensor): ``[..., V]`` (or the vocab shard ``[..., V/tp]``) MTP logits.
-        p_logits (Tensor): same shape, the policy's (main head's) logits for the same tokens.
+        p_logits (Tensor | TargetLogits): same shape, the policy's (main head's) logits for the same tokens (a
+            :class:`TargetLogits` is read chunk by chunk, never whole).
         temperature (float): ``T > 0`` for both distributions.
         group (ProcessGroup | None): tensor-parallel group when the last dim is a vocabulary shard.
 
     Returns:
         Tensor: ``[...]`` float32, ``>= 0``; backward gives ``(q - p) / T`` per logit.
     """
-    return _SoftCE.apply(q_logits, p_logits.detach(), _check(q_logits, p_logits, temperature), group)
+    return _SoftCE.apply(q_logits, _detached(p_logits), _check(q_logits, p_logits, temperature), group)
 
 
 def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0, *, group=None):
@@ -237,7 +301,7 @@ def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: fl
     Returns:
         Tensor: ``[...]`` float32 in ``[0, 1]``.
     """
-    return _TV.apply(q_logits, p_logits.detach(), _check(q_logits, p_logits, temperature), group)
+    return _TV.apply(q_logits, _detached(p_logits), _check(q_logits, p_logits, temperature), group)
 
 
 def _chain_step(chain: torch.Tensor | None, alpha: torch.Tensor, counted: torch.Tensor | None):
@@ -401,10 +465,12 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         if "main" not in state:
             raise RuntimeError("the MTP loss ran without the MTP block's output (HybridModel forward order changed?)")
         d = state["depth"] = state["depth"] + 1
-        if "target" not in state:
-            state["target"] = _target_logits(inner, state["main"])
+        if "target" not in state:  # read chunk by chunk; whole only where the output layer does more than a matmul
+            state["target"] = TargetLogits.of(inner, state["main"])
+            if state["target"] is None:
+                state["target"] = _target_logits(inner, state["main"])
         target = state["target"]
-        if target.shape != logits.shape:
+        if tuple(target.shape) != tuple(logits.shape):
             raise RuntimeError(f"MTP logits {tuple(logits.shape)} vs main logits {tuple(target.shape)}: gathered "
                                "(runtime_gather_output) MTP logits are not supported by soft_ce / tv / chained_tv")
         s = logits.shape[0]
