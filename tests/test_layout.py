@@ -39,6 +39,7 @@ CORE = (
     "verl_mtp_plugin.compat",
     "verl_mtp_plugin.compat.megatron_mtp_skip",
     "verl_mtp_plugin.compat.megatron_loss",
+    "verl_mtp_plugin.compat.megatron_mtp_head",
     "verl_mtp_plugin.compat.probes",
     "verl_mtp_plugin.compat.verl_entry",
     "verl_mtp_plugin.compat.checkpoint_resume",

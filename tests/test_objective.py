@@ -170,8 +170,45 @@ def test_chunked_equals_one_chunk_and_the_formula(monkeypatch, objective, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_grads, q_ref):
         if b.grad is not None:
-            torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+            # float32 gradients of size ~1 (the softmaxes' difference): atol 1e-6, one ulp of 1 is 1.2e-7 (an AVX2-only
+            # CPU rounds the softmax differently from AVX-512 ones)
+            torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-6)
     assert float(got_grads[0].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+@pytest.mark.parametrize("rows", [4, 1000])
+def test_head_read_from_hidden_states_equals_its_logits(monkeypatch, objective, rows):
+    """An MTP depth's logits read chunk by chunk from its hidden states (``HeadLogits``: ``F.linear(h, W)`` per chunk,
+    forward and backward) give the values and hidden-state gradients of the whole logits: ``hard_ce`` against
+    torch's cross-entropy (megatron's layout: labels ``[b, s]``, logits ``[s, b, V]``, loss ``[b, s]``), ``soft_ce``
+    / ``tv`` against the same objective on the whole logits; in chunks of 4 of the 39 rows and in one."""
+    from verl_mtp_plugin.acceptance import estimate
+    from verl_mtp_plugin.objective import HeadLogits, hard_ce_per_token
+
+    v, h, t = 23, 16, 0.7
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(13, 3, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / 2
+    p = torch.randn(13, 3, v, generator=g) * 2
+    labels = torch.randint(0, v, (3, 13), generator=g)  # [b, s]
+    w = torch.randn(3, 13, generator=g)
+    monkeypatch.setattr(estimate, "CHUNK_BYTES", 4 * v * rows)
+    got_h = hidden.clone().requires_grad_()
+    ref_h = hidden.clone().requires_grad_()
+    logits = torch.nn.functional.linear(ref_h, weight)  # [s, b, V]
+    if objective == "hard_ce":
+        got = hard_ce_per_token(HeadLogits(got_h, weight), labels)  # [b, s]
+        want = torch.nn.functional.cross_entropy(logits.transpose(0, 1).reshape(-1, v), labels.reshape(-1),
+                                                 reduction="none").reshape(3, 13)
+    else:
+        got = objective_per_token(objective, HeadLogits(got_h, weight), p, t).transpose(0, 1)
+        want = objective_per_token(objective, logits, p, t).transpose(0, 1)
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
+    assert float(got_h.grad.abs().sum()) > 0 and weight.grad is None
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -328,11 +365,17 @@ _TP2_SCRIPT = textwrap.dedent(
             assert both[0] == both[1], both  # every TP rank computes the same value
 
         # 2b. sequence parallelism: the target reads the main hidden states gathered over the TP ranks; the same
-        #     weights give the objective value and MTP gradients they give without it
+        #     weights give the objective value and MTP gradients they give without it. Each MTP depth's logits are
+        #     read in chunks from its hidden states (gathered under SP, in the TP region otherwise), hard_ce
+        #     included: equal to megatron's whole vocabulary-parallel logits (the switch off), with and without SP
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        from verl_mtp_plugin import objective as obj
+
         weights = model.state_dict()
-        for objective in ("soft_ce", "tv"):
+        for objective in ("hard_ce", "soft_ce", "tv"):
             values, mtp_grads = {}, {}
-            for sp in (False, True):
+            for sp, chunked in ((False, True), (True, True), (False, False), (True, False)):
+                obj.CHUNKED_MTP_HEAD = chunked
                 reset_mtp_globals()
                 m_sp = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
                                          config_overrides=dict(tensor_model_parallel_size=2, sequence_parallel=sp))
@@ -342,15 +385,22 @@ _TP2_SCRIPT = textwrap.dedent(
                     out = hybrid_forward(m_sp, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                                          run_mtp_forward=True, loss_mask=mask)
                 (out * 0).sum().backward()
+                obj.CHUNKED_MTP_HEAD = True
                 for p in m_sp.parameters():  # norms under SP hold their sequence shard's part (megatron all-reduces)
                     if sp and getattr(p, "sequence_parallel", False) and p.grad is not None:
                         dist.all_reduce(p.grad, group=m_sp.tp_group)
-                values[sp] = collect_objective_metrics(objective)[f"mtp_objective/mtp_1_{objective}"]
-                mtp_grads[sp] = {n: p.grad for n, p in m_sp.named_parameters() if n.startswith("mtp.") and p.grad is not None}
-            assert abs(values[True] - values[False]) < 1e-5, (objective, values)
-            assert mtp_grads[False] and mtp_grads[True].keys() == mtp_grads[False].keys()
-            for n, g in mtp_grads[False].items():
-                assert torch.allclose(mtp_grads[True][n], g, atol=1e-6), (objective, n)
+                values[sp, chunked] = [float(MTPLossLoggingHelper.tracker["loss_values"][0])]  # megatron's hard CE
+                if objective != "hard_ce":
+                    values[sp, chunked].append(collect_objective_metrics(objective)[f"mtp_objective/mtp_1_{objective}"])
+                mtp_grads[sp, chunked] = {n: p.grad for n, p in m_sp.named_parameters()
+                                          if n.startswith("mtp.") and p.grad is not None}
+            ref = (False, False)
+            assert mtp_grads[ref] and values[ref][0] > 0
+            for key in values:
+                assert all(abs(a - b) < 1e-5 for a, b in zip(values[key], values[ref])), (objective, key, values)
+                assert mtp_grads[key].keys() == mtp_grads[ref].keys(), (objective, key)
+                for n, g in mtp_grads[ref].items():
+                    assert torch.allclose(mtp_grads[key][n], g, atol=1e-6), (objective, key, n)
 
         # 3. chained_tv on the recipes' MTP shape (one block applied as 2 depths) at TP=2: each depth's value
         #    equals the TP=1 chain on the gathered logits (depth d at t against the main head at t+d)
@@ -575,6 +625,45 @@ def test_the_target_is_read_in_chunks_equal_to_the_whole_and_no_logits_copy_is_k
     tokens_x_vocab = batch["input_ids"].numel() * model.output_layer.weight.shape[0] * 4  # one float32 [tokens, V]
     assert whole_saved - saved >= 0.9 * tokens_x_vocab  # the whole target (its storage) was kept for backward
     assert saved <= hard_saved + tokens_x_vocab // 8  # per-row numbers only beyond hard_ce
+
+
+@pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv", "chained_tv"])
+def test_the_mtp_logits_are_read_in_chunks_equal_to_megatrons_whole_and_not_kept(batch, objective, monkeypatch):
+    """Each MTP depth's loss reads its logits chunk by chunk from the depth's hidden states (``_MTPHead``, handed to
+    megatron's ``process_mtp_loss``), megatron's own ``hard_ce`` included: every gradient, megatron's tracked loss and
+    top-1 accuracy, and the objective's logged values equal those of megatron's whole logits (the switch off), and
+    backward keeps one ``[tokens, vocab]`` tensor less per depth."""
+    from megatron.core.models.hybrid import hybrid_model
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    torch.manual_seed(0)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True, mtp_detach_heads=True)
+    original = hybrid_model.process_mtp_loss
+
+    def run():
+        saved, grads, values = _saved_bytes_grads_and_values(model, batch, objective)
+        tracked = {k: MTPLossLoggingHelper.tracker[k].clone() for k in ("loss_values", "correct_values")}
+        assert hybrid_model.process_mtp_loss is original  # restored on exit
+        return saved, grads, values, tracked
+
+    saved, grads, values, tracked = run()
+    monkeypatch.setattr(obj, "CHUNKED_MTP_HEAD", False)  # megatron's output layer computes each depth's logits whole
+    whole_saved, whole_grads, whole_values, whole_tracked = run()
+    assert set(grads) == set(whole_grads) and any(n.startswith("mtp.") for n in grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert values.keys() == whole_values.keys() and (values or objective == "hard_ce")
+    for k, v in values.items():
+        assert v == pytest.approx(whole_values[k], rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(tracked["loss_values"], whole_tracked["loss_values"], rtol=1e-6, atol=1e-6)
+    assert float(tracked["loss_values"].abs().sum()) > 0
+    torch.testing.assert_close(tracked["correct_values"], whole_tracked["correct_values"], rtol=0, atol=0)
+    tokens_x_vocab = batch["input_ids"].numel() * model.output_layer.weight.shape[0] * 4  # one float32 [tokens, V]
+    assert whole_saved - saved >= 2 * 0.9 * tokens_x_vocab, (whole_saved - saved) / tokens_x_vocab  # 2 depths
 
 
 @pytest.mark.usefixtures("megatron_env")

@@ -66,6 +66,7 @@ the MTP gradient reaches is what megatron's own loss reaches (online: the MTP bl
 from __future__ import annotations
 
 import contextlib
+import weakref
 from functools import partial
 
 import torch
@@ -176,6 +177,87 @@ def _row_reader(p):
     return lambda chunk: p2[chunk]
 
 
+def _q_reader(q_in: torch.Tensor, weight: torch.Tensor | None):
+    """``(chunk -> [rows, V/tp] logits, rows N, V/tp)`` for MTP logits, or for MTP hidden states times ``weight``."""
+    if weight is None:
+        q2 = _rows(q_in)
+        return (lambda chunk: q2[chunk]), q2.shape[0], q2.shape[-1]
+    h2 = _rows(q_in)
+    return (lambda chunk: torch.nn.functional.linear(h2[chunk], weight)), h2.shape[0], weight.shape[0]
+
+
+class HeadLogits:
+    """An MTP depth's logits ``[s, b, V/tp]`` as a source of row chunks, never whole: the output layer's product of
+    the depth's hidden states (in the autograd graph, entered into the vocabulary-parallel region as megatron's
+    ``ColumnParallelLinear`` enters it) and the output weight (detached: online's ``mtp_detach_heads``). The
+    objectives (and ``hard_ce``, :class:`_HardCE`) differentiate through it to the hidden states, chunk by chunk.
+    Index the first dimension with a slice (``q[: s - d]``)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        self.hidden, self.weight = hidden, weight
+        self.shape = (*hidden.shape[:-1], weight.shape[0])
+
+    def __getitem__(self, index) -> "HeadLogits":
+        if not isinstance(index, slice):
+            raise TypeError("HeadLogits is indexed by a slice of its first dimension")
+        return HeadLogits(self.hidden[index], self.weight)
+
+
+class _HardCE(torch.autograd.Function):
+    """Megatron's vocabulary-parallel cross-entropy ``log sum_v exp(z_v) - z_label`` per row, of the logits ``z =
+    F.linear(hidden, weight)``, computed :func:`chunk_rows` rows at a time in forward and again in backward: no
+    ``[rows, V/tp]`` tensor outlives its chunk. Saved for backward: the hidden states (held anyway), the detached
+    weight and two float32 numbers per row. Gradient to the hidden states only (``(softmax(z) - onehot) @ W``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, group):
+        h2 = _rows(hidden)
+        n, v = h2.shape[0], weight.shape[0]
+        start = torch.distributed.get_rank(group) * v if group_size(group) > 1 else 0  # megatron's contiguous split
+        local = labels.reshape(-1) - start
+        inside = (local >= 0) & (local < v)
+        local = torch.where(inside, local, torch.zeros_like(local))
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        stats = torch.empty(2, n, 1, dtype=torch.float32, device=hidden.device)  # row max, row sum of exp
+        step = chunk_rows(v)
+        for i in range(0, n, step):
+            c = slice(i, i + step)
+            x, p, (m, z) = _softmax_rows(torch.nn.functional.linear(h2[c], weight), 1.0, group)
+            del p
+            picked = torch.where(inside[c], x.gather(1, local[c, None]).squeeze(1), torch.zeros_like(x[:, 0]))
+            if group_size(group) > 1:
+                picked = _all_reduce(picked, torch.distributed.ReduceOp.SUM, group)
+            loss[c] = z.squeeze(1).log() - picked  # log sum exp(z - m) - (z_label - m)
+            stats[0, c], stats[1, c] = m, z
+            del x
+        ctx.save_for_backward(hidden, weight, local, inside, stats)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, local, inside, stats = ctx.saved_tensors
+        h2, grad = _rows(hidden), grad.reshape(-1, 1).float()
+        n, step = h2.shape[0], chunk_rows(weight.shape[0])
+        out = torch.empty_like(h2)
+        for i in range(0, n, step):
+            c = slice(i, i + step)
+            _, p, _ = _softmax_rows(torch.nn.functional.linear(h2[c], weight), 1.0, None, (stats[0, c], stats[1, c]))
+            rows = torch.arange(p.shape[0], device=p.device)
+            p[rows, local[c]] -= inside[c].to(p.dtype)
+            out[c] = p.mul_(grad[c]).to(weight.dtype) @ weight
+            del p
+        return out.reshape(hidden.shape), None, None, None
+
+
+def hard_ce_per_token(q: HeadLogits, labels: torch.Tensor, *, group=None) -> torch.Tensor:
+    """Megatron's MTP cross-entropy ``[b, s]`` (``compute_language_model_loss``: labels ``[b, s]``, logits ``[s, b,
+    V/tp]``) of an MTP depth's :class:`HeadLogits`, read in chunks (:class:`_HardCE`); exact under tensor
+    parallelism (vocabulary shards, megatron's contiguous split)."""
+    s, b = q.shape[0], q.shape[1]
+    value = _HardCE.apply(q.hidden, q.weight, labels.transpose(0, 1).reshape(-1), group)
+    return value.reshape(s, b).transpose(0, 1)
+
+
 def _detached(p):
     return p if isinstance(p, TargetLogits) else p.detach()
 
@@ -197,13 +279,15 @@ class _ChunkedObjective(torch.autograd.Function):
         raise NotImplementedError
 
     @classmethod
-    def forward(cls, ctx, q_logits, p_logits, temperature, group):
-        q2, p_rows = _rows(q_logits), _row_reader(p_logits)
-        n, step = q2.shape[0], chunk_rows(q2.shape[-1])
-        value = torch.empty(n, dtype=torch.float32, device=q_logits.device)
-        stats = torch.empty(5, n, 1, dtype=torch.float32, device=q_logits.device)  # m_q, z_q, m_p, z_p, extra
+    def forward(cls, ctx, q_in, p_logits, temperature, group, q_weight=None):
+        # q_in: the MTP logits [..., V/tp], or (q_weight given) the MTP hidden states [..., h] whose logits are
+        # F.linear(hidden, q_weight), computed chunk by chunk in forward and again in backward (HeadLogits)
+        q_rows, n, v = _q_reader(q_in, q_weight)
+        p_rows, step = _row_reader(p_logits), chunk_rows(v)
+        value = torch.empty(n, dtype=torch.float32, device=q_in.device)
+        stats = torch.empty(5, n, 1, dtype=torch.float32, device=q_in.device)  # m_q, z_q, m_p, z_p, extra
         for i in range(0, n, step):
-            xq, q, (mq, zq) = _softmax_rows(q2[i : i + step], temperature, group)
+            xq, q, (mq, zq) = _softmax_rows(q_rows(slice(i, i + step)), temperature, group)
             xp, p, (mp, zp) = _softmax_rows(p_rows(slice(i, i + step)), temperature, group)
             v, extra = cls._forward_rows(q, xq.sub_(zq.log()), p, xp.sub_(zp.log()), group)
             value[i : i + step] = v
@@ -212,32 +296,35 @@ class _ChunkedObjective(torch.autograd.Function):
             if extra is not None:
                 stats[4, i : i + step, 0] = extra
             del xq, q, xp, p
-        if isinstance(p_logits, TargetLogits):  # recomputed chunk by chunk in backward: nothing [rows, V] is kept
-            ctx.save_for_backward(q_logits, stats)
-            ctx.p_source = p_logits
-        else:
-            ctx.save_for_backward(q_logits, p_logits, stats)
-            ctx.p_source = None
+        # what backward reads: q's source (the logits or the hidden states + weight, held by the caller anyway),
+        # the per-row numbers, and p whole only where it was given whole (a TargetLogits is read again in chunks)
+        ctx.p_source = p_logits if isinstance(p_logits, TargetLogits) else None
+        ctx.has_weight = q_weight is not None
+        ctx.save_for_backward(q_in, stats, *(() if q_weight is None else (q_weight,)),
+                              *(() if ctx.p_source is not None else (p_logits,)))
         ctx.temperature = temperature
-        return value.reshape(q_logits.shape[:-1])
+        shape = q_in.shape[:-1]
+        return value.reshape(shape)
 
     @classmethod
     def backward(cls, ctx, grad):
-        if ctx.p_source is not None:
-            (q_logits, stats), p_logits = ctx.saved_tensors, ctx.p_source
-        else:
-            q_logits, p_logits, stats = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        q_in, stats = saved[0], saved[1]
+        q_weight = saved[2] if ctx.has_weight else None
+        p_logits = ctx.p_source if ctx.p_source is not None else saved[-1]
         t = ctx.temperature
-        q2, p_rows, grad = _rows(q_logits), _row_reader(p_logits), grad.reshape(-1, 1).float()
-        n, step = q2.shape[0], chunk_rows(q2.shape[-1])
-        out = torch.empty_like(q2)
+        q_rows, n, v = _q_reader(q_in, q_weight)
+        p_rows, grad = _row_reader(p_logits), grad.reshape(-1, 1).float()
+        step = chunk_rows(v)
+        out = torch.empty_like(_rows(q_in))
         for i in range(0, n, step):
             c = slice(i, i + step)
-            _, q, _ = _softmax_rows(q2[c], t, None, (stats[0, c], stats[1, c]))
+            _, q, _ = _softmax_rows(q_rows(c), t, None, (stats[0, c], stats[1, c]))
             _, p, _ = _softmax_rows(p_rows(c), t, None, (stats[2, c], stats[3, c]))
-            out[c] = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
+            dz = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
             del q, p
-        return out.reshape(q_logits.shape), None, None, None
+            out[c] = dz if q_weight is None else dz.to(q_weight.dtype) @ q_weight  # through the output layer
+        return out.reshape(q_in.shape), None, None, None, None
 
 
 class _SoftCE(_ChunkedObjective):
@@ -278,11 +365,18 @@ def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -
     return t
 
 
+def _apply(fn, q_logits, p_logits, temperature: float, group):
+    if isinstance(q_logits, HeadLogits):  # differentiable in the hidden states (autograd sees tensors only)
+        return fn.apply(q_logits.hidden, _detached(p_logits), temperature, group, q_logits.weight)
+    return fn.apply(q_logits, _detached(p_logits), temperature, group)
+
+
 def soft_ce_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0, *, group=None):
     """Forward ``KL(p || q)`` per row, differentiable in ``q_logits`` only (``p`` is the detached target).
 
     Args:
-        q_logits (Tensor): ``[..., V]`` (or the vocab shard ``[..., V/tp]``) MTP logits.
+        q_logits (Tensor | HeadLogits): ``[..., V]`` (or the vocab shard ``[..., V/tp]``) MTP logits (a
+            :class:`HeadLogits` is read chunk by chunk from the hidden states, never whole).
         p_logits (Tensor | TargetLogits): same shape, the policy's (main head's) logits for the same tokens (a
             :class:`TargetLogits` is read chunk by chunk, never whole).
         temperature (float): ``T > 0`` for both distributions.
@@ -291,7 +385,7 @@ def soft_ce_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperatur
     Returns:
         Tensor: ``[...]`` float32, ``>= 0``; backward gives ``(q - p) / T`` per logit.
     """
-    return _SoftCE.apply(q_logits, _detached(p_logits), _check(q_logits, p_logits, temperature), group)
+    return _apply(_SoftCE, q_logits, p_logits, _check(q_logits, p_logits, temperature), group)
 
 
 def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float = 1.0, *, group=None):
@@ -301,7 +395,7 @@ def tv_per_token(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: fl
     Returns:
         Tensor: ``[...]`` float32 in ``[0, 1]``.
     """
-    return _TV.apply(q_logits, _detached(p_logits), _check(q_logits, p_logits, temperature), group)
+    return _apply(_TV, q_logits, p_logits, _check(q_logits, p_logits, temperature), group)
 
 
 def _chain_step(chain: torch.Tensor | None, alpha: torch.Tensor, counted: torch.Tensor | None):
@@ -416,15 +510,80 @@ def _target_logits(inner, main_hidden: torch.Tensor) -> torch.Tensor:
         return inner._scale_logits(logits)
 
 
+#: Whether the MTP depths' loss reads their logits chunk by chunk from the hidden states (:class:`_MTPHead`); off
+#: only in tests that compare against megatron's whole logits.
+CHUNKED_MTP_HEAD = True
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(getattr(nn_module, "_global_forward_pre_hooks", None) or getattr(nn_module, "_global_forward_hooks", None))
+
+
+class _MTPHead:
+    """The output layer as megatron's ``process_mtp_loss`` calls it for the MTP depths (handed in by
+    :func:`~verl_mtp_plugin.compat.megatron_mtp_head.replace_mtp_output_layer`; the main head's call does not come
+    here). Where the layer is a plain matmul with a detached weight (online's ``mtp_detach_heads``: no bias, no
+    gathered output, no MuP scale, no hooks on the module, e.g. megatron DDP's ``overlap_param_gather``) it returns
+    the logits computed under ``no_grad`` (megatron's top-1 accuracy reads them; the loss does not) and keeps the
+    depth's :class:`HeadLogits` for the loss to read in chunks; the previous depth's logits are released when the next
+    depth's are computed (megatron reads them no more). Elsewhere (joint: the weight trains) it calls the layer."""
+
+    def __init__(self, layer, inner, state: dict):
+        self._layer, self._inner, self._state = layer, inner, state
+
+    def __getattr__(self, name):  # megatron reads the layer's attributes (weight, gather_output, ...)
+        return getattr(self._layer, name)
+
+    def _chunked(self, weight, runtime_gather_output) -> bool:
+        layer = self._layer
+        return bool(
+            CHUNKED_MTP_HEAD
+            and weight is not None and not weight.requires_grad
+            and getattr(layer, "bias", None) is None
+            and not getattr(layer, "gather_output", False) and not runtime_gather_output
+            and not getattr(layer, "explicit_expert_comm", False) and not getattr(layer, "disable_grad_reduce", False)
+            and not getattr(self._inner.config, "use_mup", False)
+            and not getattr(layer, "_forward_pre_hooks", None) and not getattr(layer, "_forward_hooks", None)
+            and not _global_hooks()
+        )
+
+    def __call__(self, hidden, weight=None, runtime_gather_output=None):
+        layer = self._layer
+        prev = self._state.pop("head", None)
+        prev = None if prev is None else prev[0]()
+        if prev is not None and prev._base is None:
+            prev.untyped_storage().resize_(0)  # the previous depth's logits: megatron has read them
+        w = weight if weight is not None else getattr(layer, "weight", None)
+        if not self._chunked(w, runtime_gather_output):
+            return layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
+        group = getattr(layer, "tp_group", None)
+        full = hidden
+        if group_size(group) > 1:  # as ColumnParallelLinear enters its region (forward and backward)
+            from megatron.core.tensor_parallel import mappings
+
+            if getattr(layer, "sequence_parallel", False):
+                full = mappings.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                                     group=group)
+            else:
+                full = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(full.detach(), w)
+        self._state["head"] = (weakref.ref(logits), HeadLogits(full, w))  # the logits die with megatron's reference
+        return logits, None
+
+
 @contextlib.contextmanager
 def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torch.Tensor | None,
                         packed_seq_params=None):
-    """Within the block, ``model``'s MTP loss is ``objective`` (``hard_ce``: nothing changes).
+    """Within the block, ``model``'s MTP loss is ``objective``, and each MTP depth's loss reads its logits in chunks
+    of tokens from the depth's hidden states (:class:`HeadLogits`) where the output layer allows it (:class:`_MTPHead`).
 
     Args:
         model: a HybridModel (possibly DDP/Float16Module-wrapped) about to run one forward with its MTP block.
         objective (MTPObjective | str): ``hard_ce``, ``soft_ce``, ``tv`` or ``chained_tv``.
-        temperature (float): the rollout temperature ``T > 0`` (both distributions).
+        temperature (float): the rollout temperature ``T > 0`` (both distributions; not read for ``hard_ce``).
         loss_mask (Tensor | None): the token-coordinate MTP loss mask the forward receives (``[b, s]``;
             ``[1, T]`` packed; None: every token, as megatron); used to log the objective's masked mean per depth
             and, for ``chained_tv``, to know which depths megatron counts at each position.
@@ -432,26 +591,43 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
             each packed sequence; so does the logged mean).
 
     Yields:
-        the model. The instance attribute is removed and the hook detached on exit, exception or not.
+        the model. The instance attribute, the hook and megatron's ``process_mtp_loss`` are restored on exit,
+        exception or not.
     """
     from verl_mtp_plugin.control import unwrap_model
 
     objective = MTPObjective.parse(objective, OBJECTIVE_CONFIG_KEY)
     inner = unwrap_model(model)
     mtp = getattr(inner, "mtp", None)
-    if objective is MTPObjective.HARD_CE or mtp is None or not getattr(inner, "post_process", True):
+    if mtp is None or not getattr(inner, "post_process", True):
         yield model
         return
+    tp_group = getattr(inner, "tp_group", None)
+    group = tp_group if group_size(tp_group) > 1 else None
+    hard_ce = inner.compute_language_model_loss  # the bound method (what megatron would call)
+    state: dict = {}
+
+    def head_of(logits):
+        """The depth's HeadLogits where these logits came from :class:`_MTPHead`'s chunked path, else None."""
+        head = state.get("head")
+        return head[1] if head is not None and head[0]() is logits else None
+
+    if objective is MTPObjective.HARD_CE:
+        def hard_ce_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            q = head_of(logits)
+            return hard_ce(labels, logits) if q is None else hard_ce_per_token(q, labels, group=group)
+
+        with _mtp_head(inner, state), replace_language_model_loss(inner, hard_ce_loss):
+            yield model
+        return
+
     t = check_temperature(temperature)
     if t == 0.0:
         raise ValueError(f"{OBJECTIVE_CONFIG_KEY}={objective} needs a rollout temperature > 0 (got 0: greedy rollout)")
     from megatron.core.transformer.multi_token_prediction import roll_tensor
 
     num_depths = int(inner.config.mtp_num_layers)
-    tp_group = getattr(inner, "tp_group", None)
     cp_group = getattr(getattr(inner, "pg_collection", None), "cp", None)
-    hard_ce = inner.compute_language_model_loss  # the bound method (what megatron would call)
-    state: dict = {}
 
     def on_mtp_output(module, args, output):  # [(1+D)*s, b, h]: main hidden states first
         state.clear()
@@ -473,8 +649,9 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         if tuple(target.shape) != tuple(logits.shape):
             raise RuntimeError(f"MTP logits {tuple(logits.shape)} vs main logits {tuple(target.shape)}: gathered "
                                "(runtime_gather_output) MTP logits are not supported by soft_ce / tv / chained_tv")
+        q = head_of(logits)
+        q = logits if q is None else q  # the depth's logits read in chunks from its hidden states, else whole
         s = logits.shape[0]
-        group = tp_group if group_size(tp_group) > 1 else None
         chained = objective is MTPObjective.CHAINED_TV
         mask = state["mask"]
         if mask is None and chained:  # megatron's default: every token
@@ -486,7 +663,7 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
         per_token = tv_per_token if chained else partial(objective_per_token, objective)  # chained: 1 - alpha_d
         value = logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [s, b]
         if s > d:  # q at t, p at t+d (the same token t+1+d); the last d rows are masked by megatron
-            value = torch.cat([per_token(logits[: s - d], target[d:], t, group=group), value[s - d:]], dim=0)
+            value = torch.cat([per_token(q[: s - d], target[d:], t, group=group), value[s - d:]], dim=0)
         value = value.transpose(0, 1)  # [b, s]
         if chained:  # value was 1 - alpha_d; the chain's term at this depth (alpha_d enters where megatron counts d)
             value, state["chain"] = _chain_step(state["chain"], 1.0 - value, mask)
@@ -499,8 +676,23 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
 
     handle = mtp.register_forward_hook(on_mtp_output)
     try:
-        with replace_language_model_loss(inner, objective_loss):  # the Megatron patch lives in compat
+        with _mtp_head(inner, state), replace_language_model_loss(inner, objective_loss):  # Megatron patches: compat
             yield model
     finally:
         handle.remove()
         state.clear()
+
+
+@contextlib.contextmanager
+def _mtp_head(inner, state: dict):
+    """Megatron's MTP loss computes the depths' logits with :class:`_MTPHead` for ``inner`` within the block."""
+    from verl_mtp_plugin.compat.megatron_mtp_head import replace_mtp_output_layer
+
+    def wrap(layer):
+        return _MTPHead(layer, inner, state) if layer is getattr(inner, "output_layer", None) else layer
+
+    try:
+        with replace_mtp_output_layer(wrap):
+            yield
+    finally:
+        state.pop("head", None)
