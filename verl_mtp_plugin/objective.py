@@ -15,8 +15,8 @@ the token-coordinate loss mask ``d+1`` times, within each packed sequence under 
 
 Objectives, per counted position:
 
-* ``hard_ce``: megatron's own ``-log q_1[x_{t+1+d}]`` on the sampled token (untouched: no code of this
-  module runs).
+* ``hard_ce``: megatron's own ``-log q_1[x_{t+1+d}]`` on the sampled token (megatron's loss; only its logits are
+  read in chunks, see Memory).
 * ``soft_ce``: forward ``KL(p || q) = sum_v p_v (log p_v - log q_v)``; its gradient is that of the soft
   cross-entropy ``-sum_v p_v log q_v``: ``dL/dz_mtp = (q - p) / T``. The logged value is the KL (0 for a
   drafter that matches the policy), not the cross-entropy (which adds the policy's entropy).
@@ -47,6 +47,15 @@ alive until backward beyond ``hard_ce``: a few float32 numbers per token (measur
 backward equal ``hard_ce``'s; the whole target kept one ``[tokens, V/tp]`` tensor more, 4.5 GiB in bf16 at 18,432
 tokens x 131072 at TP 1). Every tensor-parallel rank cuts the same chunks, so the vocabulary reductions pair up
 chunk by chunk. The logged hard cross-entropy runs in the same chunks (:func:`_chunked_hard_ce`).
+
+The MTP depths' own logits are never whole for the loss either, for every objective, ``hard_ce`` included: megatron's
+``process_mtp_loss`` receives the plugin's MTP output layer (:class:`_MTPHead`, through
+:func:`~verl_mtp_plugin.compat.megatron_mtp_head.replace_mtp_output_layer`), which returns the depth's logits
+computed without autograd (megatron's top-1 accuracy reads them; released when the next depth's are computed) and
+keeps the depth's :class:`HeadLogits` (hidden states x detached output weight); the loss reads it chunk by chunk in
+forward and backward (:class:`_HardCE`; the objectives' ``q``). Measured on CPU: what any objective saves for backward
+over MTP skipped no longer depends on the vocabulary. Joint mode (the output weight trains) and an output layer that
+is more than a matmul keep megatron's whole-logits path.
 
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),
