@@ -700,6 +700,30 @@ def test_joint_objective_reaches_the_trunk_and_output_layer(batch, objective):
 
 
 @pytest.mark.usefixtures("megatron_env")
+def test_whole_mtp_logits_are_announced_once_with_their_size(batch, monkeypatch, caplog):
+    """Where the MTP logits must be whole (joint: the output weight trains), the first forward says so with the size
+    kept per depth, once per process; online says nothing."""
+    import logging
+
+    from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.testing import build_tiny_hybrid
+
+    monkeypatch.setattr(obj, "_WARNED", set())
+    torch.manual_seed(0)
+    online = build_tiny_hybrid(mtp_detach_heads=True)
+    joint = build_tiny_hybrid(mtp_detach_heads=False)
+    with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.objective"):
+        _mtp_only_grads(online, batch, "hard_ce")
+        assert [r for r in caplog.records if "logits whole" in r.getMessage()] == []
+        for _ in range(2):
+            _mtp_only_grads(joint, batch, "hard_ce")
+    said = [r.getMessage() for r in caplog.records if "logits whole" in r.getMessage()]
+    assert len(said) == 1 and "the output weight trains (joint mode)" in said[0], said
+    size = batch["input_ids"].numel() * joint.output_layer.weight.shape[0] * 4  # one fp32 [tokens, V]
+    assert f"({size} bytes)" in said[0], said
+
+
+@pytest.mark.usefixtures("megatron_env")
 def test_megatron_tracker_keeps_the_hard_cross_entropy_and_the_scope_leaves_no_trace(batch):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

@@ -75,6 +75,7 @@ the MTP gradient reaches is what megatron's own loss reaches (online: the MTP bl
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from functools import partial
 
@@ -95,6 +96,8 @@ __all__ = [
     "soft_ce_per_token",
     "tv_per_token",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: The objective's value at depth ``k`` (verl logs it as ``actor/mtp_objective/mtp_{k}_{objective}``).
 OBJECTIVE_KEY = "mtp_objective/mtp_{k}_{objective}"
@@ -522,6 +525,7 @@ def _target_logits(inner, main_hidden: torch.Tensor) -> torch.Tensor:
 #: Whether the MTP depths' loss reads their logits chunk by chunk from the hidden states (:class:`_MTPHead`); off
 #: only in tests that compare against megatron's whole logits.
 CHUNKED_MTP_HEAD = True
+_WARNED: set[str] = set()  # the reasons already logged (once per process)
 
 
 def _global_hooks() -> bool:
@@ -545,18 +549,21 @@ class _MTPHead:
     def __getattr__(self, name):  # megatron reads the layer's attributes (weight, gather_output, ...)
         return getattr(self._layer, name)
 
-    def _chunked(self, weight, runtime_gather_output) -> bool:
+    def _whole_because(self, weight, runtime_gather_output) -> str | None:
+        """Why this depth's logits must be computed whole by the layer (None: they are read in chunks)."""
         layer = self._layer
-        return bool(
-            CHUNKED_MTP_HEAD
-            and weight is not None and not weight.requires_grad
-            and getattr(layer, "bias", None) is None
-            and not getattr(layer, "gather_output", False) and not runtime_gather_output
-            and not getattr(layer, "explicit_expert_comm", False) and not getattr(layer, "disable_grad_reduce", False)
-            and not getattr(self._inner.config, "use_mup", False)
-            and not getattr(layer, "_forward_pre_hooks", None) and not getattr(layer, "_forward_hooks", None)
-            and not _global_hooks()
+        reasons = (
+            (not CHUNKED_MTP_HEAD, "switched off"),
+            (weight is None or weight.requires_grad, "the output weight trains (joint mode)"),
+            (getattr(layer, "bias", None) is not None, "the output layer has a bias"),
+            (getattr(layer, "gather_output", False) or runtime_gather_output, "the output layer gathers its output"),
+            (getattr(layer, "explicit_expert_comm", False) or getattr(layer, "disable_grad_reduce", False),
+             "the output layer skips its tensor-parallel region"),
+            (getattr(self._inner.config, "use_mup", False), "MuP scales the MTP logits"),
+            (bool(getattr(layer, "_forward_pre_hooks", None) or getattr(layer, "_forward_hooks", None))
+             or _global_hooks(), "the output layer has forward hooks (e.g. megatron DDP's overlap_param_gather)"),
         )
+        return next((why for hit, why in reasons if hit), None)
 
     def __call__(self, hidden, weight=None, runtime_gather_output=None):
         layer = self._layer
@@ -565,7 +572,17 @@ class _MTPHead:
         if prev is not None and prev._base is None:
             prev.untyped_storage().resize_(0)  # the previous depth's logits: megatron has read them
         w = weight if weight is not None else getattr(layer, "weight", None)
-        if not self._chunked(w, runtime_gather_output):
+        why = self._whole_because(w, runtime_gather_output)
+        if why is not None:
+            if why not in _WARNED and why != "switched off":
+                _WARNED.add(why)
+                tokens = hidden.shape[0] * hidden.shape[1] * (
+                    group_size(getattr(layer, "tp_group", None)) if getattr(layer, "sequence_parallel", False) else 1)
+                size = tokens * (w.shape[0] if w is not None else 0) * hidden.element_size()
+                logger.warning(
+                    "verl_mtp_plugin: the MTP loss computes each depth's logits whole, as megatron does (%s): one "
+                    "[tokens, vocab/tp] tensor per depth is kept for backward, %.2f GiB (%d bytes) in this micro-batch",
+                    why, size / 2**30, size)
             return layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
         group = getattr(layer, "tp_group", None)
         full = hidden
