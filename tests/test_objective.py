@@ -176,13 +176,15 @@ def test_chunked_equals_one_chunk_and_the_formula(monkeypatch, objective, rows):
     assert float(got_grads[0].abs().sum()) > 0
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["computed", "given_logits"])
 @pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
 @pytest.mark.parametrize("rows", [4, 1000])
-def test_head_read_from_hidden_states_equals_its_logits(monkeypatch, objective, rows):
+def test_head_read_from_hidden_states_equals_its_logits(monkeypatch, objective, rows, given):
     """An MTP depth's logits read chunk by chunk from its hidden states (``HeadLogits``: ``F.linear(h, W)`` per chunk,
     forward and backward) give the values and hidden-state gradients of the whole logits: ``hard_ce`` against
     torch's cross-entropy (megatron's layout: labels ``[b, s]``, logits ``[s, b, V]``, loss ``[b, s]``), ``soft_ce``
-    / ``tv`` against the same objective on the whole logits; in chunks of 4 of the 39 rows and in one."""
+    / ``tv`` against the same objective on the whole logits; in chunks of 4 of the 39 rows and in one; the forward
+    computing each chunk's logits or reading them from logits given without autograd (backward computes them)."""
     from verl_mtp_plugin.acceptance import estimate
     from verl_mtp_plugin.objective import HeadLogits, hard_ce_per_token
 
@@ -197,12 +199,13 @@ def test_head_read_from_hidden_states_equals_its_logits(monkeypatch, objective, 
     got_h = hidden.clone().requires_grad_()
     ref_h = hidden.clone().requires_grad_()
     logits = torch.nn.functional.linear(ref_h, weight)  # [s, b, V]
+    head = HeadLogits(got_h, weight, logits.detach().clone() if given else None)
     if objective == "hard_ce":
-        got = hard_ce_per_token(HeadLogits(got_h, weight), labels)  # [b, s]
+        got = hard_ce_per_token(head, labels)  # [b, s]
         want = torch.nn.functional.cross_entropy(logits.transpose(0, 1).reshape(-1, v), labels.reshape(-1),
                                                  reduction="none").reshape(3, 13)
     else:
-        got = objective_per_token(objective, HeadLogits(got_h, weight), p, t).transpose(0, 1)
+        got = objective_per_token(objective, head, p, t).transpose(0, 1)
         want = objective_per_token(objective, logits, p, t).transpose(0, 1)
     (got * w).sum().backward()
     (want * w).sum().backward()

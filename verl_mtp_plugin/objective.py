@@ -52,8 +52,9 @@ The MTP depths' own logits are never whole for the loss either, for every object
 ``process_mtp_loss`` receives the plugin's MTP output layer (:class:`_MTPHead`, through
 :func:`~verl_mtp_plugin.compat.megatron_mtp_head.replace_mtp_output_layer`), which returns the depth's logits
 computed without autograd (megatron's top-1 accuracy reads them; released when the next depth's are computed) and
-keeps the depth's :class:`HeadLogits` (hidden states x detached output weight); the loss reads it chunk by chunk in
-forward and backward (:class:`_HardCE`; the objectives' ``q``). Measured on CPU: what any objective saves for backward
+keeps the depth's :class:`HeadLogits` (hidden states x detached output weight); the loss's forward reads those logits
+chunk by chunk and keeps none of them, its backward computes each chunk again from the hidden states (:class:`_HardCE`;
+the objectives' ``q``): one output-layer product per depth more than megatron's, in backward. Measured on CPU: what any objective saves for backward
 over MTP skipped no longer depends on the vocabulary. Joint mode (the output weight trains) and an output layer that
 is more than a matmul keep megatron's whole-logits path.
 
@@ -189,12 +190,16 @@ def _row_reader(p):
     return lambda chunk: p2[chunk]
 
 
-def _q_reader(q_in: torch.Tensor, weight: torch.Tensor | None):
-    """``(chunk -> [rows, V/tp] logits, rows N, V/tp)`` for MTP logits, or for MTP hidden states times ``weight``."""
+def _q_reader(q_in: torch.Tensor, weight: torch.Tensor | None, logits: torch.Tensor | None = None):
+    """``(chunk -> [rows, V/tp] logits, rows N, V/tp)`` for MTP logits, or for MTP hidden states times ``weight``
+    (rows of ``logits``, that product already computed without autograd, where given: the forward reads them)."""
     if weight is None:
         q2 = _rows(q_in)
         return (lambda chunk: q2[chunk]), q2.shape[0], q2.shape[-1]
     h2 = _rows(q_in)
+    if logits is not None:
+        z2 = _rows(logits)
+        return (lambda chunk: z2[chunk]), h2.shape[0], weight.shape[0]
     return (lambda chunk: torch.nn.functional.linear(h2[chunk], weight)), h2.shape[0], weight.shape[0]
 
 
@@ -203,16 +208,23 @@ class HeadLogits:
     the depth's hidden states (in the autograd graph, entered into the vocabulary-parallel region as megatron's
     ``ColumnParallelLinear`` enters it) and the output weight (detached: online's ``mtp_detach_heads``). The
     objectives (and ``hard_ce``, :class:`_HardCE`) differentiate through it to the hidden states, chunk by chunk.
-    Index the first dimension with a slice (``q[: s - d]``)."""
+    Index the first dimension with a slice (``q[: s - d]``). ``logits``: the same product already computed without
+    autograd (megatron's accuracy reads it), read by the forward instead of a second product; never saved for
+    backward, which computes each chunk again from the hidden states."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
-        self.hidden, self.weight = hidden, weight
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor | None = None):
+        self.hidden, self.weight, self.logits = hidden, weight, logits
         self.shape = (*hidden.shape[:-1], weight.shape[0])
+        if logits is not None and tuple(logits.shape) != self.shape:
+            raise ValueError(f"HeadLogits: logits {tuple(logits.shape)} are not hidden x weight {self.shape}")
 
     def __getitem__(self, index) -> "HeadLogits":
         if not isinstance(index, slice):
             raise TypeError("HeadLogits is indexed by a slice of its first dimension")
-        return HeadLogits(self.hidden[index], self.weight)
+        return HeadLogits(self.hidden[index], self.weight, None if self.logits is None else self.logits[index])
+
+    def with_logits(self, logits: torch.Tensor) -> "HeadLogits":
+        return HeadLogits(self.hidden, self.weight, logits.detach())
 
 
 class _HardCE(torch.autograd.Function):
@@ -222,9 +234,10 @@ class _HardCE(torch.autograd.Function):
     weight and two float32 numbers per row. Gradient to the hidden states only (``(softmax(z) - onehot) @ W``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, group):
+    def forward(ctx, hidden, weight, labels, group, logits=None):
         h2 = _rows(hidden)
         n, v = h2.shape[0], weight.shape[0]
+        z_rows, _, _ = _q_reader(hidden, weight, logits)
         start = torch.distributed.get_rank(group) * v if group_size(group) > 1 else 0  # megatron's contiguous split
         local = labels.reshape(-1) - start
         inside = (local >= 0) & (local < v)
@@ -234,7 +247,7 @@ class _HardCE(torch.autograd.Function):
         step = chunk_rows(v)
         for i in range(0, n, step):
             c = slice(i, i + step)
-            x, p, (m, z) = _softmax_rows(torch.nn.functional.linear(h2[c], weight), 1.0, group)
+            x, p, (m, z) = _softmax_rows(z_rows(c), 1.0, group)
             del p
             picked = torch.where(inside[c], x.gather(1, local[c, None]).squeeze(1), torch.zeros_like(x[:, 0]))
             if group_size(group) > 1:
@@ -258,7 +271,7 @@ class _HardCE(torch.autograd.Function):
             p[rows, local[c]] -= inside[c].to(p.dtype)
             out[c] = p.mul_(grad[c]).to(weight.dtype) @ weight
             del p
-        return out.reshape(hidden.shape), None, None, None
+        return out.reshape(hidden.shape), None, None, None, None
 
 
 def hard_ce_per_token(q: HeadLogits, labels: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -266,7 +279,7 @@ def hard_ce_per_token(q: HeadLogits, labels: torch.Tensor, *, group=None) -> tor
     V/tp]``) of an MTP depth's :class:`HeadLogits`, read in chunks (:class:`_HardCE`); exact under tensor
     parallelism (vocabulary shards, megatron's contiguous split)."""
     s, b = q.shape[0], q.shape[1]
-    value = _HardCE.apply(q.hidden, q.weight, labels.transpose(0, 1).reshape(-1), group)
+    value = _HardCE.apply(q.hidden, q.weight, labels.transpose(0, 1).reshape(-1), group, q.logits)
     return value.reshape(s, b).transpose(0, 1)
 
 
@@ -291,10 +304,11 @@ class _ChunkedObjective(torch.autograd.Function):
         raise NotImplementedError
 
     @classmethod
-    def forward(cls, ctx, q_in, p_logits, temperature, group, q_weight=None):
+    def forward(cls, ctx, q_in, p_logits, temperature, group, q_weight=None, q_logits=None):
         # q_in: the MTP logits [..., V/tp], or (q_weight given) the MTP hidden states [..., h] whose logits are
-        # F.linear(hidden, q_weight), computed chunk by chunk in forward and again in backward (HeadLogits)
-        q_rows, n, v = _q_reader(q_in, q_weight)
+        # F.linear(hidden, q_weight), read from q_logits (computed without autograd) or computed chunk by chunk in
+        # forward, and computed again in backward (HeadLogits)
+        q_rows, n, v = _q_reader(q_in, q_weight, q_logits)
         p_rows, step = _row_reader(p_logits), chunk_rows(v)
         value = torch.empty(n, dtype=torch.float32, device=q_in.device)
         stats = torch.empty(5, n, 1, dtype=torch.float32, device=q_in.device)  # m_q, z_q, m_p, z_p, extra
@@ -336,7 +350,7 @@ class _ChunkedObjective(torch.autograd.Function):
             dz = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
             del q, p
             out[c] = dz if q_weight is None else dz.to(q_weight.dtype) @ q_weight  # through the output layer
-        return out.reshape(q_in.shape), None, None, None, None
+        return out.reshape(q_in.shape), None, None, None, None, None
 
 
 class _SoftCE(_ChunkedObjective):
@@ -379,7 +393,7 @@ def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -
 
 def _apply(fn, q_logits, p_logits, temperature: float, group):
     if isinstance(q_logits, HeadLogits):  # differentiable in the hidden states (autograd sees tensors only)
-        return fn.apply(q_logits.hidden, _detached(p_logits), temperature, group, q_logits.weight)
+        return fn.apply(q_logits.hidden, _detached(p_logits), temperature, group, q_logits.weight, q_logits.logits)
     return fn.apply(q_logits, _detached(p_logits), temperature, group)
 
 
@@ -636,7 +650,7 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
     def head_of(logits):
         """The depth's HeadLogits where these logits came from :class:`_MTPHead`'s chunked path, else None."""
         head = state.get("head")
-        return head[1] if head is not None and head[0]() is logits else None
+        return head[1].with_logits(logits) if head is not None and head[0]() is logits else None
 
     if objective is MTPObjective.HARD_CE:
         def hard_ce_loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
