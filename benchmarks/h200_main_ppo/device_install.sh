@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# On the GPU machine (checkout root): gather the three staged parts (.stage/h1..h3, carried by earlier calls
-# and copied to /tmp/stage), verify them against .h200/manifest.txt, install into /tmp/site. Idempotent: on a
+# On the GPU machine (checkout root): gather the N staged parts (.stage/s1..sN, N in .h200/parts.txt, carried by
+# earlier calls and copied to /tmp/stage), verify them against .h200/manifest.txt, install into /tmp/site. Idempotent: on a
 # machine that has it already, it only says so. Then: export PYTHONPATH=.h200/src:/tmp/site (the source sync_src.sh
 # staged from another worktree), or PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site for the checkout's own (the product
 # and the CPU runtime's verl_mtp_cpu; run.py and super_assets.py put both on their path themselves).
 set -u
 mkdir -p /tmp/stage
-for d in .stage/h1 .stage/h2 .stage/h3; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
+for d in .stage/s*/; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
 if [ -f /tmp/site/.h200-installed ]; then echo "h200 stack already in /tmp/site"; exit 0; fi
 [ "${1:-}" = "--copy-only" ] && { ls -la /tmp/stage; exit 0; }
-for p in aa ab ac; do [ -f /tmp/stage/bundle.part$p ] || { echo "part $p missing (machine went cold?): carry .stage/h1..h3 again"; exit 3; }; done
+N=$(cat .h200/parts.txt 2>/dev/null || echo 3); HAVE=$(ls /tmp/stage/bundle.part* 2>/dev/null | wc -l)
+[ "$HAVE" -eq "$N" ] || { echo "$HAVE of $N parts in /tmp/stage (machine went cold?): carry .stage/s1..s$N again"; exit 3; }
 t0=$(date +%s)
 cat /tmp/stage/bundle.part* > /tmp/bundle.bin
 off=0

@@ -7,7 +7,7 @@
 #        Megatron-Bridge 0.6.2, TransferQueue 0.1.11, ray 2.60.0, transformers 5.10.4),
 #        WORK (download/build folder, default ~/.cache/h200-main-ppo)
 # Writes:
-#   CHECKOUT/.stage/h1 .. h3  three parts (h1, h2: 59 MiB, h3 the rest; part + checkout <= 64 MiB) of one byte stream:
+#   CHECKOUT/.stage/s1 .. sN  N equal parts of one byte stream (part + .h200 + the tree that travels <= 63 MiB):
 #       vllm-slim.tar.xz (vLLM 0.26.0, from ../shared/tools/h200-vllm/prepare_stage.sh)
 #     + ray-slim.tar.xz  (ray 2.60.0 without jars, dashboard client, rllib, tests)
 #     + deps.tar.xz      (verl, megatron-core, Megatron-Bridge, TransferQueue, hydra/omegaconf, datasets,
@@ -17,10 +17,10 @@
 #                         model_hosting_container_standards), transformers 5.10.4 + tokenizers 0.22.2 (verl <5.11, Bridge <=5.12.1;
 #                         the image has 5.17), jsonschema (ray), mamba_ssm 2.3.2.post1 built pure-Python,
 #                         and the 20 wheels vLLM 0.26 imports that the image lacks)
-#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), device_install.sh, assets/, and src/ when
+#   CHECKOUT/.h200/        manifest.txt (file names, byte sizes, sha256), parts.txt (N), device_install.sh, assets/, src/ when
 #                          CHECKOUT is another worktree (sync_src.sh: this worktree's verl_mtp_plugin with its recipes,
 #                          the CPU runtime's verl_mtp_cpu, benchmarks/*.py and benchmarks/h200_main_ppo)
-# On the device: calls 1-3 carry .stage/h1, .stage/h2, .stage/h3 (`mkdir -p /tmp/stage && cp .stage/h*/* /tmp/stage/`);
+# On the device: calls 1..N carry .stage/sK and .h200 (`mkdir -p /tmp/stage && cp .stage/sK/* /tmp/stage/`);
 # then every run call carries .h200 and starts with `bash .h200/device_install.sh` (idempotent).
 set -euo pipefail
 CO=$(cd "${1:?usage: stage.sh CHECKOUT [ASSETS_DIR]}" && pwd)
@@ -77,19 +77,25 @@ if [ ! -f "$W/deps.tar.xz" ]; then
   (cd "$W/deps" && tar -cf - site wheels | xz -6 -T0 > "$W/deps.tar.xz")
 fi
 
-# 4. one stream, three parts: h1 and h2 of PART_MIB (59) MiB each (a call carries part + checkout, <= 64 MiB), h3 the
-#    rest, smaller, so that the call carrying h3 also carries .h200 (assets ~6.3 MiB) and can start the runs
-PART_MIB=${PART_MIB:-59}
-rm -rf "$CO/.stage/h1" "$CO/.stage/h2" "$CO/.stage/h3" "$CO/.h200" && mkdir -p "$CO/.stage/h1" "$CO/.stage/h2" "$CO/.stage/h3" "$CO/.h200"
-(cd "$W" && cp "$VW/vllm-slim.tar.xz" . && for f in vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz; do
-   echo "$f $(stat -c %s $f) $(sha256sum $f | cut -d' ' -f1)"; done > "$CO/.h200/manifest.txt"
- cat vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz > bundle.bin && rm -f bundle.part* \
- && split -b "${PART_MIB}M" -a 2 bundle.bin bundle.part && rm bundle.bin vllm-slim.tar.xz)
-[ -f "$W/bundle.partad" ] && { echo "bundle needs more than 3 parts of $PART_MIB MiB"; exit 2; }
-mv "$W/bundle.partaa" "$CO/.stage/h1/"; mv "$W/bundle.partab" "$CO/.stage/h2/"; mv "$W/bundle.partac" "$CO/.stage/h3/"
+# 4. one stream in N equal parts .stage/s1..sN, N from the tree that travels beside each (a call carries one part,
+#    .h200 and the checkout's tracked and untracked-not-ignored files: <= 64 MiB; 1 MiB kept as margin).
+#    .h200/parts.txt holds N; device_install.sh checks all N arrived.
+rm -rf "$CO"/.stage/h[0-9] "$CO"/.stage/s[0-9]* "$CO/.h200" && mkdir -p "$CO/.h200"
 cp "$HERE/device_install.sh" "$CO/.h200/"
 # staging from another worktree: the calls send CO, so carry this one's source
 if [ "$SRC" != "$CO" ]; then bash "$HERE/sync_src.sh" "$CO"; fi
 [ -n "$ASSETS" ] && cp -r "$ASSETS" "$CO/.h200/assets"
-du -sb "$CO"/.stage/h1 "$CO"/.stage/h2 "$CO"/.stage/h3 "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
+(cd "$W" && cp "$VW/vllm-slim.tar.xz" . && for f in vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz; do
+   echo "$f $(stat -c %s $f) $(sha256sum $f | cut -d' ' -f1)"; done > "$CO/.h200/manifest.txt"
+ cat vllm-slim.tar.xz ray-slim.tar.xz deps.tar.xz > bundle.bin && rm -f bundle.part* vllm-slim.tar.xz)
+TREE=$(cd "$CO" && git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null \
+  | awk '{s += $1} END {print s + 0}')
+H200=$(du -sb "$CO/.h200" | cut -f1); TOTAL=$(stat -c %s "$W/bundle.bin")
+ROOM=$(( 63 * 1048576 - TREE - H200 )); [ "$ROOM" -gt 4194304 ] || { echo "tree $TREE B leaves no room for a part"; exit 2; }
+N=$(( (TOTAL + ROOM - 1) / ROOM )); PART=$(( (TOTAL + N - 1) / N ))
+(cd "$W" && split -b "$PART" -a 2 bundle.bin bundle.part && rm bundle.bin)
+k=1; for f in "$W"/bundle.part*; do mkdir -p "$CO/.stage/s$k"; mv "$f" "$CO/.stage/s$k/"; k=$((k + 1)); done
+echo "$N" > "$CO/.h200/parts.txt"
+echo "tree $TREE B + .h200 $H200 B travel with each part: $N parts of $PART B"
+du -sb "$CO"/.stage/s* "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
 cat "$CO/.h200/manifest.txt"
