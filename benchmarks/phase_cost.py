@@ -590,6 +590,14 @@ def memory(args) -> dict:
     spec = C.bench_spec(pattern=args.pattern, vocab_size=args.vocab, hidden_size=args.hidden,
                         ffn_hidden_size=4 * args.hidden, max_sequence_length=args.tokens)
     overrides = configure_transformer_config({}, "online", mtp_loss_scaling_factor=0.3)
+    if args.recompute == "full":  # the recipes' setting (super_mtp_common.yaml): every layer, MTP's too, recomputed
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if not C.CUDA:  # megatron's checkpoint saves the CUDA RNG state (tensor_parallel/random.py:
+            # _get_all_rng_states -> torch.cuda.random.get_rng_state): the host's stands in for it on CPU
+            import megatron.core.tensor_parallel.random as tp_random
+
+            tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+            tp_random._set_cuda_rng_state = lambda *a, **k: None
     model = _te_model(spec, overrides) if stack == "te" else C.build(spec, config_overrides=overrides)
     n_seq, per = args.seqs, args.tokens // args.seqs
     g = torch.Generator().manual_seed(0)
@@ -640,7 +648,8 @@ def memory(args) -> dict:
     for arm in args.arms:
         mine = [r for r in rows if r["arm"] == arm]
         summary[arm] = {k: [r[k] for r in mine] for k in ("saved_for_backward_gib", "peak_above_start_gib")}
-    res = {"stack": stack, "tokens": per * n_seq, "seqs": n_seq, "vocab": spec.vocab_size, "spec": C.spec_dict(spec),
+    res = {"stack": stack, "recompute": args.recompute, "tokens": per * n_seq, "seqs": n_seq, "vocab": spec.vocab_size,
+           "spec": C.spec_dict(spec),
            "params": C.param_counts(model), "env": C.env_info(), "calls": rows, "by_arm": summary,
            "resident_gib": torch.cuda.memory_allocated() / 2**30 if C.CUDA else None}
     print(f"[memory] wrote {C.write_json(f'memory_per_objective_{args.tag}.json', res)}")
@@ -658,6 +667,8 @@ def _memory_arguments(ap):
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--pattern", default="M*E/*E", help="hybrid pattern main/mtp")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recompute", choices=("none", "full"), default="none",
+                    help="full: the recipes' activation recompute (granularity full, uniform, 1 layer; MTP layers too)")
     ap.add_argument("--tag", default="gpu")
 
 

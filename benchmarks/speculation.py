@@ -768,6 +768,7 @@ def cmd_rollout(args) -> int:
     deadline = T0 + args.budget if args.budget else float("inf")
     prompts = rollout_prompts(args.model, args.data, max(args.batches))
     args.max_model_len = max(len(p) for p in prompts) + args.len_max + args.k_max + 8
+    check_model_len(args.model, args.max_model_len, args.len_max)
     batches = {str(n): {"lengths": rollout_lengths(n, args.seed + n, args.len_median, args.len_sigma, args.len_min,
                                                    args.len_max)} for n in args.batches}
     for b in batches.values():
@@ -858,6 +859,17 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget", type=float, default=None, help="seconds: build no engine after this")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None)
+
+
+def check_model_len(model: str, max_model_len: int, len_max: int) -> None:
+    """Refuse, before any engine is built, a rollout longer than the checkpoint's ``max_position_embeddings``
+    (vLLM would refuse it in each engine's config), naming ``--len-max`` and the largest value that fits."""
+    with open(os.path.join(model, "config.json")) as f:
+        limit = json.load(f).get("max_position_embeddings")
+    if limit and max_model_len > limit:
+        raise SystemExit(f"--len-max {len_max}: prompt + response + drafts need {max_model_len} positions, the "
+                         f"checkpoint has {limit} (max_position_embeddings): use --len-max "
+                         f"{len_max - (max_model_len - limit)} or less")
 
 
 def finish_rollout_args(args):

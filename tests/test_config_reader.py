@@ -340,6 +340,34 @@ def test_a_changed_vllm_signature_fails_naming_the_parameters(monkeypatch):
     assert "set_current_vllm_config(config, check_compile=False): the plugin expects parameters (vllm_config)" in str(e.value)
 
 
+def test_a_name_an_earlier_supported_vllm_lacks_passes_through_its_alternative_and_the_code_falls_back(monkeypatch):
+    """vLLM 0.26 (the H200 image's) has no ``get_draft_load_config``; its drafter loads with
+    ``speculative_config.draft_load_config``. The probe passes on that field and the extension reads it; with
+    neither name the start-up check fails naming both."""
+    import types
+
+    import vllm.config
+    import vllm.model_executor.model_loader.utils as loader_utils
+
+    from verl_mtp_plugin.rollout.worker.extension import _drafter_loaded_at_start
+
+    monkeypatch.delattr(loader_utils, "get_draft_load_config")
+    probes.probe_all(("vllm",))
+    spec = types.SimpleNamespace(draft_load_config=types.SimpleNamespace(load_format="dummy"))
+    config = types.SimpleNamespace(speculative_config=spec, load_config=types.SimpleNamespace(load_format="auto"))
+    assert _drafter_loaded_at_start(config) is False
+    spec.draft_load_config = None
+    assert _drafter_loaded_at_start(config) is True
+
+    fields = dict(vllm.config.SpeculativeConfig.__dataclass_fields__)
+    del fields["draft_load_config"]
+    monkeypatch.setattr(vllm.config.SpeculativeConfig, "__dataclass_fields__", fields)
+    with pytest.raises(probes.CompatError) as e:
+        probes.probe_all(("vllm",))
+    assert ("get_draft_load_config is missing in the installed vllm "
+            "(nor vllm.config.SpeculativeConfig.__dataclass_fields__.draft_load_config)") in str(e.value)
+
+
 def test_every_vllm_name_the_rollout_worker_imports_is_a_probed_joint():
     """Each ``from vllm.X import Y`` in the plugin's vLLM worker code has its joint in compat/probes.py."""
     import pathlib

@@ -60,3 +60,15 @@ def test_rollout_args_check_the_schedule_as_start_up_does(spec_bench):
         _args(spec_bench, "--schedule", "[[1, 64, 3], [65, 512, 1]]")
     with pytest.raises(SystemExit, match="--len-min"):
         _args(spec_bench, "--len-median", "2000")
+
+
+def test_a_rollout_longer_than_the_checkpoint_is_refused_before_any_engine_naming_the_option(spec_bench, tmp_path):
+    """The H200 run met it: 1024-token responses on a checkpoint of 1024 positions (vLLM refused in the first
+    engine's config, after the engine's start-up had been paid)."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 1024}')
+    spec_bench.check_model_len(str(tmp_path), 1024, 990)  # fits exactly
+    with pytest.raises(SystemExit, match=r"--len-max 1000: .* need 1040 positions, the checkpoint has 1024 .*"
+                                         r"use --len-max 984 or less"):
+        spec_bench.check_model_len(str(tmp_path), 1040, 1000)
+    (tmp_path / "config.json").write_text("{}")  # no limit in the config: nothing to check
+    spec_bench.check_model_len(str(tmp_path), 10**6, 10**6)

@@ -99,3 +99,9 @@ echo "$N" > "$CO/.h200/parts.txt"
 echo "tree $TREE B + .h200 $H200 B travel with each part: $N parts of $PART B"
 du -sb "$CO"/.stage/s* "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
 cat "$CO/.h200/manifest.txt"
+# 5. the plugin's start-up probes against the staged vLLM (0.26, not the venv's), here: a joint that vLLM lacks
+#    would otherwise stop the first run on the GPU, after the lease's staging, install and pretraining
+PYTHONPATH="$VW/slim:$SRC" VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm
+from verl_mtp_plugin.compat import probes
+probes.probe_all()
+print('start-up probes clean against the staged vllm', vllm.__version__)" 2>&1 | tail -3

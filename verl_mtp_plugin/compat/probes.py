@@ -34,6 +34,8 @@ class Joint:
     path: str  # dotted module path + attribute chain
     params: tuple[str, ...] | None = None  # leading parameter names of a callable (None: not checked)
     why: str = ""
+    #: what earlier releases the plugin supports have instead, which the code falls back to (any one suffices)
+    alternatives: tuple[str, ...] = ()
 
 
 #: Every private joint (the compat list). Keep in sync with the code that uses them (named in ``why``).
@@ -105,7 +107,9 @@ JOINTS = (
     Joint("vllm", "vllm.config.set_current_vllm_config", ("vllm_config",),
           "rollout/worker/drafter_sync.py loads the drafter inside it"),
     Joint("vllm", "vllm.model_executor.model_loader.utils.get_draft_load_config", ("vllm_config",),
-          "rollout/worker/extension.py reads the drafter's start-up load format with it"),
+          "rollout/worker/extension.py reads the drafter's start-up load format with it",
+          # vLLM 0.26 (the H200 image's): no such function; the extension reads the field vLLM's drafter loads with
+          alternatives=("vllm.config.SpeculativeConfig.__dataclass_fields__.draft_load_config",)),
     Joint("vllm", "vllm.distributed.get_tensor_model_parallel_rank", (),
           "rollout/worker/extension.py names the failing worker's rank with it"),
     *(Joint("vllm", f"vllm.{runner}.GPUModelRunner.get_draft_model", ("self",),
@@ -153,13 +157,23 @@ def _resolve(path: str):
     raise AttributeError(parts[0])
 
 
-def probe(lib: str, path: str, params: tuple[str, ...] | None = None, why: str = "") -> None:
-    """Check that ``path`` exists (and, for a callable, starts with ``params``); CompatError otherwise."""
+def probe(lib: str, path: str, params: tuple[str, ...] | None = None, why: str = "",
+          alternatives: tuple[str, ...] = ()) -> None:
+    """Check that ``path`` exists (and, for a callable, starts with ``params``); CompatError otherwise. Where
+    ``path`` is missing, one of ``alternatives`` existing (what an earlier release has instead) passes."""
     because = f" ({why})" if why else ""
     try:
         obj = _resolve(path)
     except AttributeError as e:
-        raise CompatError(f"{path}: {e.args[0]} is missing in the installed {lib}{because}; {installed_versions()}") from None
+        for alt in alternatives:
+            try:
+                _resolve(alt)
+            except AttributeError:
+                continue
+            return
+        instead = f" (nor {' or '.join(alternatives)})" if alternatives else ""
+        raise CompatError(f"{path}: {e.args[0]} is missing in the installed {lib}{instead}{because}; "
+                          f"{installed_versions()}") from None
     if params is None:
         return
     try:
@@ -178,7 +192,7 @@ def probe_all(libs: tuple[str, ...] = ("verl", "megatron", "vllm")) -> None:
         if j.lib not in libs or importlib.util.find_spec(j.lib) is None:
             continue
         try:
-            probe(j.lib, j.path, j.params, j.why)
+            probe(j.lib, j.path, j.params, j.why, j.alternatives)
         except CompatError as e:
             failures.append(str(e))
     if failures:
