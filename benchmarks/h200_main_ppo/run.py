@@ -342,7 +342,30 @@ def digest_check(events: list[dict]) -> dict:
             "drafter_loaded_in_updates": [i + 1 for i, x in enumerate(loads) if x]}
 
 
+def preflight(a) -> int:
+    """Each mode's recipe composed with this run's overrides, through the plugin's start-up check (the one
+    ``main_ppo`` runs first), here, without a trainer or a GPU. ``stage.sh`` runs it against the staged vLLM: a
+    refusal there would otherwise cost a lease its staging, install and pretraining."""
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import compose_recipe, startup_check
+
+    refused = 0
+    for mode in a.modes.split(","):
+        recipe, extra, _ = MODES[mode]
+        ovr = overrides(recipe, pathlib.Path(a.assets).resolve(), pathlib.Path(a.workdir) / mode, a) + extra
+        try:
+            settings = startup_check(compose_recipe(str(RECIPE_DIR), recipe, ovr))
+        except MTPConfigError as e:
+            print(f"=== {mode} ({recipe}): the start-up check refuses it:\n{e}", flush=True)
+            refused += 1
+            continue
+        print(f"=== {mode} ({recipe}): start-up check passed, {len(settings.warnings)} warning(s)", flush=True)
+    return 1 if refused else 0
+
+
 def cmd_run(a) -> int:
+    if a.preflight:
+        return preflight(a)
     os.environ["VERL_H200_STACK"] = a.stack
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -508,6 +531,8 @@ def main(argv=None) -> int:
     r.add_argument("--reward", help="reward file (default: the CPU harness's count-on reward)")
     r.add_argument("--response-len", type=int, help="data.max_response_length (default: assets.json answer_len)")
     r.add_argument("--seed", type=int, default=0, help="data.seed (the data order; same for every mode)")
+    r.add_argument("--preflight", action="store_true",
+                   help="only the plugin's start-up check of each mode with these overrides, here (no GPU), then exit")
     r.add_argument("--import-check", action="store_true",
                    help="run import_check.py first (report in <out>/import_check.json); no run if a module is missing")
     t = sub.add_parser("table", help="markdown per-step tables from summary.json files")

@@ -99,9 +99,12 @@ echo "$N" > "$CO/.h200/parts.txt"
 echo "tree $TREE B + .h200 $H200 B travel with each part: $N parts of $PART B"
 du -sb "$CO"/.stage/s* "$CO"/.h200 | awk '{printf "%s %.1f MiB\n", $2, $1/1048576}'
 cat "$CO/.h200/manifest.txt"
-# 5. the plugin's start-up probes against the staged vLLM (0.26, not the venv's), here: a joint that vLLM lacks
-#    would otherwise stop the first run on the GPU, after the lease's staging, install and pretraining
-PYTHONPATH="$VW/slim:$SRC" VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm
-from verl_mtp_plugin.compat import probes
-probes.probe_all()
-print('start-up probes clean against the staged vllm', vllm.__version__)" 2>&1 | tail -3
+# 5. preflight, here: each mode's start-up check with the Super runs' overrides (a CPU dry-run checkpoint of
+#    super_assets.py's config) against the staged vLLM (0.26), not the venv's: a refusal would otherwise stop the
+#    first run on the GPU after the lease's staging, install and pretraining
+rm -rf "$W/super_dry"
+PYTHONPATH="$SRC:$SRC/cpu_runtime" VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" "$SRC/benchmarks/h200_main_ppo/super_assets.py" \
+  "$W/super_dry" --cpu-dry-run --steps 1 --mtp-steps 1 --train-rows 64 > "$W/super_dry.log" 2>&1 || { tail -20 "$W/super_dry.log"; exit 2; }
+PYTHONPATH="$VW/slim" VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" "$SRC/benchmarks/h200_main_ppo/run.py" run --preflight \
+  --stack te --assets "$W/super_dry" --out "$W/preflight" --modes online,frozen,off --response-len 400 \
+  --reward "$SRC/benchmarks/h200_main_ppo/reward_long.py" 2>&1 | grep -A30 "^==="
