@@ -1,5 +1,6 @@
 """The `verl-mtp` command line: phases, check, keys (demo is in test_demo.py)."""
 
+import os
 import json
 
 import pytest
@@ -205,6 +206,52 @@ def test_check_warns_on_rollout_settings_that_cost_speed_and_strict_refuses(over
     assert main(["check", "--strict", f"{RECIPES}/grpo_online.yaml", *overrides]) == 2
     err = capsys.readouterr().err
     assert "INVALID" in err and expected[0] in err
+
+
+_OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # the recipes recompute every layer, the MTP layer's too; without it the MTP layer's activations stay
+    ([f"{_OTC}.recompute_granularity=null", f"{_OTC}.recompute_method=null", f"{_OTC}.recompute_num_layers=null"],
+     [f"{_OTC}.recompute_granularity=None while the MTP layer trains", "3.22 GiB saved for backward",
+      "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]),
+])
+def test_check_warns_on_training_settings_that_keep_more_memory_and_strict_refuses(overrides, expected, capsys):
+    """Measured on the H200: the MTP loss keeps no [tokens, V] tensor in online mode, and the MTP layer's
+    activations are 3.22 GiB at hidden 1024 x 18,432 tokens without recompute. A config that leaves either path is
+    said at start-up with its keys."""
+    argv = [f"{RECIPES}/grpo_online.yaml", *overrides]
+    assert main(["check", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "1 warning(s)" in out, out[:3000]
+    for text in expected:
+        assert text in out, (text, out[:3000])
+    assert main(["check", "--strict", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID" in err and "settings that cost speed or memory (--strict)" in err
+
+
+def test_joint_modes_whole_logits_are_said_at_start_up_in_bytes_at_this_configs_tokens_vocabulary_and_tp(caplog):
+    """Joint trains the output layer with the MTP loss: megatron's whole logits. The mode's cost, logged at start-up
+    (not a setting to fix: the shipped joint recipe passes --strict)."""
+    from verl_mtp_plugin.policy import MTPMode
+    from verl_mtp_plugin.trainer.config import compose_recipe, whole_logits_note
+
+    cfg = compose_recipe(os.path.abspath(RECIPES), "grpo_online", ["actor_rollout_ref.model.mtp.detach_encoder=false",
+                                                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    w = whole_logits_note(cfg, mode=MTPMode.JOINT, trained_depth=2, vocab_size=131072)
+    # 2 depths x 18432 tokens x 65536 columns x 2 B = 4.5 GiB
+    assert "2 x [18432 tokens (actor_rollout_ref.actor.ppo_max_token_len_per_gpu), 131072/2" in w and "= 4.5 GiB" in w
+    cfg = compose_recipe(os.path.abspath(RECIPES), "grpo_online", ["actor_rollout_ref.actor.use_dynamic_bsz=false",
+                                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                                                  "data.max_prompt_length=1024", "data.max_response_length=3072"])
+    w = whole_logits_note(cfg, mode=MTPMode.JOINT, trained_depth=1, vocab_size=131072)
+    assert "1 x [16384 tokens (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu x" in w and "= 2.0 GiB" in w  # TP 2
+    assert whole_logits_note(cfg, mode=MTPMode.ONLINE, trained_depth=2, vocab_size=131072) is None
+    with caplog.at_level("WARNING", logger="verl_mtp_plugin.trainer.config"):
+        assert main(["check", "--strict", f"{RECIPES}/grpo_joint.yaml"]) == 0
+    assert any("detach_encoder=false (mode joint)" in r.getMessage() for r in caplog.records)
 
 
 def test_k_beyond_the_checkpoint_depth_is_no_warning_when_mtp_is_frozen(capsys):

@@ -52,7 +52,7 @@ def _cmd_demo(args) -> int:
 
 def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: bool = False) -> str:
     """Compose a recipe YAML on top of verl's config, validate it, and describe what it resolves to
-    (settings that run but cost rollout speed first, as warnings).
+    (settings that run but cost rollout speed or training memory first, as warnings).
 
     Raises:
         MTPConfigError: every problem found, each naming its keys (with ``strict``, the warnings too).
@@ -70,7 +70,7 @@ def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: 
     if strict and settings.warnings:
         from verl_mtp_plugin.policy import MTPConfigError
 
-        raise MTPConfigError("rollout settings that cost speed (--strict):\n  - " + "\n  - ".join(settings.warnings))
+        raise MTPConfigError("settings that cost speed or memory (--strict):\n  - " + "\n  - ".join(settings.warnings))
     lines = [f"{path}: OK" + (f", {len(settings.warnings)} warning(s)" if settings.warnings else "")]
     lines += [f"WARNING: {w}" for w in settings.warnings]
     lines += ["", format_table([settings.mode]), ""]

@@ -179,7 +179,9 @@ class ResolvedMTPSettings:
         rollout_metrics: the trainer logs the plugin's rollout speculation metrics and runs the desync
             guard (a plugin trainer mode, :data:`~verl_mtp_plugin.config_keys.TRAINER_MODES`, with
             speculation on).
-        warnings: rollout settings that run but silently cost speed (:func:`rollout_speed_warnings`),
+        warnings: settings that run but silently cost rollout speed (:func:`rollout_speed_warnings`) or training
+            memory (:func:`training_memory_warnings`; joint mode's whole MTP logits are logged, not warned:
+            :func:`whole_logits_note`),
             each naming its keys; logged at start-up, printed by ``verl-mtp check``.
         objective: the MTP block's training objective (``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE``;
             only online and joint train with it).
@@ -521,7 +523,10 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
                                trained_depth=depth, schedule=schedule)
         if spec
         else ()
-    )
+    ) + tuple(training_memory_warnings(config, mode=mode))
+    note = whole_logits_note(config, mode=mode, trained_depth=depth, vocab_size=getattr(hf_config, "vocab_size", None))
+    if note:
+        logger.warning("verl_mtp_plugin: %s", note)
     for w in warnings:
         logger.warning("verl_mtp_plugin: %s", w)
     return ResolvedMTPSettings(
@@ -740,6 +745,65 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
                 "cudagraph_mode=PIECEWISE on vLLM < 0.33"
             )
     return out
+
+
+#: measured on the H200 (benchmarks/RESULTS.md, "Memory per MTP objective"): megatron's TE hybrid spec ``M*E/*E``,
+#: hidden 1024, 18,432 packed tokens, bf16, no recompute: what the MTP depth saves for backward over MTP skipped
+_MTP_ACTIVATIONS_MEASURED = "3.22 GiB saved for backward (183 KiB per token) at hidden 1024 and 18,432 tokens, H200"
+
+
+def _tokens_per_gpu(config: Any) -> tuple[int | None, str]:
+    """Tokens of one training micro-batch per GPU as verl forms it, and the keys that set it."""
+    if as_bool(get_key(config, f"{_ACTOR}.use_dynamic_bsz", False)):
+        n = get_key(config, f"{_ACTOR}.ppo_max_token_len_per_gpu", None)
+        return (int(n) if n else None), f"{_ACTOR}.ppo_max_token_len_per_gpu"
+    micro = get_key(config, f"{_ACTOR}.ppo_micro_batch_size_per_gpu", None)
+    plen, rlen = get_key(config, "data.max_prompt_length", None), get_key(config, "data.max_response_length", None)
+    if not (micro and plen and rlen):
+        return None, ""
+    return int(micro) * (int(plen) + int(rlen)), (f"{_ACTOR}.ppo_micro_batch_size_per_gpu x (data.max_prompt_length "
+                                                  "+ data.max_response_length)")
+
+
+def whole_logits_note(config: Any, *, mode: MTPMode | None, trained_depth: int | None,
+                      vocab_size: int | None) -> str | None:
+    """Joint mode trains the output layer with the MTP loss, so each MTP depth's logits are computed whole, as
+    megatron does (the plugin reads them in chunks only while that weight is frozen for the MTP loss): one
+    ``[tokens, V/tp]`` tensor per depth kept for backward, in bytes at this config's tokens, vocabulary and TP.
+    Logged at start-up (the mode's cost, not a setting to fix: ``--strict`` does not refuse it). None otherwise."""
+    if mode is not MTPMode.JOINT:
+        return None
+    tokens, tokens_key = _tokens_per_gpu(config)
+    tp = int(get_key(config, f"{_MEG}.tensor_model_parallel_size", 1) or 1)
+    depth = trained_depth or 1
+    size = ""
+    if tokens and vocab_size:
+        gib = depth * tokens * -(-int(vocab_size) // tp) * 2 / 2**30
+        size = (f": {depth} x [{tokens} tokens ({tokens_key}), {vocab_size}/{tp} (vocabulary / "
+                f"{_MEG}.tensor_model_parallel_size)] in bf16 = {gib:.1f} GiB, before megatron's fp32 loss state")
+    return (f"{_MTP}.detach_encoder=false (mode joint) trains the output layer with the MTP loss, so every MTP "
+            f"depth's logits are computed whole and kept for backward, as megatron does{size}; modes online and "
+            "frozen read them in chunks (measured on the H200: every objective within 0.07 GiB of the others, none "
+            "keeping a [tokens, V] tensor)")
+
+
+def training_memory_warnings(config: Any, *, mode: MTPMode | None) -> list[str]:
+    """Training settings that keep more for backward than the recipes: online / joint without activation recompute
+    (``recompute_granularity`` not ``full``) keeps the MTP depth's own layer activations, measured on the H200
+    (:data:`_MTP_ACTIVATIONS_MEASURED`); the recipes recompute them."""
+    if mode not in (MTPMode.ONLINE, MTPMode.JOINT):
+        return []
+    _, tokens_key = _tokens_per_gpu(config)
+    granularity = get_key(config, f"{_MEG}.override_transformer_config.recompute_granularity", None)
+    if str(granularity or "").lower() == "full":
+        return []
+    return [
+        f"{_MEG}.override_transformer_config.recompute_granularity={granularity} while the MTP layer trains: its "
+        f"activations are kept for backward (measured: {_MTP_ACTIVATIONS_MEASURED}; growing with the hidden size "
+        f"and {tokens_key or 'the tokens per GPU'}); the recipes set recompute_granularity: full, "
+        "recompute_method: uniform, recompute_num_layers: 1, which recomputes the MTP layer too (-89 % of what "
+        "MTP keeps, measured on CPU)"
+    ]
 
 
 def _env_errors(env: Mapping[str, Any], *, speculation: bool, selected: bool) -> list[str]:
