@@ -261,18 +261,24 @@ def run_env() -> dict:
     return env
 
 
+def mode_overrides(mode: str, a, workdir: pathlib.Path) -> tuple[str, int, list[str]]:
+    """One mode's recipe, steps and Hydra overrides: what :func:`run_mode` launches and :func:`preflight` checks."""
+    recipe, extra, _ = MODES[mode]
+    steps = a.break_steps if mode == "break" else a.steps + 1 if mode == "online-break" else a.steps
+    ns = argparse.Namespace(**{**vars(a), "steps": steps})
+    return recipe, steps, [*overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
+
+
 def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
     """One ``main_ppo`` run of ``mode`` through the CPU harness's run loop (:func:`verl_mtp_cpu.harness.run_trainer`):
     its own process group, the wall-clock and silence limits, stopped ``GRACE_S`` after a fatal log line."""
-    recipe, extra, brk = MODES[mode]
     workdir = pathlib.Path(a.workdir) / mode
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    steps = a.break_steps if mode == "break" else a.steps + 1 if mode == "online-break" else a.steps
-    brk = brk.format(last=steps)  # weight update N precedes step N's rollout (update 1 at start-up)
-    ns = argparse.Namespace(**{**vars(a), "steps": steps})
+    recipe, steps, ovr = mode_overrides(mode, a, workdir)
+    brk = MODES[mode][2].format(last=steps)  # weight update N precedes step N's rollout (update 1 at start-up)
     cmd = [sys.executable, "-m", "verl_mtp_plugin.main_ppo", "--config-path", str(RECIPE_DIR), "--config-name", recipe,
-           *overrides(recipe, pathlib.Path(a.assets).resolve(), workdir, ns), *extra]
+           *ovr]
     log_path = out / f"{mode}.log"
     print(f"=== {mode}: {recipe}, {steps} steps, limit {timeout_s:.0f} s", flush=True)
 
@@ -351,8 +357,7 @@ def preflight(a) -> int:
 
     refused = 0
     for mode in a.modes.split(","):
-        recipe, extra, _ = MODES[mode]
-        ovr = overrides(recipe, pathlib.Path(a.assets).resolve(), pathlib.Path(a.workdir) / mode, a) + extra
+        recipe, _, ovr = mode_overrides(mode, a, pathlib.Path(a.workdir) / mode)
         try:
             settings = startup_check(compose_recipe(str(RECIPE_DIR), recipe, ovr))
         except MTPConfigError as e:

@@ -157,6 +157,14 @@ def _resolve(path: str):
     raise AttributeError(parts[0])
 
 
+def _exists(path: str) -> bool:
+    try:
+        _resolve(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def probe(lib: str, path: str, params: tuple[str, ...] | None = None, why: str = "",
           alternatives: tuple[str, ...] = ()) -> None:
     """Check that ``path`` exists (and, for a callable, starts with ``params``); CompatError otherwise. Where
@@ -165,11 +173,7 @@ def probe(lib: str, path: str, params: tuple[str, ...] | None = None, why: str =
     try:
         obj = _resolve(path)
     except AttributeError as e:
-        for alt in alternatives:
-            try:
-                _resolve(alt)
-            except AttributeError:
-                continue
+        if any(_exists(alt) for alt in alternatives):
             return
         instead = f" (nor {' or '.join(alternatives)})" if alternatives else ""
         raise CompatError(f"{path}: {e.args[0]} is missing in the installed {lib}{instead}{because}; "
