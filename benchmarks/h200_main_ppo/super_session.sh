@@ -2,21 +2,50 @@
 # One lease of the H200 for the Super-widths runs (README "Super widths"): after the staging calls, this starts the
 # whole pipeline in the background and returns; later calls poll it with `super_session.sh poll`.
 #   bash benchmarks/h200_main_ppo/super_session.sh start "MODES" [extra run.py args]   (installs, then setsid)
+#   bash benchmarks/h200_main_ppo/super_session.sh bench [SECONDS_LEFT]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
+# `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
+# then speculation.py rollout (every arm's engine in one process, interleaved) with what the lease has left
+# (SECONDS_LEFT from the start call, default 1500, less 200 s), then phase_cost.py memory with recompute if 150 s remain.
 set -u
 S=/tmp/sess
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
-case "${1:-}" in
-start)
+install() {
   mkdir -p $S
   if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then cat .h200-cache/cache.tgz.part* | tar xzf - -C /; echo "caches restored"; fi
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   bash /tmp/te/te_on_h200.sh > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   tail -3 $S/install.log; tail -3 $S/te.log
+}
+case "${1:-}" in
+bench)
+  END=$(( $(date +%s) + ${2:-1500} ))
+  install
+  cat > $S/pipeline.sh <<PIPE
+set -x
+cd $PWD
+export PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site VLLM_USE_V2_MODEL_RUNNER=1
+date -u +%FT%TZ > $S/t_start
+[ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super --mtp-steps 0 \
+  ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
+date -u +%FT%TZ > $S/t_assets
+python3 benchmarks/speculation.py rollout --model /tmp/super/model --len-max 1000 --batches 64,256,1024 \
+  --rounds 5 --budget \$(( $END - \$(date +%s) - 200 )) --out $S/roll --tag h200_super_mtp0 ${ROLLOUT_ARGS:-} \
+  > $S/rollout.log 2>&1
+date -u +%FT%TZ > $S/t_rollout
+[ \$(( $END - \$(date +%s) )) -gt 150 ] && OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te \
+  --recompute full --tag h200_te_recompute > $S/memory.log 2>&1
+date -u +%FT%TZ > $S/t_end
+PIPE
+  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
+  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  ;;
+start)
+  install
   MODES=${2:-online}; shift 2 || shift $#
   cat > $S/pipeline.sh <<PIPE
 set -x
@@ -36,7 +65,7 @@ poll)
   # sync events of every mode so far, so a lease that ends mid-run still brings back every finished step
   mkdir -p $S/pack && for d in /tmp/h200_main_ppo/*/; do m=$(basename $d)
     for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack roll mem 2>/dev/null) \
     -C /tmp/super assets.json 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log 2>/dev/null
@@ -46,5 +75,5 @@ cache)
   tar czf /tmp/cache.tgz -C / root/.triton/cache root/.cache/vllm 2>/dev/null; ls -la /tmp/cache.tgz
   mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
   ;;
-*) echo "usage: super_session.sh start|poll|cache"; exit 2 ;;
+*) echo "usage: super_session.sh start|bench|poll|cache"; exit 2 ;;
 esac
