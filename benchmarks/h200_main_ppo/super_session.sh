@@ -8,8 +8,9 @@
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
 # `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
-# then speculation.py rollout (every arm's engine in one process, interleaved) with what the lease has left
-# (SECONDS_LEFT from the start call, default 1500, less 200 s), then phase_cost.py memory with recompute if 150 s remain.
+# then speculation.py rollout (every arm's engine in one process, interleaved; ROLLOUT_ARGS added last, e.g.
+# "--arms 0,2,schedule") with what the lease has left (SECONDS_LEFT from the start call, default 1500, less 200 s),
+# then phase_cost.py memory with recompute if 150 s remain.
 set -u
 S=/tmp/sess
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
@@ -33,7 +34,8 @@ date -u +%FT%TZ > $S/t_start
 [ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super --mtp-steps 0 \
   ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
 date -u +%FT%TZ > $S/t_assets
-python3 benchmarks/speculation.py rollout --model /tmp/super/model --len-max 1000 --batches 64,256,1024 \
+python3 benchmarks/speculation.py rollout --model /tmp/super/model --batches 64,256,1024 --len-median 160 \
+  --len-sigma 0.6 --len-max 640 \
   --rounds 5 --budget \$(( $END - \$(date +%s) - 200 )) --out $S/roll --tag h200_super_mtp0 ${ROLLOUT_ARGS:-} \
   > $S/rollout.log 2>&1
 date -u +%FT%TZ > $S/t_rollout
