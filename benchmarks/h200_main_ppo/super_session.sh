@@ -10,7 +10,8 @@
 # `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
 # then speculation.py rollout (every arm's engine in one process, interleaved; ROLLOUT_ARGS added last, e.g.
 # "--arms 0,2,schedule") with what the lease has left (SECONDS_LEFT from the start call, default 1500, less 200 s),
-# then phase_cost.py memory with recompute if 150 s remain.
+# then phase_cost.py memory with recompute if 150 s remain. `start` with LEASE_LEFT=<seconds the lease has left> runs
+# that memory measurement after the modes too, if 150 s remain.
 set -u
 S=/tmp/sess
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
@@ -47,6 +48,7 @@ PIPE
   echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
   ;;
 start)
+  END=$(( ${LEASE_LEFT:-0} > 0 ? $(date +%s) + ${LEASE_LEFT:-0} : 0 ))
   install
   MODES=${2:-online}; shift 2 || shift $#
   cat > $S/pipeline.sh <<PIPE
@@ -57,6 +59,10 @@ date -u +%FT%TZ > $S/t_start
 date -u +%FT%TZ > $S/t_assets
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
   --reward benchmarks/h200_main_ppo/reward_long.py $* > $S/driver.log 2>&1
+date -u +%FT%TZ > $S/t_run
+[ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 150 ] && PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site \
+  OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te --recompute full --tag h200_te_recompute \
+  > $S/memory.log 2>&1
 date -u +%FT%TZ > $S/t_end
 PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
