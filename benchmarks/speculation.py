@@ -1,7 +1,8 @@
 """Speculation: what one speculative decode step costs, and what speculation buys a whole rollout.
 
 ``step-cost``: c_k, the time of one decode step with k MTP drafts over a plain decode step, at the Nemotron 3
-Nano 30B-A3B shape and a slice of Super's layer shapes (dummy weights, routers redrawn to spread tokens as trained
+Lightning 30B-A3B shape (shape name ``nano30b``: Nano 30B-A3B's layers, which carry no MTP block, with Lightning's
+``*E``) and a slice of Super's layer shapes (dummy weights, routers redrawn to spread tokens as trained
 routers do, step time from a short and a long call, engines visited in mirrored rounds). Output
 ``<out>/step_cost_<tag>.json`` and a table. Speed-up = tokens per verify step / c_k.
 

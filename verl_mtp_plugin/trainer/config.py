@@ -661,7 +661,7 @@ def _schedule_errors(config: Any, user_spec: Mapping[str, Any], vllm_kwargs: Map
 #: vLLM's default ceiling of CUDA-graph capture sizes on Hopper (H100/H200; 1024 on Blackwell), in tokens
 #: (``VllmConfig`` in vllm/config/vllm.py: ``min(max_num_seqs * (k + 1) * 2, 512)``).
 DEFAULT_CAPTURE_CEILING = 512
-#: What it costs (H200, vLLM 0.26 on the V2 runner, Nemotron 3 Nano/Lightning 30B-A3B shape, 256 sequences,
+#: What it costs (H200, vLLM 0.26 on the V2 runner, Nemotron 3 Lightning 30B-A3B shape, 256 sequences,
 #: k=2): one decode step beyond the captured sizes vs the same step captured.
 _EAGER_STEP = "61.6 ms vs 29.6 ms per decode step (256 sequences, k=2, 30B-A3B shape, H200)"
 

@@ -36,7 +36,7 @@ rows ``c_k`` is interpolated **linearly in the batch size**; below the first row
 holds (no extrapolation in batch). In ``k`` the table is interpolated linearly from ``c_0 = 1`` (a fractional ``k``
 is the step's mean drafts with ``k`` chosen by batch size) and extended past its last ``k`` by its last step
 ``c_K - c_{K-1}``. The default table (:data:`DEFAULT_VERIFY_COST`, one per drafting method) is **measured**: one
-NVIDIA H200, vLLM 0.26 on the V2 model runner with CUDA graphs, the Nemotron 3 Nano / Lightning 30B-A3B shape
+NVIDIA H200, vLLM 0.26 on the V2 model runner with CUDA graphs, the Nemotron 3 Lightning 30B-A3B shape
 (``benchmarks/RESULTS.md``, "Step cost by size", table "c_k for k = 1, 2, 3 x greedy / probabilistic x 64 / 256
 sequences", made by ``benchmarks/speculation.py step-cost --shapes nano30b --ks 0,1,2,3 --batches 64,256
 --rounds 2``):
@@ -181,7 +181,7 @@ ACTIONS = ("warn", "fail", "off")
 #: docstring); what ``draft_cost`` meant by default before the measured table. Not the guard's default any more.
 DEFAULT_DRAFT_COST = 0.064
 #: Measured verify-step cost ``c_k`` (decode step with ``k`` MTP drafts / plain decode step) by drafting method, as
-#: rows ``(sequences, (c_1, c_2, c_3))``: one H200, vLLM 0.26 V2 model runner, CUDA graphs, Nemotron 3 Nano /
+#: rows ``(sequences, (c_1, c_2, c_3))``: one H200, vLLM 0.26 V2 model runner, CUDA graphs, Nemotron 3
 #: Lightning 30B-A3B shape (``benchmarks/RESULTS.md``, "Step cost by size", the mirrored-rounds c_k table).
 DEFAULT_VERIFY_COST: dict[str, tuple[tuple[int, tuple[float, ...]], ...]] = {
     "greedy": ((64, (1.184, 1.325, 1.457)), (256, (1.284, 1.639, 2.543))),
