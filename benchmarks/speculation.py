@@ -800,6 +800,11 @@ def cmd_rollout(args) -> int:
     if args.device == "cuda":
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+        # as verl runs vLLM: with its compile cache on, vLLM points TRITON_CACHE_DIR into the cache directory of the
+        # engine's config hash (vllm/compilation/compiler_interface.py), so every arm (another k, another hash)
+        # autotuned the Mamba2 SSD kernels again: "Initial profiling/warmup run took 70.94 s" in each engine of the
+        # third lease. Off, every engine reads Triton's one cache, autotuning results included.
+        os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     else:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -826,6 +831,7 @@ def cmd_rollout(args) -> int:
               "environment": {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
                               "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
                               "VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+                              "VLLM_DISABLE_COMPILE_CACHE": os.environ.get("VLLM_DISABLE_COMPILE_CACHE"),
                               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
 
     def write():
