@@ -491,10 +491,6 @@ def add_step_cost_args(ap: argparse.ArgumentParser) -> None:
 
 def finish_step_cost_args(args):
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.sleep is None:
-        args.sleep = args.device == "cuda"
-    elif args.sleep and args.device != "cuda":
-        raise SystemExit("--sleep: vLLM's sleep mode needs CUDA; on CPU every arm's engine stays awake")
     args.tag = args.tag or ("h200" if args.device == "cuda" else "cpu")
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.ks = [int(x) for x in args.ks.split(",") if x != ""]
@@ -512,6 +508,9 @@ def cmd_step_cost(args) -> int:
         # vLLM's Mamba2 SSD warm-up autotunes its Triton kernels in every engine-core process (78-100 s per
         # engine measured) unless the autotuning results are cached with the kernels
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+        # ... and with vLLM's compile cache on, TRITON_CACHE_DIR moves into each engine config's hash directory,
+        # where the next engine (another k) finds none of it: off, as verl runs vLLM (see cmd_rollout)
+        os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     else:
@@ -816,7 +815,7 @@ def cmd_rollout(args) -> int:
 
         install_engine_workarounds()
 
-    deadline = T0 + args.budget if args.budget else float("inf")
+    deadline = T0 + args.budget if args.budget is not None else float("inf")
     prompts = rollout_prompts(args.model, args.data, max(args.batches))
     args.max_model_len = max(len(p) for p in prompts) + args.len_max + args.k_max + 8
     check_model_len(args.model, args.max_model_len, args.len_max)
@@ -866,9 +865,9 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
     ``write()`` after each build and visit, so a cut run keeps what finished."""
     from verl_mtp_plugin.spec_schedule import schedule_depths
 
-    def calls(llm, tally, depths, visit: dict, place: int) -> None:
-        for rep in range(args.reps):
-            shift = (rep + place) % len(args.batches)
+    def calls(llm, tally, depths, visit: dict) -> None:
+        for rep in range(args.reps):  # the batch sizes' order rotates by round: every arm the same in a round
+            shift = (rep + visit["round"]) % len(args.batches)
             for n in args.batches[shift:] + args.batches[:shift]:
                 c = rollout_call(llm, tally, prompts[:n], batches[str(n)]["lengths"], args, depths)
                 visit["calls"].setdefault(str(n), []).append({**c, "rep": rep})
@@ -882,7 +881,7 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
     try:
         for arm in args.arms:
             key = rollout_arm_key(arm)
-            if build_s and time.time() + 1.1 * max(build_s) > deadline:
+            if time.time() + 1.1 * max(build_s, default=0.0) > deadline:
                 log(f"budget: {key}'s engine not built")
                 result["skipped"].append(f"build:{key}")
                 continue
@@ -924,7 +923,7 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
         for rnd, place, key, _ in plan_visits([(k, None) for k in engines], args.rounds):
             if key not in engines:  # failed in an earlier visit
                 continue
-            if visit_s and time.time() + 1.1 * max(visit_s) > deadline:
+            if time.time() + 1.1 * max(visit_s, default=0.0) > deadline:
                 log(f"budget: stopping before round {rnd}, visit {place} ({key})")
                 result["skipped"].append(f"r{rnd}:{key}")
                 break
@@ -938,7 +937,7 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
                     visit["gpu_used_gib_awake"] = gpu_used_gib()
                     n0 = min(args.batches)
                     rollout_call(llm, tally, prompts[:n0], [4] * n0, args, depths)
-                calls(llm, tally, depths, visit, place)
+                calls(llm, tally, depths, visit)
                 if args.sleep:
                     t1 = time.time()
                     llm.sleep(level=1)
@@ -990,7 +989,9 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
                     "says so); 0: vLLM sizes it from --gpu-memory-utilization")
     ap.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=None,
                     help="CUDA (default on): the engines not being visited sleep (vLLM sleep mode, level 1), so every "
-                    "arm's engine stays built; --no-sleep keeps them all awake (size --kv-cache-gib so they fit)")
+                    "arm's engine stays built; --no-sleep keeps them all awake (size --kv-cache-gib so that they fit "
+                    "side by side, and lower --gpu-memory-utilization: vLLM checks that much free memory at each "
+                    "engine's start)")
     ap.add_argument("--runner", default="v2", choices=("v1", "v2"), help="vLLM model runner (CUDA; CPU is V1)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds from the start: no engine build and no visit that the longest so far says would end "

@@ -374,13 +374,16 @@ _TP2_SCRIPT = textwrap.dedent(
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
         from verl_mtp_plugin import objective as obj
 
+        #     Joint mode too (the output weight trains, its gradient computed chunk by chunk by the loss): every
+        #     gradient, the trunk's and the output weight's shard included, equals megatron's whole logits'
         weights = model.state_dict()
-        for objective in ("hard_ce", "soft_ce", "tv"):
+        for objective, detach in (("hard_ce", True), ("soft_ce", True), ("tv", True), ("hard_ce", False),
+                                  ("tv", False)):
             values, mtp_grads = {}, {}
             for sp, chunked in ((False, True), (True, True), (False, False), (True, False)):
                 obj.CHUNKED_MTP_HEAD = chunked
                 reset_mtp_globals()
-                m_sp = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=True,
+                m_sp = build_tiny_hybrid(pattern="*-/*-", mtp_detach_heads=detach,
                                          config_overrides=dict(tensor_model_parallel_size=2, sequence_parallel=sp))
                 m_sp.load_state_dict(weights)
                 reset_objective_metrics()
@@ -396,9 +399,12 @@ _TP2_SCRIPT = textwrap.dedent(
                 if objective != "hard_ce":
                     values[sp, chunked].append(collect_objective_metrics(objective)[f"mtp_objective/mtp_1_{objective}"])
                 mtp_grads[sp, chunked] = {n: p.grad for n, p in m_sp.named_parameters()
-                                          if n.startswith("mtp.") and p.grad is not None}
+                                          if (n.startswith("mtp.") or not detach) and p.grad is not None}
             ref = (False, False)
             assert mtp_grads[ref] and values[ref][0] > 0
+            assert ("output_layer.weight" in mtp_grads[ref]) == (not detach), objective  # joint: the weight trains
+            if not detach:
+                assert float(mtp_grads[ref]["output_layer.weight"].abs().sum()) > 0
             for key in values:
                 assert all(abs(a - b) < 1e-5 for a, b in zip(values[key], values[ref])), (objective, key, values)
                 assert mtp_grads[key].keys() == mtp_grads[ref].keys(), (objective, key)
@@ -631,12 +637,14 @@ def test_the_target_is_read_in_chunks_equal_to_the_whole_and_no_logits_copy_is_k
 
 
 @pytest.mark.usefixtures("megatron_env")
+@pytest.mark.parametrize("mode", ["online", "joint"])
 @pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv", "chained_tv"])
-def test_the_mtp_logits_are_read_in_chunks_equal_to_megatrons_whole_and_not_kept(batch, objective, monkeypatch):
+def test_the_mtp_logits_are_read_in_chunks_equal_to_megatrons_whole_and_not_kept(batch, objective, mode, monkeypatch):
     """Each MTP depth's loss reads its logits chunk by chunk from the depth's hidden states (``_MTPHead``, handed to
     megatron's ``process_mtp_loss``), megatron's own ``hard_ce`` included: every gradient, megatron's tracked loss and
     top-1 accuracy, and the objective's logged values equal those of megatron's whole logits (the switch off), and
-    backward keeps one ``[tokens, vocab]`` tensor less per depth."""
+    backward keeps one ``[tokens, vocab]`` tensor less per depth. Joint mode too, where the output weight trains:
+    its gradient (computed chunk by chunk by the loss) and the trunk's equal megatron's."""
     from megatron.core.models.hybrid import hybrid_model
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -644,7 +652,7 @@ def test_the_mtp_logits_are_read_in_chunks_equal_to_megatrons_whole_and_not_kept
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     torch.manual_seed(0)
-    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True, mtp_detach_heads=True)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E", mtp_use_repeated_layer=True, mtp_detach_heads=mode == "online")
     original = hybrid_model.process_mtp_loss
 
     def run():
@@ -657,6 +665,8 @@ def test_the_mtp_logits_are_read_in_chunks_equal_to_megatrons_whole_and_not_kept
     monkeypatch.setattr(obj, "CHUNKED_MTP_HEAD", False)  # megatron's output layer computes each depth's logits whole
     whole_saved, whole_grads, whole_values, whole_tracked = run()
     assert set(grads) == set(whole_grads) and any(n.startswith("mtp.") for n in grads)
+    trained = float(grads["output_layer.weight"].abs().sum()) if "output_layer.weight" in grads else 0.0
+    assert (trained > 0) == (mode == "joint")  # the output weight trains in joint mode only
     for n, g in grads.items():
         torch.testing.assert_close(g, whole_grads[n], rtol=1e-5, atol=1e-7, msg=n)
     assert values.keys() == whole_values.keys() and (values or objective == "hard_ce")
@@ -704,11 +714,13 @@ def test_joint_objective_reaches_the_trunk_and_output_layer(batch, objective):
 
 @pytest.mark.usefixtures("megatron_env")
 def test_whole_mtp_logits_are_announced_once_with_their_size(batch, monkeypatch, caplog):
-    """Where the MTP logits must be whole (joint: the output weight trains), the first forward says so with the size
-    kept per depth, once per process; online says nothing."""
+    """Where the MTP logits must be whole (here: joint mode with an output layer whose weight gradient megatron
+    delivers otherwise), the first forward says so with the size kept per depth, once per process; online and plain
+    joint say nothing."""
     import logging
 
     from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.compat import megatron_mtp_head
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     monkeypatch.setattr(obj, "_WARNED", set())
@@ -717,11 +729,13 @@ def test_whole_mtp_logits_are_announced_once_with_their_size(batch, monkeypatch,
     joint = build_tiny_hybrid(mtp_detach_heads=False)
     with caplog.at_level(logging.WARNING, logger="verl_mtp_plugin.objective"):
         _mtp_only_grads(online, batch, "hard_ce")
+        _mtp_only_grads(joint, batch, "hard_ce")
         assert [r for r in caplog.records if "logits whole" in r.getMessage()] == []
+        monkeypatch.setattr(megatron_mtp_head, "weight_grad_unsupported", lambda layer, weight: "a test's reason")
         for _ in range(2):
             _mtp_only_grads(joint, batch, "hard_ce")
     said = [r.getMessage() for r in caplog.records if "logits whole" in r.getMessage()]
-    assert len(said) == 1 and "the output weight trains (joint mode)" in said[0], said
+    assert len(said) == 1 and "the output weight trains (joint mode) and a test's reason" in said[0], said
     size = batch["input_ids"].numel() * joint.output_layer.weight.shape[0] * 4  # one fp32 [tokens, V]
     assert f"({size} bytes)" in said[0], said
 
@@ -749,3 +763,59 @@ def test_megatron_tracker_keeps_the_hard_cross_entropy_and_the_scope_leaves_no_t
             pass
     assert "compute_language_model_loss" not in model.__dict__
     assert MTPObjective.parse("TV") is MTPObjective.TV
+
+
+@pytest.mark.parametrize("objective", ["hard_ce", "soft_ce", "tv"])
+def test_joint_weight_gradient_goes_where_megatrons_output_layer_puts_its_own(objective):
+    """Joint mode: the chunked loss computes the output weight's gradient itself. With megatron's gradient-
+    accumulation fusion the layer adds its own into ``weight.main_grad`` and sets ``grad_added_to_main_grad``, after
+    which megatron DDP's hook ignores ``param.grad``: so the loss adds there too (and sets the flag), returning no
+    ``param.grad``; without the fusion it returns the gradient through autograd. Both equal autograd's through the
+    whole logits (several chunks: a small chunk size)."""
+    from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.acceptance import estimate as est
+    from verl_mtp_plugin.compat.megatron_mtp_head import weight_grad_buffer, weight_grad_unsupported
+
+    torch.manual_seed(0)
+    s, b, h, v = 5, 2, 8, 32
+    hidden = torch.randn(s, b, h, dtype=torch.float32, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(v, h, dtype=torch.float32) / 3)
+    labels = torch.randint(0, v, (b, s))
+    target = torch.randn(s, b, v, dtype=torch.float32)
+
+    def loss(q):
+        if objective == "hard_ce":
+            return (obj.hard_ce_per_token(q, labels) * torch.rand(b, s, generator=torch.Generator().manual_seed(1),
+                                                                  dtype=torch.float32)).sum()
+        return obj.objective_per_token(objective, q, target, 1.0).sum()
+
+    # the reference: whole logits through autograd
+    z = torch.nn.functional.linear(hidden, weight)
+    ref = loss(z) if objective != "hard_ce" else (torch.nn.functional.cross_entropy(
+        z.transpose(0, 1).reshape(-1, v), labels.reshape(-1), reduction="none").reshape(b, s) * torch.rand(
+        b, s, generator=torch.Generator().manual_seed(1), dtype=torch.float32)).sum()
+    ref_h, ref_w = torch.autograd.grad(ref, (hidden, weight))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(est, "CHUNK_BYTES", 3 * v * 4)  # 3 rows per chunk: several chunks
+        layer = type("Layer", (), {"gradient_accumulation_fusion": False, "config": None})()
+        assert weight_grad_unsupported(layer, weight) is None and weight_grad_buffer(layer, weight) is None
+        value = loss(obj.HeadLogits(hidden, weight))
+        value.backward()
+        torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weight.grad, ref_w, rtol=1e-5, atol=1e-6)
+
+        hidden.grad, weight.grad = None, None  # megatron's fused path: into main_grad, the flag set, no param.grad
+        layer.gradient_accumulation_fusion = True
+        assert weight_grad_unsupported(layer, weight) is not None  # no buffer yet: the logits would stay whole
+        weight.main_grad = torch.full_like(weight, 0.5)  # what earlier micro-batches accumulated
+        weight.grad_added_to_main_grad = False
+        assert weight_grad_unsupported(layer, weight) is None and weight_grad_buffer(layer, weight) is weight.main_grad
+        loss(obj.HeadLogits(hidden, weight, main_grad=weight_grad_buffer(layer, weight))).backward()
+        assert weight.grad is None and weight.grad_added_to_main_grad is True
+        torch.testing.assert_close(weight.main_grad, ref_w + 0.5, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-5, atol=1e-6)
+
+    layer.config = type("Config", (), {"defer_embedding_wgrad_compute": True})()
+    assert "defer_embedding_wgrad_compute" in weight_grad_unsupported(layer, weight)

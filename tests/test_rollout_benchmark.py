@@ -157,7 +157,7 @@ def _fake_engines(spec_bench, monkeypatch, fail=None):
 def _measure(spec_bench, deadline=float("inf"), *argv):
     args = _args(spec_bench, "--arms", "0,2,schedule", "--batches", "4,16", "--rounds", "3", *argv)
     args.sleep = True
-    batches = {"4": {"lengths": [30, 2, 3, 5]}, "16": {"lengths": [40] * 16}}
+    batches = {str(n): {"lengths": [40] * n} for n in args.batches}
     result = {"arms": {}, "skipped": []}
     spec_bench.measure_arms(args, [[1, 2]] * 16, batches, result, lambda: spec_bench.summarize_rollout(result),
                             deadline)
@@ -208,8 +208,25 @@ def test_a_failed_build_or_visit_keeps_the_other_arms_and_the_budget_stops_befor
     assert [e[1] for e in log if e[0] == "wake"].count("k0") == 3
     assert [e[1] for e in log if e[0] == "shutdown"].count("k2") == 1
 
-    log = _fake_engines(spec_bench, monkeypatch)  # a deadline already passed: one build and one visit, no more
+    log = _fake_engines(spec_bench, monkeypatch)  # a deadline already passed (a negative --budget): nothing runs
     result = _measure(spec_bench, time.time() - 1)
-    assert [e[1] for e in log if e[0] == "build"] == ["k0"]
-    assert result["skipped"] == ["build:k2", "build:schedule", "r1:k0"]
-    assert len(result["arms"]["k0"]["visits"]) == 1
+    assert [e for e in log if e[0] in ("build", "wake")] == []
+    assert result["skipped"] == ["build:k0", "build:k2", "build:schedule"]
+
+
+def test_the_batch_order_rotates_by_round_the_same_for_every_arm(spec_bench, monkeypatch):
+    """No arm always meets the batch sizes in one order while another meets them in another."""
+    log = _fake_engines(spec_bench, monkeypatch)
+    _measure(spec_bench, float("inf"), "--batches", "4,8,16")
+    timed = {}
+    for e in log:
+        if e[0] == "call" and e[3] == 40:  # a timed call (the warm-up's and wake-up's are shorter)
+            timed.setdefault(e[1], []).append(e[2])
+    assert timed["k0"] == timed["k2"] == timed["schedule"] == [4, 8, 16, 8, 16, 4, 16, 4, 8]
+
+
+def test_step_cost_arguments_parse(spec_bench):
+    ap = argparse.ArgumentParser()
+    spec_bench.add_step_cost_args(ap)
+    a = spec_bench.finish_step_cost_args(ap.parse_args(["--ks", "0,2", "--batches", "64"]))
+    assert a.ks == [0, 2] and a.batches == [64] and a.max_model_len == 16 + 160 + 2 + 16

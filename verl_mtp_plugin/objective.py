@@ -212,8 +212,9 @@ class HeadLogits:
     autograd (megatron's accuracy reads it), read by the forward instead of a second product; never saved for
     backward, which computes each chunk again from the hidden states."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor | None = None):
-        self.hidden, self.weight, self.logits = hidden, weight, logits
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor | None = None,
+                 main_grad: torch.Tensor | None = None):
+        self.hidden, self.weight, self.logits, self.main_grad = hidden, weight, logits, main_grad
         self.shape = (*hidden.shape[:-1], weight.shape[0])
         if logits is not None and tuple(logits.shape) != self.shape:
             raise ValueError(f"HeadLogits: logits {tuple(logits.shape)} are not hidden x weight {self.shape}")
@@ -221,10 +222,34 @@ class HeadLogits:
     def __getitem__(self, index) -> "HeadLogits":
         if not isinstance(index, slice):
             raise TypeError("HeadLogits is indexed by a slice of its first dimension")
-        return HeadLogits(self.hidden[index], self.weight, None if self.logits is None else self.logits[index])
+        return HeadLogits(self.hidden[index], self.weight, None if self.logits is None else self.logits[index],
+                          self.main_grad)
 
     def with_logits(self, logits: torch.Tensor) -> "HeadLogits":
-        return HeadLogits(self.hidden, self.weight, logits.detach())
+        return HeadLogits(self.hidden, self.weight, logits.detach(), self.main_grad)
+
+
+class _WeightGrad:
+    """The output weight's gradient of one MTP depth's chunked loss (joint mode: the weight trains), summed chunk by
+    chunk: ``dz^T @ h`` per chunk of rows, in float32. Into ``main_grad`` where megatron's output layer adds its own
+    there (gradient-accumulation fusion; :func:`~verl_mtp_plugin.compat.megatron_mtp_head.weight_grad_buffer`), else
+    into one float32 buffer returned to autograd in the weight's dtype (megatron DDP's hook adds ``param.grad``)."""
+
+    def __init__(self, weight: torch.Tensor, main_grad: torch.Tensor | None):
+        self.weight, self.main_grad = weight, main_grad
+        self.buf = main_grad if main_grad is not None else torch.zeros(
+            weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+
+    def add(self, dz: torch.Tensor, h: torch.Tensor) -> None:
+        self.buf.addmm_(dz.to(self.buf.dtype).t(), h.to(self.buf.dtype))
+
+    def result(self) -> torch.Tensor | None:
+        if self.main_grad is not None:
+            from verl_mtp_plugin.compat.megatron_mtp_head import mark_weight_grad_added
+
+            mark_weight_grad_added(self.weight)
+            return None
+        return self.buf if self.buf.dtype == self.weight.dtype else self.buf.to(self.weight.dtype)
 
 
 class _HardCE(torch.autograd.Function):
@@ -234,7 +259,7 @@ class _HardCE(torch.autograd.Function):
     weight and two float32 numbers per row. Gradient to the hidden states only (``(softmax(z) - onehot) @ W``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, group, logits=None):
+    def forward(ctx, hidden, weight, labels, group, logits=None, main_grad=None):
         h2 = _rows(hidden)
         n, v = h2.shape[0], weight.shape[0]
         z_rows, _, _ = _q_reader(hidden, weight, logits)
@@ -256,6 +281,7 @@ class _HardCE(torch.autograd.Function):
             stats[0, c], stats[1, c] = m, z
             del x
         ctx.save_for_backward(hidden, weight, local, inside, stats)
+        ctx.main_grad = main_grad
         return loss
 
     @staticmethod
@@ -264,14 +290,18 @@ class _HardCE(torch.autograd.Function):
         h2, grad = _rows(hidden), grad.reshape(-1, 1).float()
         n, step = h2.shape[0], chunk_rows(weight.shape[0])
         out = torch.empty_like(h2)
+        wgrad = _WeightGrad(weight, ctx.main_grad) if ctx.needs_input_grad[1] else None  # joint: the weight trains
         for i in range(0, n, step):
             c = slice(i, i + step)
             _, p, _ = _softmax_rows(torch.nn.functional.linear(h2[c], weight), 1.0, None, (stats[0, c], stats[1, c]))
             rows = torch.arange(p.shape[0], device=p.device)
             p[rows, local[c]] -= inside[c].to(p.dtype)
-            out[c] = p.mul_(grad[c]).to(weight.dtype) @ weight
-            del p
-        return out.reshape(hidden.shape), None, None, None, None
+            dz = p.mul_(grad[c])
+            out[c] = dz.to(weight.dtype) @ weight
+            if wgrad is not None:
+                wgrad.add(dz, h2[c])
+            del p, dz
+        return (out.reshape(hidden.shape), None if wgrad is None else wgrad.result(), None, None, None, None)
 
 
 def hard_ce_per_token(q: HeadLogits, labels: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -279,7 +309,7 @@ def hard_ce_per_token(q: HeadLogits, labels: torch.Tensor, *, group=None) -> tor
     V/tp]``) of an MTP depth's :class:`HeadLogits`, read in chunks (:class:`_HardCE`); exact under tensor
     parallelism (vocabulary shards, megatron's contiguous split)."""
     s, b = q.shape[0], q.shape[1]
-    value = _HardCE.apply(q.hidden, q.weight, labels.transpose(0, 1).reshape(-1), group, q.logits)
+    value = _HardCE.apply(q.hidden, q.weight, labels.transpose(0, 1).reshape(-1), group, q.logits, q.main_grad)
     return value.reshape(s, b).transpose(0, 1)
 
 
@@ -304,7 +334,7 @@ class _ChunkedObjective(torch.autograd.Function):
         raise NotImplementedError
 
     @classmethod
-    def forward(cls, ctx, q_in, p_logits, temperature, group, q_weight=None, q_logits=None):
+    def forward(cls, ctx, q_in, p_logits, temperature, group, q_weight=None, q_logits=None, q_main_grad=None):
         # q_in: the MTP logits [..., V/tp], or (q_weight given) the MTP hidden states [..., h] whose logits are
         # F.linear(hidden, q_weight), read from q_logits (computed without autograd) or computed chunk by chunk in
         # forward, and computed again in backward (HeadLogits)
@@ -329,6 +359,7 @@ class _ChunkedObjective(torch.autograd.Function):
         ctx.save_for_backward(q_in, stats, *(() if q_weight is None else (q_weight,)),
                               *(() if ctx.p_source is not None else (p_logits,)))
         ctx.temperature = temperature
+        ctx.main_grad = q_main_grad
         shape = q_in.shape[:-1]
         return value.reshape(shape)
 
@@ -342,7 +373,10 @@ class _ChunkedObjective(torch.autograd.Function):
         q_rows, n, v = _q_reader(q_in, q_weight)
         p_rows, grad = _row_reader(p_logits), grad.reshape(-1, 1).float()
         step = chunk_rows(v)
-        out = torch.empty_like(_rows(q_in))
+        h2 = _rows(q_in)
+        out = torch.empty_like(h2)
+        # joint mode: the output weight trains (its gradient dz^T @ h, chunk by chunk)
+        wgrad = _WeightGrad(q_weight, ctx.main_grad) if q_weight is not None and ctx.needs_input_grad[4] else None
         for i in range(0, n, step):
             c = slice(i, i + step)
             _, q, _ = _softmax_rows(q_rows(c), t, None, (stats[0, c], stats[1, c]))
@@ -350,7 +384,10 @@ class _ChunkedObjective(torch.autograd.Function):
             dz = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
             del q, p
             out[c] = dz if q_weight is None else dz.to(q_weight.dtype) @ q_weight  # through the output layer
-        return out.reshape(q_in.shape), None, None, None, None, None
+            if wgrad is not None:
+                wgrad.add(dz, h2[c])
+            del dz
+        return (out.reshape(q_in.shape), None, None, None, None if wgrad is None else wgrad.result(), None, None)
 
 
 class _SoftCE(_ChunkedObjective):
@@ -393,7 +430,8 @@ def _check(q_logits: torch.Tensor, p_logits: torch.Tensor, temperature: float) -
 
 def _apply(fn, q_logits, p_logits, temperature: float, group):
     if isinstance(q_logits, HeadLogits):  # differentiable in the hidden states (autograd sees tensors only)
-        return fn.apply(q_logits.hidden, _detached(p_logits), temperature, group, q_logits.weight, q_logits.logits)
+        return fn.apply(q_logits.hidden, _detached(p_logits), temperature, group, q_logits.weight, q_logits.logits,
+                        q_logits.main_grad)
     return fn.apply(q_logits, _detached(p_logits), temperature, group)
 
 
@@ -551,11 +589,13 @@ def _global_hooks() -> bool:
 class _MTPHead:
     """The output layer as megatron's ``process_mtp_loss`` calls it for the MTP depths (handed in by
     :func:`~verl_mtp_plugin.compat.megatron_mtp_head.replace_mtp_output_layer`; the main head's call does not come
-    here). Where the layer is a plain matmul with a detached weight (online's ``mtp_detach_heads``: no bias, no
-    gathered output, no MuP scale, no hooks on the module, e.g. megatron DDP's ``overlap_param_gather``) it returns
+    here). Where the layer is a plain matmul (no bias, no gathered output, no MuP scale, no hooks on the module, e.g.
+    megatron DDP's ``overlap_param_gather``; online's weight is detached, ``mtp_detach_heads``) it returns
     the logits computed under ``no_grad`` (megatron's top-1 accuracy reads them; the loss does not) and keeps the
     depth's :class:`HeadLogits` for the loss to read in chunks; the previous depth's logits are released when the next
-    depth's are computed (megatron reads them no more). Elsewhere (joint: the weight trains) it calls the layer."""
+    depth's are computed (megatron reads them no more). In joint mode (the weight trains) the chunked loss computes the
+    weight's gradient too and delivers it as megatron's layer does (:class:`_WeightGrad`). Elsewhere (a bias, a
+    gathered output, MuP, hooks, a weight gradient megatron delivers otherwise) it calls the layer."""
 
     def __init__(self, layer, inner, state: dict):
         self._layer, self._inner, self._state = layer, inner, state
@@ -565,10 +605,14 @@ class _MTPHead:
 
     def _whole_because(self, weight, runtime_gather_output) -> str | None:
         """Why this depth's logits must be computed whole by the layer (None: they are read in chunks)."""
+        from verl_mtp_plugin.compat.megatron_mtp_head import weight_grad_unsupported
+
         layer = self._layer
         reasons = (
             (not CHUNKED_MTP_HEAD, "switched off"),
-            (weight is None or weight.requires_grad, "the output weight trains (joint mode)"),
+            (weight is None, "the output layer has no weight"),
+            (weight is not None and weight.requires_grad and weight_grad_unsupported(layer, weight) is not None,
+             f"the output weight trains (joint mode) and {weight_grad_unsupported(layer, weight)}"),
             (getattr(layer, "bias", None) is not None, "the output layer has a bias"),
             (getattr(layer, "gather_output", False) or runtime_gather_output, "the output layer gathers its output"),
             (getattr(layer, "explicit_expert_comm", False) or getattr(layer, "disable_grad_reduce", False),
@@ -610,7 +654,13 @@ class _MTPHead:
                 full = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
         with torch.no_grad():
             logits = torch.nn.functional.linear(full.detach(), w)
-        self._state["head"] = (weakref.ref(logits), HeadLogits(full, w))  # the logits die with megatron's reference
+        main_grad = None
+        if w.requires_grad:  # joint: the loss computes the weight's gradient and delivers it as the layer would
+            from verl_mtp_plugin.compat.megatron_mtp_head import weight_grad_buffer
+
+            main_grad = weight_grad_buffer(layer, w)
+        # the logits die with megatron's reference
+        self._state["head"] = (weakref.ref(logits), HeadLogits(full, w, main_grad=main_grad))
         return logits, None
 
 

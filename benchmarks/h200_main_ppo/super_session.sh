@@ -35,10 +35,10 @@ date -u +%FT%TZ > $S/t_start
 [ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super --mtp-steps 0 \
   ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
 date -u +%FT%TZ > $S/t_assets
-python3 benchmarks/speculation.py rollout --model /tmp/super/model --batches 64,256,1024 --len-median 160 \
-  --len-sigma 0.6 --len-max 640 \
-  --rounds 5 --budget \$(( $END - \$(date +%s) - 200 )) --out $S/roll --tag h200_super_mtp0 ${ROLLOUT_ARGS:-} \
-  > $S/rollout.log 2>&1
+B=\$(( $END - \$(date +%s) - 200 ))
+[ \$B -gt 300 ] && python3 benchmarks/speculation.py rollout --model /tmp/super/model --batches 64,256,1024 \
+  --len-median 160 --len-sigma 0.6 --len-max 640 --rounds 5 --budget \$B --out $S/roll --tag h200_super_mtp0 \
+  ${ROLLOUT_ARGS:-} > $S/rollout.log 2>&1
 date -u +%FT%TZ > $S/t_rollout
 [ \$(( $END - \$(date +%s) )) -gt 150 ] && OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te \
   --recompute full --tag h200_te_recompute > $S/memory.log 2>&1
@@ -76,7 +76,7 @@ poll)
   tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack roll mem 2>/dev/null) \
     -C /tmp/super assets.json 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-  ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log 2>/dev/null
+  ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   ;;
 cache)
   # Triton's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (start restores them)

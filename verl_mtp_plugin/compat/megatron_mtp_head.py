@@ -8,6 +8,16 @@ replacement passed as that argument sees the MTP depths' calls and nothing else.
 rebinds the module's ``process_mtp_loss`` to a wrapper that passes ``wrap(output_layer)`` instead, and restores it on
 exit, exception or not. Used by :func:`verl_mtp_plugin.objective.mtp_objective_scope` (the MTP loss read from the
 MTP hidden states chunk by chunk). The probed names are in :data:`verl_mtp_plugin.compat.probes.JOINTS`.
+
+Joint mode (the output weight trains with the MTP loss): the chunked loss computes the weight's gradient itself and
+must hand it to megatron as megatron's own output layer does (``LinearWithGradAccumulationAndAsyncCommunication.
+backward`` in ``megatron.core.tensor_parallel.layers``). With ``gradient_accumulation_fusion`` the layer adds its
+weight gradient into ``weight.main_grad`` and sets ``weight.grad_added_to_main_grad``, after which megatron DDP's
+backward hook ignores ``param.grad``: a gradient returned through autograd would be dropped there.
+:func:`weight_grad_buffer` names that buffer (the chunks are added into it, and the flag set, as megatron does);
+without the fusion the gradient goes through autograd. :func:`weight_grad_unsupported` names the layer settings
+whose weight gradient megatron delivers otherwise (deferred embedding wgrad, GTP, Megatron-FSDP), where the MTP
+logits stay whole.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import contextlib
 import functools
 from typing import Any, Callable
 
-__all__ = ["MODULE", "replace_mtp_output_layer"]
+__all__ = ["MODULE", "mark_weight_grad_added", "replace_mtp_output_layer", "weight_grad_buffer", "weight_grad_unsupported"]
 
 #: The module whose ``process_mtp_loss`` global HybridModel's forward calls.
 MODULE = "megatron.core.models.hybrid.hybrid_model"
@@ -42,3 +52,31 @@ def replace_mtp_output_layer(wrap: Callable[[Any], Any]):
         yield original
     finally:
         module.process_mtp_loss = original
+
+
+def weight_grad_unsupported(layer, weight) -> str | None:
+    """Why the output weight's gradient of an MTP depth cannot be delivered by the chunked loss (None: it can)."""
+    config = getattr(layer, "config", None)
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        return "the output layer defers its weight gradient (defer_embedding_wgrad_compute)"
+    if getattr(layer, "gtp_remat_size", 1) > 1:
+        return "the output layer's weight is sharded for recompute (GTP)"
+    if hasattr(weight, "__fsdp_param__"):
+        return "Megatron-FSDP holds the output weight's gradient"
+    if getattr(layer, "gradient_accumulation_fusion", False) and getattr(weight, "main_grad", None) is None:
+        return "gradient-accumulation fusion without a main_grad buffer on the output weight"
+    return None
+
+
+def weight_grad_buffer(layer, weight):
+    """``weight.main_grad`` where megatron's output layer adds its weight gradient there itself
+    (``gradient_accumulation_fusion``), else None (the gradient goes through autograd as ``param.grad``)."""
+    if getattr(layer, "gradient_accumulation_fusion", False):
+        return weight.main_grad
+    return None
+
+
+def mark_weight_grad_added(weight) -> None:
+    """What megatron's fused wgrad does after adding into ``main_grad`` (DDP's hook then skips ``param.grad``)."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
