@@ -233,25 +233,33 @@ def test_check_warns_on_training_settings_that_keep_more_memory_and_strict_refus
 
 
 def test_joint_modes_whole_logits_are_said_at_start_up_in_bytes_at_this_configs_tokens_vocabulary_and_tp(caplog):
-    """Joint trains the output layer with the MTP loss: megatron's whole logits. The mode's cost, logged at start-up
-    (not a setting to fix: the shipped joint recipe passes --strict)."""
+    """Joint mode reads the MTP logits in chunks (it computes the output weight's gradient itself), except where
+    megatron defers that gradient (defer_embedding_wgrad_compute): then megatron's whole logits, their cost logged at
+    start-up in bytes (not a setting to fix: --strict passes it); the shipped joint recipe says nothing."""
     from verl_mtp_plugin.policy import MTPMode
     from verl_mtp_plugin.trainer.config import compose_recipe, whole_logits_note
 
+    defer = "actor_rollout_ref.actor.megatron.override_transformer_config.defer_embedding_wgrad_compute=true"
     cfg = compose_recipe(os.path.abspath(RECIPES), "grpo_online", ["actor_rollout_ref.model.mtp.detach_encoder=false",
                                                   "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    assert whole_logits_note(cfg, mode=MTPMode.JOINT, trained_depth=2, vocab_size=131072) is None
+    cfg = compose_recipe(os.path.abspath(RECIPES), "grpo_online", ["actor_rollout_ref.model.mtp.detach_encoder=false",
+                                                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                                  f"+{defer}"])
     w = whole_logits_note(cfg, mode=MTPMode.JOINT, trained_depth=2, vocab_size=131072)
     # 2 depths x 18432 tokens x 65536 columns x 2 B = 4.5 GiB
     assert "2 x [18432 tokens (actor_rollout_ref.actor.ppo_max_token_len_per_gpu), 131072/2" in w and "= 4.5 GiB" in w
+    assert "defer_embedding_wgrad_compute=true" in w
     cfg = compose_recipe(os.path.abspath(RECIPES), "grpo_online", ["actor_rollout_ref.actor.use_dynamic_bsz=false",
                                                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-                                                  "data.max_prompt_length=1024", "data.max_response_length=3072"])
+                                                  "data.max_prompt_length=1024", "data.max_response_length=3072",
+                                                  f"+{defer}"])
     w = whole_logits_note(cfg, mode=MTPMode.JOINT, trained_depth=1, vocab_size=131072)
     assert "1 x [16384 tokens (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu x" in w and "= 2.0 GiB" in w  # TP 2
     assert whole_logits_note(cfg, mode=MTPMode.ONLINE, trained_depth=2, vocab_size=131072) is None
     with caplog.at_level("WARNING", logger="verl_mtp_plugin.trainer.config"):
         assert main(["check", "--strict", f"{RECIPES}/grpo_joint.yaml"]) == 0
-    assert any("detach_encoder=false (mode joint)" in r.getMessage() for r in caplog.records)
+    assert not any("detach_encoder=false (mode joint)" in r.getMessage() for r in caplog.records)
 
 
 def test_k_beyond_the_checkpoint_depth_is_no_warning_when_mtp_is_frozen(capsys):

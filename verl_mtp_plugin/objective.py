@@ -55,8 +55,11 @@ computed without autograd (megatron's top-1 accuracy reads them; released when t
 keeps the depth's :class:`HeadLogits` (hidden states x detached output weight); the loss's forward reads those logits
 chunk by chunk and keeps none of them, its backward computes each chunk again from the hidden states (:class:`_HardCE`;
 the objectives' ``q``): one output-layer product per depth more than megatron's, in backward. Measured on CPU: what any objective saves for backward
-over MTP skipped no longer depends on the vocabulary. Joint mode (the output weight trains) and an output layer that
-is more than a matmul keep megatron's whole-logits path.
+over MTP skipped no longer depends on the vocabulary. Joint mode (the output weight trains) reads them in chunks too:
+the backward also sums the output weight's gradient ``dz^T h`` chunk by chunk (:class:`_WeightGrad`) and delivers it
+as megatron's layer delivers its own (into ``main_grad`` under gradient-accumulation fusion, else through autograd;
+:mod:`verl_mtp_plugin.compat.megatron_mtp_head`). An output layer that is more than a matmul, or whose weight
+gradient megatron delivers otherwise, keeps megatron's whole-logits path.
 
 How it reaches megatron: HybridModel's forward hands its bound ``compute_language_model_loss`` to
 ``process_mtp_loss``, which calls it once per depth (``labels [b, s]``, MTP logits ``[s, b, V/tp]``),

@@ -92,6 +92,14 @@ JOINTS = (
           ("hidden_states", "labels", "loss_mask", "output_layer", "output_weight", "runtime_gather_output",
            "is_training", "compute_language_model_loss"),
           "compat/megatron_mtp_head.py rebinds it to pass the plugin's MTP output layer"),
+    # joint mode: the chunked MTP loss hands the output weight's gradient to megatron as its output layer does
+    Joint("megatron", "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+          ("ctx", "grad_output"), "compat/megatron_mtp_head.py mirrors its main_grad / grad_added_to_main_grad protocol"),
+    Joint("megatron", "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel."
+          "_make_backward_post_hook", ("self", "param"),
+          "compat/megatron_mtp_head.py: its hook skips param.grad once grad_added_to_main_grad is set"),
+    Joint("megatron", "megatron.core.transformer.transformer_config.TransformerConfig.__dataclass_fields__."
+          "defer_embedding_wgrad_compute", None, "compat/megatron_mtp_head.py keeps whole MTP logits under it"),
     Joint("verl", "verl.trainer.ppo.v1.trainer_base.PPOTrainer._build_replay_buffer", ("self",),
           "trainer/v1.py sets the poll interval of what it returns (compat/verl_replay_buffer.py)"),
     Joint("verl", "verl.trainer.ppo.v1.replay_buffer.ReplayBuffer.__init__",

@@ -180,8 +180,8 @@ class ResolvedMTPSettings:
             guard (a plugin trainer mode, :data:`~verl_mtp_plugin.config_keys.TRAINER_MODES`, with
             speculation on).
         warnings: settings that run but silently cost rollout speed (:func:`rollout_speed_warnings`) or training
-            memory (:func:`training_memory_warnings`; joint mode's whole MTP logits are logged, not warned:
-            :func:`whole_logits_note`),
+            memory (:func:`training_memory_warnings`; joint mode's whole MTP logits under
+            ``defer_embedding_wgrad_compute`` are logged, not warned: :func:`whole_logits_note`),
             each naming its keys; logged at start-up, printed by ``verl-mtp check``.
         objective: the MTP block's training objective (``ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_OBJECTIVE``;
             only online and joint train with it).
@@ -767,11 +767,16 @@ def _tokens_per_gpu(config: Any) -> tuple[int | None, str]:
 
 def whole_logits_note(config: Any, *, mode: MTPMode | None, trained_depth: int | None,
                       vocab_size: int | None) -> str | None:
-    """Joint mode trains the output layer with the MTP loss, so each MTP depth's logits are computed whole, as
-    megatron does (the plugin reads them in chunks only while that weight is frozen for the MTP loss): one
-    ``[tokens, V/tp]`` tensor per depth kept for backward, in bytes at this config's tokens, vocabulary and TP.
-    Logged at start-up (the mode's cost, not a setting to fix: ``--strict`` does not refuse it). None otherwise."""
+    """Joint mode with ``override_transformer_config.defer_embedding_wgrad_compute``: megatron computes the output
+    layer's weight gradient later, from activations it keeps, where the plugin's chunked MTP loss cannot add the MTP
+    depths' share; so each MTP depth's logits are computed whole, as megatron does: one ``[tokens, V/tp]`` tensor per
+    depth kept for backward, in bytes at this config's tokens, vocabulary and TP. (Otherwise joint mode reads them in
+    chunks too, computing the output weight's gradient itself: :mod:`verl_mtp_plugin.objective`.) Logged at start-up
+    (the setting's cost, not refused: ``--strict`` passes it). None otherwise."""
     if mode is not MTPMode.JOINT:
+        return None
+    key = f"{_MEG}.override_transformer_config.defer_embedding_wgrad_compute"
+    if not get_key(config, key, False):
         return None
     tokens, tokens_key = _tokens_per_gpu(config)
     tp = int(get_key(config, f"{_MEG}.tensor_model_parallel_size", 1) or 1)
@@ -781,10 +786,10 @@ def whole_logits_note(config: Any, *, mode: MTPMode | None, trained_depth: int |
         gib = depth * tokens * -(-int(vocab_size) // tp) * 2 / 2**30
         size = (f": {depth} x [{tokens} tokens ({tokens_key}), {vocab_size}/{tp} (vocabulary / "
                 f"{_MEG}.tensor_model_parallel_size)] in bf16 = {gib:.1f} GiB, before megatron's fp32 loss state")
-    return (f"{_MTP}.detach_encoder=false (mode joint) trains the output layer with the MTP loss, so every MTP "
-            f"depth's logits are computed whole and kept for backward, as megatron does{size}; modes online and "
-            "frozen read them in chunks (measured on the H200: every objective within 0.07 GiB of the others, none "
-            "keeping a [tokens, V] tensor)")
+    return (f"{_MTP}.detach_encoder=false (mode joint) with {key}=true: megatron computes the output layer's weight "
+            "gradient later from saved activations, where the MTP loss cannot add its share, so every MTP depth's "
+            f"logits are computed whole and kept for backward, as megatron does{size}; without that setting they are "
+            "read in chunks (joint computes the output weight's gradient chunk by chunk)")
 
 
 def training_memory_warnings(config: Any, *, mode: MTPMode | None) -> list[str]:
