@@ -392,6 +392,8 @@ def test_joint_mtp_loss_reaches_the_trunk(joint, assets):
         assert m["actor/grad_norm"] > 0  # zero advantages, no KL loss: the MTP loss's gradient
         assert "actor/mtp_grad_norm" not in m  # joint: megatron keeps MTP in the main norm
     assert _changed(trunk0, trunk1)  # (online with the same reward: trunk gradient exactly 0, see above)
+    # the output layer too: its gradient comes from the chunked MTP loss, which computes it itself
+    assert "lm_head.weight" in _changed(trunk0, trunk1), sorted(_changed(trunk0, trunk1))
     assert set(_matrices(mtp0)) <= set(_changed(mtp0, mtp1))
     _assert_rollout_speculation(joint)
 
