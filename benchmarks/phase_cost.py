@@ -574,8 +574,8 @@ def memory(args) -> dict:
     """Memory of one training forward + backward per MTP objective at the recipe's tokens per GPU.
 
     One micro-batch of ``--tokens`` tokens (``--seqs`` sequences: packed THD on the Transformer Engine stack,
-    ``[seqs, tokens/seqs]`` on the local one), vocabulary ``--vocab``, the online mode
-    (``configure_transformer_config(..., "online")``): ``hybrid_forward`` under ``mtp_objective_scope`` (arm
+    ``[seqs, tokens/seqs]`` on the local one), vocabulary ``--vocab``, the online mode (``--mode``; joint: the MTP
+    loss trains the trunk and output layer too) (``configure_transformer_config(..., mode)``): ``hybrid_forward`` under ``mtp_objective_scope`` (arm
     ``skip``: ``run_mtp_forward=False``), an fp32 cross-entropy on the logits (verl's log-probs), backward. Per call:
     peak allocated memory above what was allocated before the forward (CUDA), and the bytes autograd saved for
     backward (every device). Arms rotated per round. Writes ``memory_per_objective.json``.
@@ -589,7 +589,11 @@ def memory(args) -> dict:
         raise SystemExit("--stack te needs CUDA and Transformer Engine (../shared/tools/h200-te/)")
     spec = C.bench_spec(pattern=args.pattern, vocab_size=args.vocab, hidden_size=args.hidden,
                         ffn_hidden_size=4 * args.hidden, max_sequence_length=args.tokens)
-    overrides = configure_transformer_config({}, "online", mtp_loss_scaling_factor=0.3)
+    overrides = configure_transformer_config({}, args.mode, mtp_loss_scaling_factor=0.3)
+    if args.whole_mtp_logits:  # megatron's own path: each depth's logits whole (what the plugin did before)
+        from verl_mtp_plugin import objective
+
+        objective.CHUNKED_MTP_HEAD = False
     if args.recompute == "full":  # the recipes' setting (super_mtp_common.yaml): every layer, MTP's too, recomputed
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if not C.CUDA:  # megatron's checkpoint saves the CUDA RNG state (tensor_parallel/random.py:
@@ -648,7 +652,8 @@ def memory(args) -> dict:
     for arm in args.arms:
         mine = [r for r in rows if r["arm"] == arm]
         summary[arm] = {k: [r[k] for r in mine] for k in ("saved_for_backward_gib", "peak_above_start_gib")}
-    res = {"stack": stack, "recompute": args.recompute, "tokens": per * n_seq, "seqs": n_seq, "vocab": spec.vocab_size,
+    res = {"stack": stack, "recompute": args.recompute, "mode": args.mode, "whole_mtp_logits": args.whole_mtp_logits,
+           "tokens": per * n_seq, "seqs": n_seq, "vocab": spec.vocab_size,
            "spec": C.spec_dict(spec),
            "params": C.param_counts(model), "env": C.env_info(), "calls": rows, "by_arm": summary,
            "resident_gib": torch.cuda.memory_allocated() / 2**30 if C.CUDA else None}
@@ -669,6 +674,10 @@ def _memory_arguments(ap):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recompute", choices=("none", "full"), default="none",
                     help="full: the recipes' activation recompute (granularity full, uniform, 1 layer; MTP layers too)")
+    ap.add_argument("--mode", choices=("online", "joint"), default="online",
+                    help="the MTP mode (joint: the MTP loss trains the trunk and the output layer too)")
+    ap.add_argument("--whole-mtp-logits", action="store_true",
+                    help="megatron's own MTP loss path (each depth's logits whole), for comparison")
     ap.add_argument("--tag", default="gpu")
 
 
