@@ -813,9 +813,25 @@ def test_joint_weight_gradient_goes_where_megatrons_output_layer_puts_its_own(ob
         weight.grad_added_to_main_grad = False
         assert weight_grad_unsupported(layer, weight) is None and weight_grad_buffer(layer, weight) is weight.main_grad
         loss(obj.HeadLogits(hidden, weight, main_grad=weight_grad_buffer(layer, weight))).backward()
-        assert weight.grad is None and weight.grad_added_to_main_grad is True
+        assert weight.grad_added_to_main_grad is True  # DDP's hook skips param.grad: megatron's placeholder
+        assert weight.grad is not None and weight.grad.shape == weight.shape
         torch.testing.assert_close(weight.main_grad, ref_w + 0.5, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(hidden.grad, ref_h, rtol=1e-5, atol=1e-6)
+
+        hidden.grad, weight.grad = None, None  # zero_out_wgrad (tied embeddings): DDP adds param.grad: zeros
+        weight.zero_out_wgrad, weight.grad_added_to_main_grad = True, False
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.bfloat16)  # a half buffer: summed in fp32, added once
+        loss(obj.HeadLogits(hidden, weight, main_grad=weight_grad_buffer(layer, weight))).backward()
+        assert float(weight.grad.abs().sum()) == 0.0
+        err = (weight.main_grad.float() - ref_w).abs()
+        assert bool((err <= ref_w.abs() * 2**-8 + 1e-6).all()), float(err.max())  # one bf16 rounding of the sum
+
+        hidden.grad, weight.grad = None, None  # no DDP (no flag): no placeholder, the gradient only in main_grad
+        del weight.grad_added_to_main_grad, weight.zero_out_wgrad
+        weight.main_grad = torch.zeros_like(weight)
+        loss(obj.HeadLogits(hidden, weight, main_grad=weight_grad_buffer(layer, weight))).backward()
+        assert weight.grad is None
+        torch.testing.assert_close(weight.main_grad, ref_w, rtol=1e-5, atol=1e-6)
 
     layer.config = type("Config", (), {"defer_embedding_wgrad_compute": True})()
     assert "defer_embedding_wgrad_compute" in weight_grad_unsupported(layer, weight)

@@ -234,24 +234,33 @@ class HeadLogits:
 
 class _WeightGrad:
     """The output weight's gradient of one MTP depth's chunked loss (joint mode: the weight trains), summed chunk by
-    chunk: ``dz^T @ h`` per chunk of rows, in float32. Into ``main_grad`` where megatron's output layer adds its own
-    there (gradient-accumulation fusion; :func:`~verl_mtp_plugin.compat.megatron_mtp_head.weight_grad_buffer`), else
-    into one float32 buffer returned to autograd in the weight's dtype (megatron DDP's hook adds ``param.grad``)."""
+    chunk: ``dz^T @ h`` per chunk of rows, the inputs in the weight's dtype (half on the GPU: the GEMM runs as
+    megatron's own weight gradient does), summed in float32. Straight into ``main_grad`` where megatron's output layer
+    adds its own there (gradient-accumulation fusion, :func:`~verl_mtp_plugin.compat.megatron_mtp_head.
+    weight_grad_buffer`) and that buffer is float32; into one float32 buffer otherwise, added to a half ``main_grad``
+    once, or returned to autograd in the weight's dtype (megatron DDP's hook adds ``param.grad``)."""
 
     def __init__(self, weight: torch.Tensor, main_grad: torch.Tensor | None):
         self.weight, self.main_grad = weight, main_grad
-        self.buf = main_grad if main_grad is not None else torch.zeros(
-            weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32), device=weight.device)
+        if main_grad is not None and main_grad.dtype == torch.float32:
+            self.buf = main_grad
+        else:
+            self.buf = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                   device=weight.device)
 
     def add(self, dz: torch.Tensor, h: torch.Tensor) -> None:
-        self.buf.addmm_(dz.to(self.buf.dtype).t(), h.to(self.buf.dtype))
+        from verl_mtp_plugin.compat.megatron_mtp_head import accumulate_weight_grad
+
+        accumulate_weight_grad(self.buf, h.to(self.weight.dtype), dz.to(self.weight.dtype))
 
     def result(self) -> torch.Tensor | None:
+        """What the autograd Function returns for the weight."""
         if self.main_grad is not None:
             from verl_mtp_plugin.compat.megatron_mtp_head import mark_weight_grad_added
 
-            mark_weight_grad_added(self.weight)
-            return None
+            if self.buf is not self.main_grad:
+                self.main_grad.add_(self.buf)
+            return mark_weight_grad_added(self.weight)  # megatron's placeholder (or None without DDP's flag)
         return self.buf if self.buf.dtype == self.weight.dtype else self.buf.to(self.weight.dtype)
 
 

@@ -26,7 +26,10 @@ import contextlib
 import functools
 from typing import Any, Callable
 
-__all__ = ["MODULE", "mark_weight_grad_added", "replace_mtp_output_layer", "weight_grad_buffer", "weight_grad_unsupported"]
+import torch
+
+__all__ = ["MODULE", "accumulate_weight_grad", "mark_weight_grad_added", "replace_mtp_output_layer",
+           "weight_grad_buffer", "weight_grad_unsupported"]
 
 #: The module whose ``process_mtp_loss`` global HybridModel's forward calls.
 MODULE = "megatron.core.models.hybrid.hybrid_model"
@@ -76,7 +79,39 @@ def weight_grad_buffer(layer, weight):
     return None
 
 
-def mark_weight_grad_added(weight) -> None:
-    """What megatron's fused wgrad does after adding into ``main_grad`` (DDP's hook then skips ``param.grad``)."""
-    if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
+def mark_weight_grad_added(weight):
+    """What megatron's fused wgrad does after adding into ``main_grad``: set ``grad_added_to_main_grad`` (DDP's hook
+    then skips ``param.grad``) and return the placeholder gradient megatron returns for the weight (zeros where
+    ``zero_out_wgrad``, whose ``param.grad`` DDP adds anyway; else uninitialised), so that ``param.grad`` is defined
+    and DDP's hook runs as for megatron's own layer; None where the weight has no such flag (no DDP)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
+
+
+def _fused_wgrad():
+    """megatron's fused weight-gradient GEMM into a float32 / half buffer (apex's ``fused_weight_gradient_mlp_cuda``,
+    what ``gradient_accumulation_fusion`` runs), or None where it is not installed."""
+    try:
+        import fused_weight_gradient_mlp_cuda
+    except ImportError:
+        return None
+    return fused_weight_gradient_mlp_cuda
+
+
+def accumulate_weight_grad(buf, h, dz) -> None:
+    """``buf += dz^T @ h`` (``h`` [rows, in], ``dz`` [rows, out], both in the weight's dtype): on CUDA with half
+    inputs and a float32 / half ``buf``, megatron's fused GEMM (half inputs, accumulated in ``buf``'s precision, as
+    the output layer's own weight gradient); else a matmul in the inputs' dtype added into ``buf``."""
+    fused = _fused_wgrad() if buf.is_cuda and h.dtype in (torch.bfloat16, torch.float16) else None
+    if fused is not None and buf.dtype == torch.float32:
+        fused.wgrad_gemm_accum_fp32(h, dz, buf)
+    elif fused is not None and buf.dtype == h.dtype:
+        fused.wgrad_gemm_accum_fp16(h, dz, buf)
+    elif buf.dtype == h.dtype:
+        buf.addmm_(dz.t(), h)
+    else:
+        buf.add_(dz.t() @ h)
