@@ -165,3 +165,66 @@ def test_frozen_mtp_megatron_ddp_overlap_and_distributed_optimizer(megatron_env,
         assert torch.equal(p.detach(), mtp_snap[n]), f"frozen MTP param {n} changed"
     changed = [n for n in base_names if not torch.equal(params[n].detach(), base_snap[n])]
     assert changed == base_names, f"base params that did not train: {set(base_names) - set(changed)}"
+
+
+def _fused_wgrad_installed() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex: what megatron's gradient-accumulation fusion runs)
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["autograd_wgrad", "fused_wgrad"])
+def test_joint_chunked_mtp_loss_under_megatron_ddp_equals_whole_logits(megatron_env, fusion):
+    """Joint mode (the MTP loss trains the output layer) under megatron DDP with ``overlap_grad_reduce=True``: the
+    plugin's chunked MTP loss computes the output weight's gradient itself and delivers it as megatron's output layer
+    does (``param.grad`` through DDP's hook; with gradient-accumulation fusion straight into ``main_grad``). Every
+    parameter's reduced gradient (``main_grad``), the output layer's included, equals the one megatron's own
+    whole-logits MTP loss gives, within the bf16 run-to-run noise; a run without MTP differs (negative control)."""
+    if not G.CUDA:
+        pytest.skip("megatron's DDP grad buffers need CUDA (CPU plumbing run)")
+    if fusion and not _fused_wgrad_installed():
+        pytest.skip("gradient-accumulation fusion needs apex's fused_weight_gradient_mlp_cuda (not installed)")
+    from verl_mtp_plugin import configure_transformer_config, hybrid_forward
+    from verl_mtp_plugin import objective as obj
+    from verl_mtp_plugin.objective import mtp_objective_scope
+    from verl_mtp_plugin.testing import reset_mtp_globals
+    from verl_mtp_plugin.testing.gpu import build_gpu_hybrid, megatron_ddp_and_optimizer
+
+    overrides = dict(configure_transformer_config({}, "joint"), gradient_accumulation_fusion=fusion)
+    torch.manual_seed(0)
+    weights = build_gpu_hybrid(G.spec(), config_overrides=overrides).state_dict()
+    b = G.batch(seed=5)
+    mask = b["response_mask"]
+
+    def main_grads(chunked: bool, run_mtp: bool = True) -> dict:
+        reset_mtp_globals()
+        m = build_gpu_hybrid(G.spec(), config_overrides=overrides)
+        m.load_state_dict(weights)
+        # without MTP the MTP parameters get no gradient: overlapped buckets would wait for them (control only)
+        ddp, _ = megatron_ddp_and_optimizer(m, overlap_grad_reduce=run_mtp, use_distributed_optimizer=False)
+        ddp.zero_grad_buffer()
+        obj.CHUNKED_MTP_HEAD = chunked
+        try:
+            with mtp_objective_scope(m, "hard_ce", temperature=1.0, loss_mask=mask):
+                logits = hybrid_forward(ddp, b["input_ids"], b["position_ids"], b["attention_mask"],
+                                        run_mtp_forward=run_mtp, loss_mask=mask)
+            G.rl_loss(logits, b).backward()
+        finally:
+            obj.CHUNKED_MTP_HEAD = True
+        ddp.finish_grad_sync()
+        torch.cuda.synchronize()
+        return {n: p.main_grad.detach().float().clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    chunked, whole, whole2 = main_grads(True), main_grads(False), main_grads(False)
+    no_mtp = main_grads(True, run_mtp=False)
+    assert float(chunked["output_layer.weight"].norm()) > 0
+    errs, noise = {}, {}
+    for n, g in whole.items():
+        errs[n], noise[n] = G.rel_err(chunked[n], g), G.rel_err(whole2[n], g)
+    _report(f"joint ddp {'fused' if fusion else 'autograd'} wgrad", errs)
+    bad = {n: (errs[n], noise[n]) for n in errs if errs[n] > G.tolerance(noise[n])}
+    assert not bad, f"main_grad differs from megatron's whole logits beyond tolerance: {bad}"
+    control = G.rel_err(no_mtp["output_layer.weight"], whole["output_layer.weight"])
+    assert control > G.tolerance(noise["output_layer.weight"]), control  # the MTP loss's share is visible
