@@ -10,7 +10,8 @@
 # `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
 # then speculation.py rollout (every arm's engine in one process, interleaved; ROLLOUT_ARGS added last, e.g.
 # "--arms 0,2,schedule") with what the lease has left (SECONDS_LEFT from the start call, default 1500, less 200 s),
-# then phase_cost.py memory with recompute if 150 s remain. `start` with LEASE_LEFT=<seconds the lease has left> runs
+# then phase_cost.py memory with recompute if 150 s remain, then tests/gpu/run_all.py if 120 s remain.
+# `start` with LEASE_LEFT=<seconds the lease has left> runs
 # that memory measurement after the modes too, if 150 s remain.
 set -u
 S=/tmp/sess
@@ -42,6 +43,8 @@ B=\$(( $END - \$(date +%s) - 200 ))
 date -u +%FT%TZ > $S/t_rollout
 [ \$(( $END - \$(date +%s) )) -gt 150 ] && OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te \
   --recompute full --tag h200_te_recompute > $S/memory.log 2>&1
+[ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) python3 tests/gpu/run_all.py \
+  > $S/gpu_tests.log 2>&1
 date -u +%FT%TZ > $S/t_end
 PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
