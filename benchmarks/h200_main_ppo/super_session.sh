@@ -11,8 +11,7 @@
 # then speculation.py rollout (every arm's engine in one process, interleaved; ROLLOUT_ARGS added last, e.g.
 # "--arms 0,2,schedule") with what the lease has left (SECONDS_LEFT from the start call, default 1500, less 200 s),
 # then phase_cost.py memory with recompute if 150 s remain, then tests/gpu/run_all.py if 120 s remain.
-# `start` with LEASE_LEFT=<seconds the lease has left> runs
-# that memory measurement after the modes too, if 150 s remain.
+# `start` with LEASE_LEFT=<seconds the lease has left> runs the same two after the modes (after_main).
 set -u
 S=/tmp/sess
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
@@ -23,6 +22,19 @@ install() {
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   bash /tmp/te/te_on_h200.sh > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   tail -3 $S/install.log; tail -3 $S/te.log
+}
+# the pipeline's last lines: with the lease's time left after its main job (END: the lease's end in epoch seconds;
+# 0: unknown, nothing more), peak memory per objective with recompute if 150 s remain, then the GPU invariants if 120 s
+after_main() {
+  cat <<TAIL
+date -u +%FT%TZ > $S/t_run
+[ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 150 ] && PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site \
+  OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te --recompute full --tag h200_te_recompute \
+  > $S/memory.log 2>&1
+[ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) \
+  python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
+date -u +%FT%TZ > $S/t_end
+TAIL
 }
 case "${1:-}" in
 bench)
@@ -40,12 +52,7 @@ B=\$(( $END - \$(date +%s) - 200 ))
 [ \$B -gt 300 ] && python3 benchmarks/speculation.py rollout --model /tmp/super/model --batches 64,256,1024 \
   --len-median 160 --len-sigma 0.6 --len-max 640 --rounds 5 --budget \$B --out $S/roll --tag h200_super_mtp0 \
   ${ROLLOUT_ARGS:-} > $S/rollout.log 2>&1
-date -u +%FT%TZ > $S/t_rollout
-[ \$(( $END - \$(date +%s) )) -gt 150 ] && OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te \
-  --recompute full --tag h200_te_recompute > $S/memory.log 2>&1
-[ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) python3 tests/gpu/run_all.py \
-  > $S/gpu_tests.log 2>&1
-date -u +%FT%TZ > $S/t_end
+$(after_main)
 PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
   echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
@@ -62,11 +69,7 @@ date -u +%FT%TZ > $S/t_start
 date -u +%FT%TZ > $S/t_assets
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
   --reward benchmarks/h200_main_ppo/reward_long.py $* > $S/driver.log 2>&1
-date -u +%FT%TZ > $S/t_run
-[ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 150 ] && PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site \
-  OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te --recompute full --tag h200_te_recompute \
-  > $S/memory.log 2>&1
-date -u +%FT%TZ > $S/t_end
+$(after_main)
 PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
   echo "pipeline started: pid $!"
