@@ -720,7 +720,6 @@ def test_whole_mtp_logits_are_announced_once_with_their_size(batch, monkeypatch,
     import logging
 
     from verl_mtp_plugin import objective as obj
-    from verl_mtp_plugin.compat import megatron_mtp_head
     from verl_mtp_plugin.testing import build_tiny_hybrid
 
     monkeypatch.setattr(obj, "_WARNED", set())
@@ -731,7 +730,7 @@ def test_whole_mtp_logits_are_announced_once_with_their_size(batch, monkeypatch,
         _mtp_only_grads(online, batch, "hard_ce")
         _mtp_only_grads(joint, batch, "hard_ce")
         assert [r for r in caplog.records if "logits whole" in r.getMessage()] == []
-        monkeypatch.setattr(megatron_mtp_head, "weight_grad_unsupported", lambda layer, weight: "a test's reason")
+        monkeypatch.setattr(obj, "weight_grad_unsupported", lambda layer, weight: "a test's reason")
         for _ in range(2):
             _mtp_only_grads(joint, batch, "hard_ce")
     said = [r.getMessage() for r in caplog.records if "logits whole" in r.getMessage()]

@@ -87,6 +87,13 @@ import torch
 
 from verl_mtp_plugin.acceptance.estimate import _all_reduce, check_temperature, chunk_rows, group_size
 from verl_mtp_plugin.compat.megatron_loss import replace_language_model_loss
+from verl_mtp_plugin.compat.megatron_mtp_head import (
+    accumulate_weight_grad,
+    mark_weight_grad_added,
+    replace_mtp_output_layer,
+    weight_grad_buffer,
+    weight_grad_unsupported,
+)
 from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
 from verl_mtp_plugin.policy import MTPObjective
 
@@ -249,15 +256,12 @@ class _WeightGrad:
                                    device=weight.device)
 
     def add(self, dz: torch.Tensor, h: torch.Tensor) -> None:
-        from verl_mtp_plugin.compat.megatron_mtp_head import accumulate_weight_grad
-
-        accumulate_weight_grad(self.buf, h.to(self.weight.dtype), dz.to(self.weight.dtype))
+        """``dz`` [rows, V/tp] and ``h`` [rows, h], both in the weight's dtype."""
+        accumulate_weight_grad(self.buf, h, dz)
 
     def result(self) -> torch.Tensor | None:
         """What the autograd Function returns for the weight."""
         if self.main_grad is not None:
-            from verl_mtp_plugin.compat.megatron_mtp_head import mark_weight_grad_added
-
             if self.buf is not self.main_grad:
                 self.main_grad.add_(self.buf)
             return mark_weight_grad_added(self.weight)  # megatron's placeholder (or None without DDP's flag)
@@ -308,8 +312,8 @@ class _HardCE(torch.autograd.Function):
             _, p, _ = _softmax_rows(torch.nn.functional.linear(h2[c], weight), 1.0, None, (stats[0, c], stats[1, c]))
             rows = torch.arange(p.shape[0], device=p.device)
             p[rows, local[c]] -= inside[c].to(p.dtype)
-            dz = p.mul_(grad[c])
-            out[c] = dz.to(weight.dtype) @ weight
+            dz = p.mul_(grad[c]).to(weight.dtype)
+            out[c] = dz @ weight
             if wgrad is not None:
                 wgrad.add(dz, h2[c])
             del p, dz
@@ -395,9 +399,13 @@ class _ChunkedObjective(torch.autograd.Function):
             _, p, _ = _softmax_rows(p_rows(c), t, None, (stats[2, c], stats[3, c]))
             dz = cls._grad_rows(q, p, stats[4, c], t).mul_(grad[c])
             del q, p
-            out[c] = dz if q_weight is None else dz.to(q_weight.dtype) @ q_weight  # through the output layer
-            if wgrad is not None:
-                wgrad.add(dz, h2[c])
+            if q_weight is None:
+                out[c] = dz
+            else:  # through the output layer
+                dz = dz.to(q_weight.dtype)
+                out[c] = dz @ q_weight
+                if wgrad is not None:
+                    wgrad.add(dz, h2[c])
             del dz
         return (out.reshape(q_in.shape), None, None, None, None if wgrad is None else wgrad.result(), None, None)
 
@@ -617,14 +625,12 @@ class _MTPHead:
 
     def _whole_because(self, weight, runtime_gather_output) -> str | None:
         """Why this depth's logits must be computed whole by the layer (None: they are read in chunks)."""
-        from verl_mtp_plugin.compat.megatron_mtp_head import weight_grad_unsupported
-
         layer = self._layer
+        wgrad_why = weight_grad_unsupported(layer, weight) if weight is not None and weight.requires_grad else None
         reasons = (
             (not CHUNKED_MTP_HEAD, "switched off"),
             (weight is None, "the output layer has no weight"),
-            (weight is not None and weight.requires_grad and weight_grad_unsupported(layer, weight) is not None,
-             f"the output weight trains (joint mode) and {weight_grad_unsupported(layer, weight)}"),
+            (wgrad_why is not None, f"the output weight trains (joint mode) and {wgrad_why}"),
             (getattr(layer, "bias", None) is not None, "the output layer has a bias"),
             (getattr(layer, "gather_output", False) or runtime_gather_output, "the output layer gathers its output"),
             (getattr(layer, "explicit_expert_comm", False) or getattr(layer, "disable_grad_reduce", False),
@@ -666,11 +672,8 @@ class _MTPHead:
                 full = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
         with torch.no_grad():
             logits = torch.nn.functional.linear(full.detach(), w)
-        main_grad = None
-        if w.requires_grad:  # joint: the loss computes the weight's gradient and delivers it as the layer would
-            from verl_mtp_plugin.compat.megatron_mtp_head import weight_grad_buffer
-
-            main_grad = weight_grad_buffer(layer, w)
+        # joint: the loss computes the weight's gradient and delivers it as the layer would
+        main_grad = weight_grad_buffer(layer, w) if w.requires_grad else None
         # the logits die with megatron's reference
         self._state["head"] = (weakref.ref(logits), HeadLogits(full, w, main_grad=main_grad))
         return logits, None
@@ -788,7 +791,6 @@ def mtp_objective_scope(model, objective, *, temperature: float, loss_mask: torc
 @contextlib.contextmanager
 def _mtp_head(inner, state: dict):
     """Megatron's MTP loss computes the depths' logits with :class:`_MTPHead` for ``inner`` within the block."""
-    from verl_mtp_plugin.compat.megatron_mtp_head import replace_mtp_output_layer
 
     def wrap(layer):
         return _MTPHead(layer, inner, state) if layer is getattr(inner, "output_layer", None) else layer
