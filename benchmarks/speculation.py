@@ -816,6 +816,10 @@ def print_rollout(result: dict) -> None:
                   f"{x.get('wall_s', float('nan')):>12.2f} {t['median']:10.2f} {x.get('tail_q90_s', float('nan')):>11.2f}")
 
 
+def _ratio(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
 def rollout_table(result: dict) -> str:
     """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm and batch size every timed
     call's wall time in the order it ran, the median and its ratio to no speculation's median (> 1 is faster), the
@@ -832,11 +836,12 @@ def rollout_table(result: dict) -> str:
         for n, r in row.get("by_batch", {}).items():
             calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, [])), key=lambda c: c["utc"])
             x = r.get("x_no_spec", {})
-            fx = (lambda v: f"{v:.2f}" if v is not None else "–")
+            walls = ", ".join(f"{c['wall_s']:.2f}" for c in calls)
+            tails = ", ".join(f"{c['tail_q90_s']:.2f}" for c in calls)
             rows.append(
-                f"| {key} | {n} | {', '.join(f'{c['wall_s']:.2f}' for c in calls)} | {r['wall_s']['median']:.2f} "
-                f"| {fx(x.get('wall_s'))} | {', '.join(f'{c['tail_q90_s']:.2f}' for c in calls)} "
-                f"| {r['tail_q90_s']['median']:.2f} | {fx(x.get('tail_q90_s'))} | {r['tokens_per_s']['median']:.0f} "
+                f"| {key} | {n} | {walls} | {r['wall_s']['median']:.2f} "
+                f"| {_ratio(x.get('wall_s'))} | {tails} "
+                f"| {r['tail_q90_s']['median']:.2f} | {_ratio(x.get('tail_q90_s'))} | {r['tokens_per_s']['median']:.0f} "
                 f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
                 f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
                 f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
