@@ -255,9 +255,12 @@ def run_env() -> dict:
     if env.get("VERL_H200_STACK") == "te":
         # verl sets VLLM_DISABLE_COMPILE_CACHE=1 unless the launching shell sets it (verl/trainer/constants_ppo.py:
         # get_ppo_ray_runtime_env drops keys already in os.environ; verl's reason: vLLM #31199, cache corruption).
-        # Kept on here: the modes of one lease share one model, and vLLM's compile was most of the start-up
-        # (engine core 148 s of the first run's 393 s)
-        env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "0")
+        # Runs one mode per lease follow verl (until 2026-12-05 they kept vLLM's cache on, for several modes in one
+        # lease): with it off vLLM leaves Triton's one cache (~/.triton/cache) and inductor's own
+        # (/tmp/torchinductor_<user>) where they are, so a cache carried from an earlier lease (super_session.sh
+        # cache / restore) serves this run's Mamba2 SSD autotuning and compile; with it on, vLLM moves both into the
+        # directory of the engine config's hash, which no earlier run at another batch or k shares.
+        env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     return env
 
 

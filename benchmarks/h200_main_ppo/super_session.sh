@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_main_ppo/super_session.sh bench [SECONDS_LEFT]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
+#   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
 # `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
@@ -88,9 +89,14 @@ poll)
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   ;;
 cache)
-  # Triton's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (start restores them)
-  tar czf /tmp/cache.tgz -C / root/.triton/cache root/.cache/vllm 2>/dev/null; ls -la /tmp/cache.tgz
+  # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
+  # and `bench` restore them when carried in their call; `restore` in a call of its own when they are large)
+  tar czf /tmp/cache.tgz -C / $(cd / && ls -d root/.triton/cache root/.cache/vllm tmp/torchinductor_* 2>/dev/null)
+  ls -la /tmp/cache.tgz
   mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
   ;;
-*) echo "usage: super_session.sh start|bench|poll|cache"; exit 2 ;;
+restore)
+  cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache | cut -f1)"
+  ;;
+*) echo "usage: super_session.sh start|bench|poll|cache|restore"; exit 2 ;;
 esac
