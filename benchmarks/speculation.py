@@ -696,8 +696,9 @@ def build_rollout_engine(arm, args):
         top = max(args.batches) * (k + 1)
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | {top})
         kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": top}
-        if arm_cudagraph_mode(arm, args):
-            kw["compilation_config"]["cudagraph_mode"] = arm_cudagraph_mode(arm, args)
+        graph_mode = arm_cudagraph_mode(arm, args)
+        if graph_mode:
+            kw["compilation_config"]["cudagraph_mode"] = graph_mode
     else:
         kw["enforce_eager"] = True
         kw["kv_cache_memory_bytes"] = 256 << 20

@@ -92,6 +92,7 @@ def mark_weight_grad_added(weight):
     return torch.empty_like(weight)
 
 
+@functools.cache  # looked up once: accumulate_weight_grad runs for every chunk of every depth
 def _fused_wgrad():
     """megatron's fused weight-gradient GEMM into a float32 / half buffer (apex's ``fused_weight_gradient_mlp_cuda``,
     what ``gradient_accumulation_fusion`` runs), or None where it is not installed."""

