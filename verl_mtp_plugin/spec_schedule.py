@@ -21,8 +21,9 @@ What vLLM 0.31 does with the schedule, and what the plugin's start-up check refu
 * with ``data_parallel_size > 1`` the schedule is dropped (a log warning; static ``k``);
 * on the V1 model runner a CUDA-graph mode with full graphs is lowered to ``PIECEWISE`` (a log warning);
 * on the V2 runner (vLLM 0.31's default on CUDA for Nemotron-H with MTP) with full CUDA graphs and an MTP
-  drafter, the decode graph capture can fail an assert (vLLM issue "num_speculative_tokens_per_batch_size + MTP
-  speculator fails full CUDA graph decode capture"); the guard for it is in vLLM 0.33, not in 0.31.
+  drafter, the engine fails at start: the decode graph capture can fail an assert on 0.31 (vLLM issue
+  "num_speculative_tokens_per_batch_size + MTP speculator fails full CUDA graph decode capture"; the guard is in
+  vLLM 0.33), and on 0.26 the speculator's CUDA-graph manager raised ``ZeroDivisionError`` (measured on an H100).
 
 The plugin refuses the first two kinds at start-up naming the key (non-integers, overlaps, gaps, a range that
 does not reach ``rollout.max_num_seqs``, ``k`` above ``num_speculative_tokens``) and the last two as well
