@@ -19,12 +19,12 @@ for _p in (ROOT, os.path.join(ROOT, "cpu_runtime")):  # the product and its CPU 
         sys.path.insert(0, _p)
 
 
-def tokenizer():
-    """The demo's word-level tokenizer, sized for the demo model's vocabulary."""
+def tokenizer(vocab_size: int | None = None):
+    """The demo's word-level tokenizer, sized for the demo model's vocabulary (or padded to ``vocab_size``)."""
     from verl_mtp_cpu.assets import demo_tokenizer
     from verl_mtp_cpu.vllm_engine import dense_spec
 
-    return demo_tokenizer(dense_spec().vocab_size)
+    return demo_tokenizer(vocab_size or dense_spec().vocab_size)
 
 
 def prompt_ids(tok, a: int, b: int) -> list[int]:
@@ -45,15 +45,20 @@ def prompt_pairs(n: int, seed: int) -> list[tuple[int, int]]:
     return out
 
 
-def rewards(tok, pairs: list[tuple[int, int]], responses):
-    """The demo's reward (``compute_score``) of each decoded response (``responses``: ``[n, L]`` token ids)."""
+def rewards(tok, pairs: list[tuple[int, int]], responses, steps: int | None = None):
+    """The demo's reward (``compute_score``) of each decoded response (``responses``: ``[n, L]`` token ids).
+    ``steps``: the same rule over longer responses, the fraction of the first ``steps`` that count on by one."""
     import torch
 
-    from verl_mtp_cpu.reward import compute_score
+    from verl_mtp_cpu.reward import compute_score, counted_on
+
+    def score(text: str, b: int) -> float:
+        if steps is None:
+            return compute_score("count_on", text, str(b))
+        return counted_on(text.split()[:steps], str(b)) / steps
 
     words = tok.convert_ids_to_tokens(list(range(len(tok))))
-    return torch.tensor([compute_score("count_on", " ".join(words[int(t)] for t in r), str(b))
-                         for (a, b), r in zip(pairs, responses.tolist())])
+    return torch.tensor([score(" ".join(words[int(t)] for t in r), b) for (a, b), r in zip(pairs, responses.tolist())])
 
 
 def answer(a: int, b: int, n: int) -> list[int]:

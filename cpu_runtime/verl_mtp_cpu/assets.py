@@ -115,10 +115,17 @@ def demo_tokenizer(vocab_size: int):
     return hf
 
 
-def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_REPEAT, mtp_only: bool = False) -> float:
+def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_REPEAT, mtp_only: bool = False,
+            response_length: int = RESPONSE_LENGTH, lr: float = 3e-3, batch: int = 32, warmup_steps: int = 0,
+            device=None, seconds: float | None = None, stats: dict | None = None) -> float:
     """Supervised steps on prompt + warm-up-rule responses (:func:`warmup_response` with ``repeat``, a fresh
     draw per step), MTP loss on the response tokens (the MTP block trained with the model; ``mtp_only``: only
-    the MTP block's own parameters step, the rest of the model is read, not changed)."""
+    the MTP block's own parameters step, the rest of the model is read, not changed). The keywords after
+    ``mtp_only`` size it for larger models (the defaults are the demo's): responses of ``response_length`` digits,
+    AdamW at ``lr`` after a linear ramp of ``warmup_steps``, ``batch`` rows, tensors on ``device``, a time cap of
+    ``seconds``; ``stats`` receives the steps done and the seconds taken."""
+    import time
+
     import torch
 
     from verl_mtp_plugin.control import hybrid_forward
@@ -136,23 +143,33 @@ def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_R
     rng = random.Random(seed + 2 + (100 if mtp_only else 0))
     params = [p for n, p in model.named_parameters() if "mtp" in n] if mtp_only else list(model.parameters())
     assert params, "the model has no MTP block"
-    opt = torch.optim.AdamW(params, lr=3e-3)
+    opt = torch.optim.AdamW(params, lr=lr)
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        batch = [prompts[rng.randrange(len(prompts))] for _ in range(32)]
-        ids = torch.tensor([p + tokenizer.convert_tokens_to_ids([str(d) for d in warmup_response(a, b, rng, repeat=repeat)])
-                            for p, a, b in batch])
+    t0 = time.time()
+    done = 0
+    for i in range(steps):
+        if seconds is not None and time.time() - t0 > seconds:
+            break
+        if warmup_steps:
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
+        rows_ = [prompts[rng.randrange(len(prompts))] for _ in range(batch)]
+        ids = torch.tensor([p + tokenizer.convert_tokens_to_ids([str(d) for d in warmup_response(
+            a, b, rng, n=response_length, repeat=repeat)]) for p, a, b in rows_], device=device)
         b, s = ids.shape
-        loss_mask = torch.zeros(b, s)
+        loss_mask = torch.zeros(b, s, device=device)
         loss_mask[:, prompt_len:] = 1.0
-        pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+        pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s).contiguous()
         opt.zero_grad(set_to_none=True)
-        logits = hybrid_forward(model, ids, pos, causal_mask(s), run_mtp_forward=True, loss_mask=loss_mask)
+        logits = hybrid_forward(model, ids, pos, causal_mask(s, device), run_mtp_forward=True, loss_mask=loss_mask)
         logp = torch.log_softmax(logits.float(), dim=-1)[:, prompt_len - 1 : s - 1]
         loss = -logp.gather(-1, ids[:, prompt_len:, None]).mean()
         loss.backward()
         opt.step()
+        done = i + 1
     reset_mtp_metrics()
+    if stats is not None:
+        stats.update(steps=done, seconds=round(time.time() - t0, 1), loss=float(loss.detach()))
     return float(loss.detach())
 
 

