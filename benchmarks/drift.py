@@ -24,19 +24,10 @@ Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (C
     flock /tmp/heavy.lock $P measure --method greedy --seeds 0,1,2 --budget 280   # repeat until done; then
     $P report                                                                     # also --method probabilistic
 
-GPU (stack staged as in ``h200_main_ppo/README.md``; device calls 1..N-1 carry ``.stage/sK``, call N carries
-``.stage/sN`` and ``.h200``; every call: ``export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 TRITON_CACHE_AUTOTUNING=1``)::
-
-    bash .h200/device_install.sh || exit 3; mkdir -p /tmp/dg/out   # call N: install, then the three jobs
-    G="python3 benchmarks/drift.py gpu --work /tmp/dg --out /tmp/dg/out --budget 960"
-    setsid $G train --max-unmeasured 4 </dev/null >/tmp/dg/train.log 2>&1 & echo $! >>/tmp/dg/pids
-    for m in greedy probabilistic; do setsid $G measure --method $m --follow --prune </dev/null \
-      >/tmp/dg/$m.log 2>&1 & echo $! >>/tmp/dg/pids; done
-    # this call and the next ones (until every pid is gone; rerun a job with the same flags to resume):
-    for i in $(seq 110); do sleep 5; for p in $(cat /tmp/dg/pids); do kill -0 $p 2>/dev/null && continue 2; done
-      break; done; cp /tmp/dg/*.log /tmp/dg/*.json /tmp/dg/out/*.jsonl $OUT/; tail -n 4 /tmp/dg/*.log
-    python3 benchmarks/drift.py gpu report --out /tmp/dg/out && cp /tmp/dg/out/*gpu* $OUT/   # last call
+GPU: one lease, staged and installed as the Super-widths runs (``h200_main_ppo/README.md``, "The drift lease"):
+``super_session.sh drift SECONDS_LEFT`` builds one engine per drafting method first (vLLM checks the free memory as
+it starts), then runs ``train --max-unmeasured 4`` while both ``measure --follow --prune`` jobs measure each version
+as it is stored, then ``report``; ``super_session.sh poll`` brings the logs, the JSONL and the summary back.
 
 Dry run (100 s on 2 CPU cores)::
 

@@ -3,6 +3,7 @@
 # whole pipeline in the background and returns; later calls poll it with `super_session.sh poll`.
 #   bash benchmarks/h200_main_ppo/super_session.sh start "MODES" [extra run.py args]   (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh bench [SECONDS_LEFT]                     (installs, then setsid)
+#   bash benchmarks/h200_main_ppo/super_session.sh drift [SECONDS_LEFT] [drift.py args]     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
 #   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
@@ -78,15 +79,46 @@ PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
   echo "pipeline started: pid $!"
   ;;
+drift)
+  # drift.py gpu (the objectives ranked under drift over seeds): one vLLM engine per drafting method built first,
+  # then pretraining and GRPO with the four objectives' MTP blocks, the engines measuring each version as it is
+  # stored and pruning what both measured; then the report. Arguments after the lease's seconds left go to every
+  # drift.py call (e.g. --seeds 0,1,2)
+  END=$(( $(date +%s) + ${2:-1500} ))
+  install
+  shift 2 || shift $#
+  cat > $S/pipeline.sh <<PIPE
+set -x
+cd $PWD
+export PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site VLLM_USE_V2_MODEL_RUNNER=1
+date -u +%FT%TZ > $S/t_start
+G="python3 benchmarks/drift.py gpu --work /tmp/dg --out $S/dg --tag ${CARD}_gpu $*"
+left() { echo \$(( $END - \$(date +%s) - 150 )); }   # each job's --budget: the lease's end less 150 s
+\$G --budget \$(left) measure --method greedy --follow --prune > $S/greedy.log 2>&1 &
+\$G --budget \$(left) measure --method probabilistic --follow --prune > $S/probabilistic.log 2>&1 &
+# the engines take their memory first (vLLM checks the free memory as it starts), then the trainer the rest
+for i in \$(seq 400); do grep -q "built in" $S/greedy.log && grep -q "built in" $S/probabilistic.log && break; sleep 1; done
+\$G --budget \$(left) train --max-unmeasured 4 > $S/train.log 2>&1
+wait
+date -u +%FT%TZ > $S/t_run
+python3 benchmarks/drift.py gpu report --out $S/dg --tag ${CARD}_gpu $* > $S/report.log 2>&1
+date -u +%FT%TZ > $S/t_end
+PIPE
+  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
+  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  ;;
 poll)
   # one archive (the device returns at most 8 files): the pipeline's logs, verl's per-step metrics and the plugin's
   # sync events of every mode so far, so a lease that ends mid-run still brings back every finished step
   mkdir -p $S/pack && for d in /tmp/h200_main_ppo/*/; do m=$(basename $d)
     for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack roll mem 2>/dev/null) \
+  [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
+    [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack roll mem dg 2>/dev/null) \
     -C /tmp/super assets.json 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
+  tail -6 $S/train.log $S/greedy.log $S/probabilistic.log $S/report.log 2>/dev/null
   ;;
 cache)
   # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
@@ -108,5 +140,5 @@ restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
   cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache | cut -f1)"
   ;;
-*) echo "usage: super_session.sh start|bench|poll|cache|restore"; exit 2 ;;
+*) echo "usage: super_session.sh start|bench|drift|poll|cache|restore"; exit 2 ;;
 esac
