@@ -694,7 +694,10 @@ def build_rollout_engine(arm, args):
             kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
         kw["enable_sleep_mode"] = args.sleep
         top = max(args.batches) * (k + 1)
-        sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | {top})
+        # powers of two, and every batch's full verify step at every k the arm drafts (a schedule drafts fewer at
+        # larger batches), so that no arm's full-batch step runs padded to the next graph
+        full = {b * (j + 1) for b in args.batches for j in range(k + 1)}
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096} & set(range(1, top)) | full)
         kw["compilation_config"] = {"cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": top}
         graph_mode = arm_cudagraph_mode(arm, args)
         if graph_mode:

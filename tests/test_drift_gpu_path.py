@@ -49,13 +49,14 @@ def dry_run(tmp_path_factory):
     return tmp, rows, summary, report
 
 
-def test_every_arm_shares_one_trunk_per_version(dry_run):
+def test_every_arm_and_phase_shares_one_trunk_per_version(dry_run):
     tmp, rows, _, _ = dry_run
     for seed in SEEDS:
         for v in range(VERSIONS + 1):
             meta = torch.load(tmp / "work" / f"seed{seed}" / f"v{v}.pt")
-            assert meta["split"] and set(meta["trunk_digests"]) == set(ARMS[:4])
-            assert set(meta["trunk_digests"].values()) == {meta["trunk_digest"]}
+            # one trunk: the swapped-in objectives hold the lead's own trunk tensors (a step that moved them
+            # stops the run), so only the lead's stream is hashed
+            assert meta["split"] and meta["trunk_digests"] == {"hard_ce": meta["trunk_digest"]}
             cell = [r for r in rows if r["seed"] == seed and r["version"] == v]
             assert {r["trunk_digest"] for r in cell} == {meta["trunk_digest"]}
             assert {(r["type"], r["arm"]) for r in cell if r["type"] == "estimate"} == {("estimate", a) for a in ARMS}
@@ -114,3 +115,50 @@ def test_report_ranks_every_arm_over_the_seeds(dry_run):
         assert sorted(ranking["by_mean_accept_length"]) == sorted(ARMS)
         assert sum(ranking["objective_wins_per_seed"].values()) == len(SEEDS)
     assert "**Ranking**: vLLM's mean accepted tokens per verify step" in report
+
+
+GUARD = r"""
+import json, sys, torch
+sys.argv = ["drift"]
+import drift
+from verl_mtp_cpu.tiny import build_tiny_hybrid, init_megatron
+ap = drift.argparse.ArgumentParser()
+drift.add_gpu_args(ap)
+args = ap.parse_args(["train", "--cpu-dry-run"])
+S = drift.gpu_setup(args)
+init_megatron(seed=0)
+from verl_mtp_plugin.testing import reset_mtp_globals
+reset_mtp_globals(2)
+torch.manual_seed(0)
+state0 = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in build_tiny_hybrid(S.spec_ckpt).state_dict().items()}
+arms = drift.Arms(state0, S, 1e-3)
+lead_mtp = {n: p.detach().clone() for n, p in arms.lead.named_parameters() if drift.is_mtp(n)}
+held = [t.clone() for t in arms.held["soft_ce"]]
+out = {}
+with arms.stepping("soft_ce") as m:  # soft_ce's block is in the model; change it as its optimizer would
+    out["same_model"] = m is arms.lead
+    next(p for n, p in m.named_parameters() if drift.is_mtp(n)).data.add_(1.0)
+back = {n: p for n, p in arms.lead.named_parameters() if drift.is_mtp(n)}
+out["lead_mtp_restored"] = all(torch.equal(back[n], lead_mtp[n]) for n in lead_mtp)
+out["own_block_kept_its_step"] = not torch.equal(arms.held["soft_ce"][0], held[0])
+try:
+    with arms.stepping("tv") as m:  # an objective whose step moved the trunk
+        next(p for n, p in m.named_parameters() if not drift.is_mtp(n)).data.add_(1e-3)
+    out["refused"] = None
+except SystemExit as e:
+    out["refused"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_swapped_in_objective_steps_only_its_own_block_and_a_moved_trunk_stops_the_run():
+    """The one-trunk bookkeeping of the GPU run: an objective's MTP step lands in its own block (kept after the swap
+    back), the lead's block is back in the model afterwards, and a step that moved the trunk stops the run."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "cpu_runtime"),
+                                                        os.path.join(ROOT, "benchmarks")]), VLLM_TARGET_DEVICE="cpu")
+    p = subprocess.run([sys.executable, "-c", GUARD], env=env, capture_output=True, text=True, timeout=300)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["same_model"] and out["lead_mtp_restored"] and out["own_block_kept_its_step"]
+    assert out["refused"] and "objective tv: its MTP step moved the trunk" in out["refused"]

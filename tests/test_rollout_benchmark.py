@@ -263,6 +263,11 @@ def test_an_arm_can_name_its_cuda_graph_mode_and_each_engine_gets_exactly_its_ow
     assert [s.get("num_speculative_tokens") for s in spec] == [None, 2, 2, 3, 3]
     assert ["num_speculative_tokens_per_batch_size" in s for s in spec] == [False, False, False, True, True]
     assert [kw["compilation_config"]["max_cudagraph_capture_size"] for kw in built] == [256, 768, 768, 1024, 1024]
+    # every full-batch verify step has its own graph (k=2 at 64 sequences: 192 tokens, not padded to 256); a
+    # schedule's engine also every smaller k's
+    sizes = [set(kw["compilation_config"]["cudagraph_capture_sizes"]) for kw in built]
+    assert {64, 256} <= sizes[0] and {192, 768} <= sizes[1] and {192, 768} <= sizes[2]
+    assert {64, 128, 192, 256, 512, 768, 1024} <= sizes[3] and max(sizes[3]) == 1024
 
 
 def test_the_results_table_lists_every_call_in_order_with_the_ratios_to_no_speculation(spec_bench):

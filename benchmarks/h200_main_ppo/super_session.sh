@@ -84,6 +84,7 @@ drift)
   # then pretraining and GRPO with the four objectives' MTP blocks, the engines measuring each version as it is
   # stored and pruning what both measured; then the report. Arguments after the lease's seconds left go to every
   # drift.py call (e.g. --seeds 0,1,2)
+  case "${2:-1500}" in ''|*[!0-9]*) echo "drift: the lease's seconds left first, then drift.py's arguments"; exit 2 ;; esac
   END=$(( $(date +%s) + ${2:-1500} ))
   install
   shift 2 || shift $#
@@ -94,11 +95,15 @@ export PYTHONPATH=$PWD:$PWD/cpu_runtime:/tmp/site VLLM_USE_V2_MODEL_RUNNER=1
 date -u +%FT%TZ > $S/t_start
 G="python3 benchmarks/drift.py gpu --work /tmp/dg --out $S/dg --tag ${CARD}_gpu $*"
 left() { echo \$(( $END - \$(date +%s) - 150 )); }   # each job's --budget: the lease's end less 150 s
-\$G --budget \$(left) measure --method greedy --follow --prune > $S/greedy.log 2>&1 &
-\$G --budget \$(left) measure --method probabilistic --follow --prune > $S/probabilistic.log 2>&1 &
-# the engines take their memory first (vLLM checks the free memory as it starts), then the trainer the rest
-for i in \$(seq 400); do grep -q "built in" $S/greedy.log && grep -q "built in" $S/probabilistic.log && break; sleep 1; done
-\$G --budget \$(left) train --max-unmeasured 4 > $S/train.log 2>&1
+\$G --budget \$(left) measure --method greedy --follow --prune > $S/greedy.log 2>&1 & P1=\$!
+\$G --budget \$(left) measure --method probabilistic --follow --prune > $S/probabilistic.log 2>&1 & P2=\$!
+# the engines take their memory first (vLLM checks the free memory as it starts), then the trainer the rest; an
+# engine that did not come up ends the pipeline (its log says why) instead of idling until the lease's end
+for i in \$(seq 400); do grep -q "built in" $S/greedy.log && grep -q "built in" $S/probabilistic.log && break
+  kill -0 \$P1 2>/dev/null && kill -0 \$P2 2>/dev/null || break; sleep 1; done
+if ! (grep -q "built in" $S/greedy.log && grep -q "built in" $S/probabilistic.log); then
+  echo "an engine did not start" > $S/failed; kill \$P1 \$P2 2>/dev/null; exit 7; fi
+\$G --budget \$(left) train --max-unmeasured 4 > $S/train.log 2>&1 || { echo "train rc \$?" > $S/failed; kill \$P1 \$P2; }
 wait
 date -u +%FT%TZ > $S/t_run
 python3 benchmarks/drift.py gpu report --out $S/dg --tag ${CARD}_gpu $* > $S/report.log 2>&1
@@ -114,7 +119,7 @@ poll)
     for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* run pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* failed run pack roll mem dg 2>/dev/null) \
     -C /tmp/super assets.json 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null

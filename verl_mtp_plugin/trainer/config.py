@@ -677,7 +677,7 @@ _EAGER_STEP = "61.6 ms vs 29.6 ms per decode step (256 sequences, k=2, 30B-A3B s
 _PIECEWISE_SCHEDULE = ("whole rollouts at Nemotron 3 Super's widths (2.07 B, H100, vLLM 0.26 V2 runner) ran 0.85x / "
                        "1.15x / 1.17x no speculation at 64 / 256 / 1024 sequences with the schedule [[1, 64, 3], "
                        "[65, 256, 2], [257, 4096, 1]] and piecewise graphs, 1.27x / 1.62x / 1.97x with a fixed k=2 "
-                       "and full graphs; in a second lease k=2 with piecewise graphs ran 1.60x / 1.49x / 1.13x the "
+                       "and full graphs; in a second lease k=2 with piecewise graphs ran 1.60x / 1.50x / 1.14x the "
                        "wall time of k=2 with full graphs")
 
 
