@@ -481,22 +481,20 @@ class Streams:
     def __init__(self, sdir: str):
         self.sdir, self.cache = sdir, {}
 
-    def _get(self, v: int) -> dict:
+    def meta(self, v: int) -> dict:
+        """``v{v}.pt``: the digests, and the stream itself where it is not split."""
         if v not in self.cache:
             self.cache[v] = torch.load(os.path.join(self.sdir, f"v{v}.pt"))
         return self.cache[v]
 
-    def meta(self, v: int) -> dict:
-        return self._get(v)
-
     def trunk(self, v: int) -> dict:
-        s = self._get(v)
+        s = self.meta(v)
         if "trunk" not in s:
             s["trunk"] = torch.load(os.path.join(self.sdir, f"v{v}", "trunk.pt"))
         return s["trunk"]
 
     def mtp(self, v: int, o: str) -> dict:
-        s = self._get(v)
+        s = self.meta(v)
         s.setdefault("mtp", {})
         if o not in s["mtp"]:
             s["mtp"][o] = torch.load(os.path.join(self.sdir, f"v{v}", f"mtp_{o}.pt"))
@@ -787,7 +785,7 @@ def measure(args, S: Setup | None = None) -> None:
                     freed = streams.prune(v)
                     if freed:
                         log(f"seed {seed} v{v}: measured by every method; pruned {freed / 2**20:.1f} MiB")
-                streams.keep({u for u in (v + 1 - args.stale_lag + i for i in range(args.stale_lag)) if u > 0} | {0})
+                streams.keep(set(range(max(1, v + 1 - args.stale_lag), v + 1)) | {0})
                 del trunk
                 v += 1
     finally:
