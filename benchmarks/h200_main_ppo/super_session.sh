@@ -23,10 +23,13 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCC
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
 install() {
   mkdir -p $S
+  # once per machine: te_on_h200.sh rebuilds causal_conv1d on every call (~80 s on the H100)
+  if [ -f $S/.installed ]; then echo "installed already on this machine"; return 0; fi
   if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then cat .h200-cache/cache.tgz.part* | tar xzf - -C /; echo "caches restored"; fi
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   bash /tmp/te/te_on_h200.sh > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   tail -3 $S/install.log; tail -3 $S/te.log
+  touch $S/.installed
 }
 # the pipeline's last lines: with the lease's time left after its main job (END: the lease's end in epoch seconds;
 # 0: unknown, nothing more), peak memory per objective with recompute if 150 s remain, then the GPU invariants if 120 s
@@ -119,8 +122,9 @@ poll)
     for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
+  # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
   tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* failed run pack roll mem dg 2>/dev/null) \
-    -C /tmp/super assets.json 2>/dev/null
+    $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   tail -6 $S/train.log $S/greedy.log $S/probabilistic.log $S/report.log 2>/dev/null
