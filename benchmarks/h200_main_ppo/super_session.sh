@@ -127,7 +127,9 @@ poll)
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
-  tail -6 $S/train.log $S/greedy.log $S/probabilistic.log $S/report.log 2>/dev/null
+  # drift.py's own lines ("[   12.3s] ..."), not the libraries' warnings around them
+  for f in train greedy probabilistic; do [ -f $S/$f.log ] && { echo "== $f"; grep '^\[ *[0-9.]*s\]' $S/$f.log | tail -4; }; done
+  tail -6 $S/report.log 2>/dev/null
   ;;
 cache)
   # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
