@@ -22,7 +22,8 @@ What the overrides change, and why (everything else is the recipe's):
   (``--tp``/``--ep``/``--gpus``; the recipe's 64-GPU layout cannot run on one GPU), vLLM memory share,
   ``max_num_seqs`` and the CUDA-graph ceiling ``max_seqs x (k+1)``, step count, Ray's logical CPUs and
   worker counts, no checkpoint save (Megatron-Bridge's HF save imports ``modelopt``, not carried),
-  no recompute (the model is tiny);
+  no recompute (the model is tiny); on an 80 GB card ``--tokens-per-gpu`` (the recipe's tokens per update
+  micro-batch, the log-prob passes twice that, as the recipe sets them: 18,432 / 36,864);
 * forced by the image (no Transformer Engine, no apex, no ``causal_conv1d``): ``attention_backend=local``,
   the CPU harness's fusion/kernel choices (``verl_mtp_cpu.bridge.CPU_PROVIDER_OVERRIDES``; the
   MoE dispatcher ``allgather`` is the combination those runs proved), ``use_mamba_mem_eff_path=false``
@@ -226,6 +227,10 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
     if a.tp > 1 or a.ep > 1:
         out.append(f"{ar}.ref.megatron.tensor_model_parallel_size={a.tp}")
         out.append(f"{ar}.ref.megatron.expert_model_parallel_size={a.ep}")
+    if getattr(a, "tokens_per_gpu", None):
+        # the reference's log-prob pass follows the actor's value (verl's ref.yaml); the old log-probs' the rollout's
+        out += [f"{ar}.actor.ppo_max_token_len_per_gpu={a.tokens_per_gpu}",
+                f"{ar}.rollout.log_prob_max_token_len_per_gpu={2 * a.tokens_per_gpu}"]
     if a.no_offload:
         out += [f"{ar}.actor.megatron.param_offload=false", f"{ar}.actor.megatron.optimizer_offload=false",
                 f"{ar}.ref.megatron.param_offload=false"]
@@ -527,6 +532,9 @@ def main(argv=None) -> int:
     r.add_argument("--gpu-mem", type=float, default=0.3, help="rollout.gpu_memory_utilization")
     r.add_argument("--agent-workers", type=int, default=2)
     r.add_argument("--no-offload", action="store_true", help="actor/ref param and optimizer offload off")
+    r.add_argument("--tokens-per-gpu", type=int, default=None,
+                   help="actor.ppo_max_token_len_per_gpu (log-prob passes: twice it); default the recipe's 18432, "
+                        "9216 on an 80 GB card (README: the modes on an H100)")
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all modes of this call")
     r.add_argument("--run-timeout", type=float, default=420.0, help="seconds for one mode")
     r.add_argument("--min-run-s", type=float, default=90.0, help="skip a mode with less time left")
