@@ -189,15 +189,19 @@ def demo_checkpoint(work: str, check_assets: str | None = None, S: Setup | None 
         t = time.time()
         kw = {k: v for k, v in S.pretrain.items() if k != "steps"}
         joint, mtp_only = {}, {}
-        loss = warm_up(model, tokenizer(S.vocab_size), S.pretrain["steps"], 0, **kw, **({"stats": joint} if kw else {}))
-        warm_up(model, tokenizer(S.vocab_size), S.mtp_steps, 0, repeat=1.0, mtp_only=True, **kw,
-                **({"stats": mtp_only} if kw else {}))
-        log(f"{'demo ' if not kw else ''}checkpoint rebuilt in {time.time() - t:.1f}s (warm-up loss {loss:.3f})")
-        for phase, st, want in (("joint", joint, S.pretrain["steps"]), ("MTP only", mtp_only, S.mtp_steps)):
-            if st and 2 * st["steps"] < want:  # a checkpoint that barely trained ranks nothing: stop before RL
+
+        def capped(phase: str, st: dict, want: int) -> None:  # a checkpoint that barely trained ranks nothing
+            if st and 2 * st["steps"] < want:
                 raise SystemExit(f"pretraining ({phase}) stopped at {st['steps']} of {want} steps by "
                                  f"--pretrain-seconds {S.pretrain['seconds']} (first step {st['first_step_s']} s): "
                                  "raise --pretrain-seconds")
+
+        loss = warm_up(model, tokenizer(S.vocab_size), S.pretrain["steps"], 0, **kw, **({"stats": joint} if kw else {}))
+        capped("joint", joint, S.pretrain["steps"])
+        warm_up(model, tokenizer(S.vocab_size), S.mtp_steps, 0, repeat=1.0, mtp_only=True, **kw,
+                **({"stats": mtp_only} if kw else {}))
+        capped("MTP only", mtp_only, S.mtp_steps)
+        log(f"{'demo ' if not kw else ''}checkpoint rebuilt in {time.time() - t:.1f}s (warm-up loss {loss:.3f})")
         state = {k: (_clone(v).cpu() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
         os.makedirs(work, exist_ok=True)
         torch.save(state, path)

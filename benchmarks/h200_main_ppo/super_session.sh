@@ -130,6 +130,9 @@ poll)
   # drift.py's own lines ("[   12.3s] ..."), not the libraries' warnings around them
   for f in train greedy probabilistic; do [ -f $S/$f.log ] && { echo "== $f"; grep '^\[ *[0-9.]*s\]' $S/$f.log | tail -4; }; done
   tail -6 $S/report.log 2>/dev/null
+  # a failed job says why on its last lines (a refusal or a traceback has no "[ ...s]" prefix)
+  [ -f $S/failed ] && { echo "== failed: $(cat $S/failed)"; tail -5 $S/train.log 2>/dev/null; }
+  true
   ;;
 cache)
   # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
