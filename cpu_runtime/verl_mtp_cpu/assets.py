@@ -148,7 +148,7 @@ def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_R
     opt = torch.optim.AdamW(params, lr=lr)
     loss = torch.tensor(float("nan"))
     t0 = time.time()
-    t_cap, first = None, None  # the cap's clock starts once the first step (and its compiles) is done
+    t_cap = None  # the cap's clock starts once the first step (and its compiles) is done
     done = 0
     for i in range(steps):
         if seconds is not None and t_cap is not None and time.time() - t_cap > seconds:
@@ -173,11 +173,10 @@ def warm_up(model, tokenizer, steps: int, seed: int, *, repeat: float = WARMUP_R
         if t_cap is None:
             float(loss.detach())  # waits for the device: the first step's time includes its kernels' compiles
             t_cap = time.time()
-            first = t_cap - t0
     reset_mtp_metrics()
     if stats is not None:
         stats.update(steps=done, seconds=round(time.time() - t0, 1), loss=float(loss.detach()),
-                     first_step_s=round(first or 0.0, 1))
+                     first_step_s=round((t_cap or t0) - t0, 1))
     return float(loss.detach())
 
 
