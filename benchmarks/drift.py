@@ -29,7 +29,8 @@ Method and figures: benchmarks/RESULTS.md, "MTP objective under policy drift" (C
 GPU: one lease, staged and installed as the Super-widths runs (``h200_main_ppo/README.md``, "The drift lease"):
 ``super_session.sh drift SECONDS_LEFT`` builds one engine per drafting method first (vLLM checks the free memory as
 it starts), then runs ``train --max-unmeasured 4`` while both ``measure --follow --prune`` jobs measure each version
-as it is stored, then ``report``; ``super_session.sh poll`` brings the logs, the JSONL and the summary back.
+as it is stored, then ``report``; ``super_session.sh poll`` brings the logs, the JSONL and the summary back. Seeds
+split over leases (other ``--seeds`` each) rank together with ``report --merge FOLDER --merge FOLDER``.
 
 Dry run (100 s on 2 CPU cores)::
 
@@ -938,6 +939,9 @@ def summarize(rows) -> dict:
 def markdown(summary) -> str:
     lines = []
     vs = summary["versions"]
+    for m in summary.get("merged", []):
+        lines.append(f"merged: `{m['path']}` seeds {m['seeds']}, versions 0-{m['versions_up_to']}"
+                     + (", its stale arm dropped (another --stale-lag)" if m["stale_arm_dropped"] else ""))
     for method in METHODS:
         if not any(method in c for cells in summary["per_version"].values() for c in cells.values()):
             continue
@@ -1032,9 +1036,78 @@ def plot(summary, path) -> str | None:
     return path
 
 
+#: what a seed's trajectory and its measurements depend on: runs merged into one report must agree on all of these
+#: (``stale_lag`` changes only the stale arm, which is dropped from a merged run where it differs)
+SAME_SETTINGS = ("updates_per_version", "prompts", "group", "lr", "clip_grad", "est_prompts", "est_samples",
+                 "measure_prompts", "measure_samples", "engine_seed", "max_num_seqs", "response_length", "pattern",
+                 "experts", "pretrain_steps", "pretrain_mtp_steps", "pretrain_lr", "pretrain_batch", "kv_cache_gib",
+                 "graphs", "cpu_dry_run")
+
+
+def run_of(path: str) -> dict:
+    """One run's rows and settings: a results folder (or its JSONL) with the ``seed<N>_done.json`` files that
+    ``super_session.sh poll`` copies beside the JSONL (each holds the ``train`` call's arguments)."""
+    folder, jsonl = (path, None) if os.path.isdir(path) else (os.path.dirname(path), path)
+    if jsonl is None:
+        found = sorted(f for f in os.listdir(folder) if f.startswith("objective_drift_") and f.endswith(".jsonl"))
+        if len(found) != 1:
+            raise SystemExit(f"--merge {path}: expected one objective_drift_*.jsonl there, found {found}")
+        jsonl = os.path.join(folder, found[0])
+    done = {}
+    for f in sorted(os.listdir(folder)):
+        if f.startswith("seed") and f.endswith("_done.json"):
+            with open(os.path.join(folder, f)) as fh:
+                info = json.load(fh)
+            done[int(info["seed"])] = info
+    rows = load_rows(jsonl)
+    missing = sorted({r["seed"] for r in rows} - set(done))
+    if missing:
+        raise SystemExit(f"--merge {path}: no seed<N>_done.json for seeds {missing}: the run's settings are unknown")
+    return {"path": path, "rows": rows, "done": done}
+
+
+def merge_runs(paths: list[str]) -> tuple[list, list]:
+    """The rows of several runs (e.g. one lease each) as one: seeds must differ and :data:`SAME_SETTINGS` agree
+    (the first run's are the reference); versions are cut to the fewest any run planned, and a run whose
+    ``stale_lag`` differs from the first run's loses its stale arm. Returns the rows and what was merged."""
+    runs = [run_of(p) for p in paths]
+    ref_args = next(iter(runs[0]["done"].values()))["args"]
+    top = min(info["args"]["versions"] for run in runs for info in run["done"].values())
+    seen: dict = {}
+    rows, merged = [], []
+    for run in runs:
+        for seed, info in run["done"].items():
+            if seed in seen:
+                raise SystemExit(f"--merge: seed {seed} is in both {seen[seed]} and {run['path']} (two trajectories "
+                                 "of one seed cannot be averaged; rerun one of them with other --seeds)")
+            seen[seed] = run["path"]
+            differ = [k for k in SAME_SETTINGS if info["args"].get(k) != ref_args.get(k)]
+            if differ:
+                raise SystemExit(f"--merge {run['path']}: seed {seed} ran with other settings than "
+                                 f"{runs[0]['path']}: " + ", ".join(f"--{k.replace('_', '-')} "
+                                 f"{info['args'].get(k)} vs {ref_args.get(k)}" for k in differ))
+        lag = {info["args"]["stale_lag"] for info in run["done"].values()}
+        drop_stale = lag != {ref_args["stale_lag"]}
+        keep = [r for r in run["rows"] if r["version"] <= top and not (drop_stale and r["arm"] == "stale")]
+        merged.append({"path": run["path"], "seeds": sorted(run["done"]), "rows": len(keep),
+                       "rows_dropped": len(run["rows"]) - len(keep), "versions_up_to": top,
+                       "stale_arm_dropped": drop_stale})
+        rows += keep
+    return rows, merged
+
+
 def report(args) -> None:
-    rows = load_rows(args.jsonl)
+    merged = None
+    if args.merge:
+        if os.path.exists(args.jsonl):
+            raise SystemExit(f"--merge writes a report of the merged runs only: {args.jsonl} exists (name an --out "
+                             "folder of its own, or add this run's folder to --merge)")
+        rows, merged = merge_runs(args.merge)
+    else:
+        rows = load_rows(args.jsonl)
     summary = summarize(rows)
+    if merged:
+        summary["merged"] = merged
     summary["environment"] = environment()
     path = os.path.join(args.out, f"objective_drift_{args.tag}_summary.json")
     with open(path, "w") as f:
@@ -1087,6 +1160,9 @@ def add_cpu_args(ap: argparse.ArgumentParser, phases=("train", "measure", "repor
     ap.add_argument("--engine-seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256, help="vLLM batch (more sequences queue)")
     ap.add_argument("--budget", type=float, default=None, help="measure: seconds; stops between arms, resumable")
+    ap.add_argument("--merge", action="append", default=[], metavar="FOLDER",
+                    help="report: rank the seeds of several runs' results folders together (e.g. one lease each; "
+                         "each with its seed<N>_done.json files); seeds must differ and the runs' settings agree")
 
 
 def add_gpu_args(ap: argparse.ArgumentParser) -> None:

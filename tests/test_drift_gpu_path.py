@@ -180,3 +180,72 @@ def test_a_pretraining_capped_below_half_its_steps_stops_before_rl(tmp_path):
     assert p.returncode != 0, p.stdout[-2000:]
     assert "pretraining (joint) stopped at 1 of 30 steps by --pretrain-seconds 0.0" in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "work" / "ckpt.pt").exists()
+
+
+def _split_by_seed(tmp, rows, dest, settings=None):
+    """The dry run's results as one folder per seed, as leases bring them back (``super_session.sh poll`` copies
+    each seed's ``done.json`` beside the JSONL as ``seed<N>_done.json``); ``settings`` changes a seed's recorded
+    arguments."""
+    folders = []
+    for seed in SEEDS:
+        d = dest / f"lease{seed}"
+        d.mkdir()
+        with open(d / "objective_drift_dry.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows if r["seed"] == seed)
+        with open(tmp / "work" / f"seed{seed}" / "done.json") as f:
+            info = json.load(f)
+        info["args"].update((settings or {}).get(seed, {}))
+        with open(d / f"seed{seed}_done.json", "w") as f:
+            json.dump(info, f)
+        folders.append(str(d))
+    return folders
+
+
+def _report(*args, out):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "cpu_runtime")]),
+               VLLM_TARGET_DEVICE="cpu")
+    return subprocess.run([sys.executable, DRIFT, "gpu", "report", "--cpu-dry-run", "--out", str(out), "--tag", "dry",
+                           *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_seeds_of_two_leases_rank_together_as_one_run(dry_run, tmp_path):
+    """A lease too short for every seed: each lease's folder merged by ``report --merge`` gives the one-run report
+    (same rows, same ranking, same spread)."""
+    tmp, rows, summary, _ = dry_run
+    folders = _split_by_seed(tmp, rows, tmp_path)
+    p = _report(*[a for f in folders for a in ("--merge", f)], out=tmp_path / "merged")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    with open(tmp_path / "merged" / "objective_drift_dry_summary.json") as f:
+        merged = json.load(f)
+    assert merged["seeds"] == summary["seeds"] and merged["versions"] == summary["versions"]
+    for key in ("mean_over_versions", "mean_over_versions_estimate", "ranking", "per_version", "policy"):
+        assert merged[key] == summary[key], key
+    assert [m["seeds"] for m in merged["merged"]] == [[s] for s in SEEDS]
+    assert f"merged: `{folders[1]}` seeds [{SEEDS[1]}], versions 0-{VERSIONS}" in p.stdout
+
+
+def test_merged_runs_must_differ_in_seed_and_agree_in_settings(dry_run, tmp_path):
+    """Two trajectories of one seed, or another learning rate, are refused naming what clashes; another stale lag
+    drops that run's stale arm; versions are cut to the fewest a run planned."""
+    tmp, rows, _, _ = dry_run
+    (tmp_path / "a").mkdir()
+    same = _split_by_seed(tmp, rows, tmp_path / "a")
+    p = _report("--merge", same[0], "--merge", same[0], out=tmp_path / "twice")
+    assert p.returncode != 0 and f"seed {SEEDS[0]} is in both" in p.stderr, p.stderr[-2000:]
+    (tmp_path / "b").mkdir()
+    other_lr = _split_by_seed(tmp, rows, tmp_path / "b", settings={SEEDS[1]: {"lr": 0.5}})
+    p = _report("--merge", other_lr[0], "--merge", other_lr[1], out=tmp_path / "lr")
+    assert p.returncode != 0 and "--lr 0.5 vs 0.001" in p.stderr, p.stderr[-2000:]
+    (tmp_path / "c").mkdir()
+    short = _split_by_seed(tmp, rows, tmp_path / "c", settings={SEEDS[1]: {"stale_lag": 2, "versions": 1}})
+    p = _report("--merge", short[0], "--merge", short[1], out=tmp_path / "short")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    with open(tmp_path / "short" / "objective_drift_dry_summary.json") as f:
+        s = json.load(f)
+    assert s["versions"] == [0, 1]
+    stale = s["mean_over_versions"]["all"]["greedy"]["stale"]["by_seed"]
+    assert set(map(int, stale)) == {SEEDS[0]}  # the other run's stale arm lagged otherwise
+    assert set(map(int, s["mean_over_versions"]["all"]["greedy"]["hard_ce"]["by_seed"])) == set(SEEDS)
+    # a folder that already holds this tag's JSONL is not overwritten by a merged report
+    p = _report("--merge", short[0], out=tmp_path / "c" / "lease0")
+    assert p.returncode != 0 and "--merge writes a report of the merged runs only" in p.stderr
