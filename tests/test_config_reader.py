@@ -412,6 +412,12 @@ MTPK = "actor_rollout_ref.model.mtp"
     ("actor_rollout_ref.actor.megatron.context_parallel_size=x",
      "actor_rollout_ref.actor.megatron.context_parallel_size='x': must be an integer >= 1"),
     ("trainer.use_v1=maybe", "trainer.use_v1='maybe': must be a boolean"),
+    # verl hands engine_kwargs' speculative_config to vLLM as it is: 'abc' escaped as int()'s ValueError
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=abc",
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens='abc': must be an "
+     "integer >= 1"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=2.5",
+     "speculative_config.num_speculative_tokens=2.5: must be an integer >= 1"),
 ])
 def test_bad_numbers_booleans_and_methods_are_refused_at_start_up_naming_the_key(override, needle):
     """Each escaped before as a raw ValueError/TypeError (int('two')) or was read silently as something else

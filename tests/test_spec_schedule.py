@@ -259,7 +259,61 @@ def test_the_trainers_monitor_and_guard_follow_the_recipes_schedule():
     monitor = build_rollout_monitor(cfg, [])
     assert monitor.depths == (1, 2) and guard_from_verl_config(cfg).variable_k is True
     plain = _recipe()
-    assert build_rollout_monitor(plain, []).depths is None and guard_from_verl_config(plain).variable_k is False
+    k = int(verl_config.speculative_config(plain)["num_speculative_tokens"])
+    assert build_rollout_monitor(plain, []).depths == (k,) and guard_from_verl_config(plain).variable_k is False
+    assert guard_from_verl_config(plain).depth_batches is None
+
+
+def test_a_schedule_whose_largest_k_is_below_num_speculative_tokens_reports_only_the_drafted_positions():
+    """k=3 built, the schedule drafts 2 at every batch: vLLM's vector still has three positions. The third was
+    never drafted: no rate for it (a 0.0 there read as a drafter that never hits), and the guard costs the verify
+    steps at k=2, not 3 (which fired "speculation is slow" at 0.83x where the rollout ran 1.28x)."""
+    from verl_mtp_plugin.rollout.monitor.desync_guard import guard_from_verl_config
+    from verl_mtp_plugin.trainer.v1 import build_rollout_monitor
+
+    counts = SpecDecodeCounts(num_drafts=1000, num_draft_tokens=2000, num_accepted_tokens=1100,
+                              accepted_per_pos=(700, 400, 0))
+    m = spec_metrics_from_counts(counts, depths=(2,))
+    assert m[ACCEPT_RATE_POS_KEY.format(k=0)] == pytest.approx(0.7)
+    assert m[ACCEPT_RATE_POS_KEY.format(k=1)] == pytest.approx(0.4)
+    assert ACCEPT_RATE_POS_KEY.format(k=2) not in m
+    cfg = _recipe([f"+{KEY}=[[1,256,2]]", "actor_rollout_ref.model.mtp.num_speculative_tokens=3",
+                   "actor_rollout_ref.rollout.max_num_seqs=256"])
+    assert build_rollout_monitor(cfg, []).depths == (2,)
+    guard = guard_from_verl_config(cfg)
+    assert guard.variable_k and set(guard.depth_batches) == {2}
+    out = guard.observe({**m, "actor/mtp_expected_accept_rate": 0.7})
+    from verl_mtp_plugin.rollout.monitor.desync_guard import verify_step_cost
+
+    c2 = verify_step_cost(guard.cost_table, 2, guard.depth_batches[2])
+    assert guard.depth_batches[2] == guard.batch_size  # the rollout's batch: k=2 covers every batch size
+    assert out["mtp_guard/verify_cost"] == pytest.approx(c2) and c2 < guard.verify_cost(3)
+
+
+def test_the_guard_costs_each_k_at_the_batches_its_range_covers():
+    """[[1,64,3],[65,256,1]] with 256 sequences per engine: the k=3 steps run with at most 64 requests. Costed at
+    256 (c_3 = 2.543 in the greedy table) a mean of 3 drafts looked slow; at 64 (c_3 = 1.457) it is not. With
+    two depths the cost is the steps' mix, each k at its own batch."""
+    batches = spec_schedule.depth_batches(((1, 64, 3), (65, 256, 1)), 256, 3, batch=256)
+    assert batches == {3: 64, 1: 256}
+    assert spec_schedule.depth_batches(((1, 64, 3), (65, 256, 1)), 256, 3, batch=32) == {3: 32, 1: 65}
+    assert spec_schedule.depth_shares(1.8, (1, 3)) == pytest.approx({1: 0.6, 3: 0.4})
+    assert spec_schedule.depth_shares(2.0, (1, 2, 3)) is None
+    g = MTPDesyncGuard({"min_drafts": 1}, num_speculative_tokens=3, batch_size=256, depth_batches=batches)
+    assert g.variable_k
+    only_k3 = spec_metrics_from_counts(SpecDecodeCounts(100, 300, 130, (60, 45, 25)), depths=(1, 3))
+    out = g.observe({**only_k3, "actor/mtp_expected_accept_rate": 0.6})
+    from verl_mtp_plugin.rollout.monitor.desync_guard import verify_step_cost
+
+    c3_64, c3_256 = verify_step_cost(g.cost_table, 3, 64), verify_step_cost(g.cost_table, 3, 256)
+    assert c3_64 < c3_256 / 1.5
+    assert out["mtp_guard/verify_cost"] == pytest.approx(c3_64)
+    assert out["mtp_guard/est_speedup"] == pytest.approx(2.3 / c3_64)
+    mixed = spec_metrics_from_counts(SpecDecodeCounts(100, 60 * 1 + 40 * 3, 100, (60, 25, 15)), depths=(1, 3))
+    out = g.observe({**mixed, "actor/mtp_expected_accept_rate": 0.6})
+    want = 0.6 * verify_step_cost(g.cost_table, 1, 256) + 0.4 * c3_64
+    assert out["mtp_guard/verify_cost"] == pytest.approx(want)
+    assert out["mtp_guard/verify_cost"] < g.verify_cost(1.8)  # one batch for every step over-charged the tail
 
 
 # ------------------------------------------------------------------------------- real vLLM picks k by batch

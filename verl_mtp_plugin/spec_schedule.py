@@ -46,6 +46,8 @@ from verl_mtp_plugin.policy import MTPConfigError
 __all__ = [
     "Schedule",
     "dense_lookup",
+    "depth_batches",
+    "depth_shares",
     "drafted_per_position",
     "format_schedule",
     "parse_schedule",
@@ -181,6 +183,36 @@ def schedule_depths(schedule: Schedule | None, max_num_seqs: int, num_speculativ
     if not schedule:
         return (int(num_speculative_tokens),)
     return tuple(sorted({k for k in dense_lookup(schedule, max_num_seqs, num_speculative_tokens)[1:] if k > 0}))
+
+
+def depth_batches(schedule: Schedule, max_num_seqs: int, num_speculative_tokens: int,
+                  batch: int | None = None) -> dict[int, int]:
+    """Each ``k > 0`` of the schedule with the batch its verify steps are costed at: the largest number of running
+    requests, at most ``batch`` (the rollout's starting batch per engine; default ``max_num_seqs``), that drafts
+    that ``k`` (a verify step costs more at larger batches: the upper end bounds it); a ``k`` whose ranges all lie
+    above ``batch`` gets its smallest batch (a rollout that starts at ``batch`` never reaches it)."""
+    lookup = dense_lookup(schedule, max_num_seqs, num_speculative_tokens)
+    top = max_num_seqs if batch is None else max(1, min(int(batch), max_num_seqs))
+    out: dict[int, int] = {}
+    for k in sorted({x for x in lookup[1:] if x > 0}):
+        sizes = [n for n in range(1, max_num_seqs + 1) if lookup[n] == k]
+        below = [n for n in sizes if n <= top]
+        out[k] = max(below) if below else min(sizes)
+    return out
+
+
+def depth_shares(mean_drafts: float, depths: Sequence[int]) -> dict[int, float] | None:
+    """The share of verify steps at each ``k`` from the mean drafts per verify step (vLLM's ``num_draft_tokens /
+    num_drafts``): all at ``k`` for one depth; for two ``k1 < k2`` the share at ``k2`` is ``(mean - k1) / (k2 -
+    k1)`` (clamped to ``[0, 1]``); None for three or more (the mean does not determine them)."""
+    ds = sorted({int(d) for d in depths if int(d) > 0})
+    if len(ds) == 1:
+        return {ds[0]: 1.0}
+    if len(ds) != 2:
+        return None
+    k1, k2 = ds
+    w = min(max((float(mean_drafts) - k1) / (k2 - k1), 0.0), 1.0)
+    return {k1: 1.0 - w, k2: w}
 
 
 def format_schedule(schedule: Schedule | None) -> str | None:

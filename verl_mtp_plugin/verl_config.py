@@ -59,6 +59,7 @@ __all__ = [
     "max_num_seqs_setting",
     "sleep_level",
     "speculation_depths",
+    "speculation_schedule",
     "speculation_on",
     "speculative_config",
     "user_speculative_config",
@@ -160,9 +161,18 @@ def speculation_depths(config: Any) -> tuple[int, ...]:
     if not spec:
         return ()
     k = int(spec.get("num_speculative_tokens") or 1)
-    raw = spec.get("num_speculative_tokens_per_batch_size")
-    schedule = spec_schedule.parse_schedule(raw) if raw is not None else None
-    return spec_schedule.schedule_depths(schedule, max_num_seqs(config), k)
+    return spec_schedule.schedule_depths(speculation_schedule(config), max_num_seqs(config), k)
+
+
+def speculation_schedule(config: Any):
+    """The parsed ``...speculative_config.num_speculative_tokens_per_batch_size`` vLLM gets
+    (:data:`verl_mtp_plugin.spec_schedule.Schedule`); None without speculation or without a schedule.
+    MTPConfigError naming the key for a schedule the start-up check refuses."""
+    from verl_mtp_plugin import spec_schedule
+
+    spec = speculative_config(config)
+    raw = spec.get("num_speculative_tokens_per_batch_size") if spec else None
+    return spec_schedule.parse_schedule(raw) if raw is not None else None
 
 
 def _lora_as_adapter(config: Any) -> bool:

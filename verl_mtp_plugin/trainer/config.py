@@ -333,6 +333,9 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     except MTPConfigError as e:
         errors.append(str(e))
         user_spec = None
+    if isinstance(user_spec, Mapping) and (bad := verl_config.value_error(
+            f"{_VLLM}.speculative_config.num_speculative_tokens", user_spec.get("num_speculative_tokens"), "int", 1)):
+        errors.append(bad)
     verl_speculates = verl_config.verl_speculates(config)
     # keys of the user's speculative_config that only tune speculation verl switches on (the drafting method):
     # without verl's MTP speculation they enable nothing, but verl would still hand them to vLLM untouched
@@ -634,6 +637,8 @@ def _schedule_errors(config: Any, user_spec: Mapping[str, Any], vllm_kwargs: Map
         k, k_key = user_spec["num_speculative_tokens"], f"{_VLLM}.speculative_config.num_speculative_tokens"
     else:
         k, k_key = get_key(config, f"{_MTP}.num_speculative_tokens", 1), f"{_MTP}.num_speculative_tokens"
+    if verl_config.value_error(k_key, k, "int", 1):  # refused, naming the key, by the typed-value check
+        return None, []
     schedule, errors = schedule_errors(raw, num_speculative_tokens=int(k or 1),
                                        max_num_seqs=verl_config.max_num_seqs(config), k_key=k_key)
     dp_key = f"{_VLLM}.data_parallel_size" if vllm_kwargs.get("data_parallel_size") is not None else f"{_RO}.data_parallel_size"
@@ -739,14 +744,19 @@ def rollout_speed_warnings(config: Any, *, num_speculative_tokens: int, mode: MT
                 f"{_EAGER_STEP}); set {_VLLM}.compilation_config.max_cudagraph_capture_size: {need} (or more), "
                 f"or lower {seqs_key}"
             )
-    if mode in (MTPMode.ONLINE, MTPMode.JOINT) and trained_depth is not None and k > trained_depth:
+    # with a schedule, the most drafts vLLM makes is its largest k (at most num_speculative_tokens)
+    drafted = max(dense_lookup(schedule, verl_config.max_num_seqs(config), k)[1:]) if schedule else k
+    if mode in (MTPMode.ONLINE, MTPMode.JOINT) and trained_depth is not None and drafted > trained_depth:
+        what, fix = ((f"{SPEC_SCHEDULE_KEY} drafts up to k={drafted}, more than", f"lower the schedule's k to <= "
+                      f"{trained_depth}") if schedule else
+                     (f"{_MTP}.num_speculative_tokens={k} is larger than", f"set num_speculative_tokens <= "
+                      f"{trained_depth}"))
         out.append(
-            f"{_MTP}.num_speculative_tokens={k} is larger than the MTP depth the trainer trains "
+            f"{what} the MTP depth the trainer trains "
             f"({trained_depth}, {_MEG}.override_transformer_config.mtp_num_layers or the checkpoint's): vLLM runs the "
-            f"MTP block {k} times, and drafts past depth {trained_depth} come from a head never trained for them "
-            "(measured on the H200: second-draft acceptance 0.08 with a one-depth head vs 0.82 trained over two "
-            f"depths); set num_speculative_tokens <= {trained_depth} or train mtp_num_layers={k} "
-            "(mtp_use_repeated_layer: true)"
+            f"MTP block {drafted} times, and drafts past depth {trained_depth} come from a head never trained for "
+            "them (measured on the H200: second-draft acceptance 0.08 with a one-depth head vs 0.82 trained over two "
+            f"depths); {fix} or train mtp_num_layers={drafted} (mtp_use_repeated_layer: true)"
         )
     if schedule and not eager and mode_key != "NONE":
         full, full_key = _full_graphs(config, dict(to_plain(get_key(config, _VLLM, {})) or {}))

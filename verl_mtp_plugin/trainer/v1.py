@@ -94,7 +94,7 @@ def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True)
         guard=guard if guard.config.action != "off" else None,
         speculation=guard.speculation,
         exclude_validation=exclude_validation,
-        depths=depths if len(depths) > 1 else None,  # k chosen by batch size (num_speculative_tokens_per_batch_size)
+        depths=depths or None,  # k chosen by batch size (num_speculative_tokens_per_batch_size), else (k,)
     )
 
 

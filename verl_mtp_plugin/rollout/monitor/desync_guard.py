@@ -147,6 +147,7 @@ from verl_mtp_plugin.rollout.monitor.spec_metrics import (
     position_rates_from_metrics,
     scalar_metric,
 )
+from verl_mtp_plugin.spec_schedule import depth_batches, depth_shares
 
 __all__ = [
     "ACTIONS",
@@ -506,6 +507,11 @@ class MTPDesyncGuard:
             ``k`` (``num_speculative_tokens``, the largest).
         batch_size (int | None): running sequences per vLLM engine, for the verify-step cost ``c_k`` (module
             docstring); None: the cost table's 64-sequence row.
+        depth_batches (Mapping[int, int] | None): with a schedule, each ``k`` it drafts with and the batch its
+            verify steps run at (:func:`verl_mtp_plugin.spec_schedule.depth_batches`: the large-``k`` steps are
+            the small-batch ones); the cost is then ``sum_k share_k * c(k, batch_k)``, the shares from the step's
+            mean drafts (:func:`~verl_mtp_plugin.spec_schedule.depth_shares`; with three or more ``k``, ``c`` at
+            the mean drafts and the batch of the ``k`` nearest it). Implies ``variable_k``.
 
     Attributes:
         last_message (str | None): the last warning/error text.
@@ -520,6 +526,7 @@ class MTPDesyncGuard:
         draft_sample_method: str = "greedy",
         variable_k: bool = False,
         batch_size: int | None = None,
+        depth_batches: Mapping[int, int] | None = None,
     ):
         if config is None:
             config = MTPGuardConfig()
@@ -531,10 +538,14 @@ class MTPDesyncGuard:
         self.num_speculative_tokens = num_speculative_tokens
         self.speculation = bool(speculation)
         self.draft_sample_method = str(draft_sample_method or "greedy")
-        self.variable_k = bool(variable_k)
         if batch_size is not None and not (_is_int(batch_size) and batch_size >= 1):
             raise ValueError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")
         self.batch_size = batch_size
+        if depth_batches is not None and not (depth_batches and all(
+                _is_int(d) and d >= 1 and _is_int(b) and b >= 1 for d, b in depth_batches.items())):
+            raise ValueError(f"depth_batches must map drafts k >= 1 to batches >= 1, got {depth_batches!r}")
+        self.depth_batches = dict(depth_batches) if depth_batches else None
+        self.variable_k = bool(variable_k) or self.depth_batches is not None
         self.cost_table, self.cost_source = config.cost_table(self.draft_sample_method)
         self.last_message: str | None = None
         self.reset()
@@ -621,11 +632,14 @@ class MTPDesyncGuard:
         k = len(pos) or self.num_speculative_tokens or 1
         mean_k = scalar_metric(metrics, MEAN_DRAFT_TOKENS_KEY)
         cost_k: float = k
+        c_k: float | None = None
         if self.variable_k and mean_k is not None and mean_k > 0:
-            # k chosen by batch size: a verify step drafts num_draft_tokens / num_drafts on average, and the
-            # per-position rates stop where vLLM's totals cannot say how many steps drafted a position
+            # k chosen by batch size: a verify step drafts num_draft_tokens / num_drafts on average, each k at the
+            # batches its range covers, and the per-position rates stop where vLLM's totals cannot say how many
+            # steps drafted a position
             cost_k = mean_k
-            k = self.num_speculative_tokens or k
+            k = max(self.depth_batches) if self.depth_batches else (self.num_speculative_tokens or k)
+            c_k = self.schedule_cost(mean_k)
         alpha, key = self._expected(metrics)
         if pos:
             measured, expected, basis = pos[0], alpha, "first draft position (rollout/spec_accept_rate_pos_0)"
@@ -660,14 +674,14 @@ class MTPDesyncGuard:
         # slow-speculation rule
         slow_msg = None
         if length is not None:
-            c_k = self.verify_cost(cost_k)
+            c_k = self.verify_cost(cost_k) if c_k is None else c_k
             speedup = length / c_k
             out[_GUARD_PREFIX + "est_speedup"] = speedup
             out[_GUARD_PREFIX + "breakeven_accept_length"] = c_k  # L at which L / c_k = 1
             out[_GUARD_PREFIX + "verify_cost"] = c_k
             self.slow_streak = self.slow_streak + 1 if speedup < cfg.min_speedup else 0
             if _due(self.slow_streak, cfg.patience) and not desync:  # a desync report already explains a slow rollout
-                slow_msg = self._slow_message(step, length, cost_k, pos, speedup)
+                slow_msg = self._slow_message(step, length, cost_k, pos, speedup, c_k)
 
         method_msg = self._draft_method_step(metrics, step, measured, desync, out)
 
@@ -718,12 +732,23 @@ class MTPDesyncGuard:
         """``c_k`` of ``k`` drafts at this guard's batch (:func:`verify_step_cost` on the table in force)."""
         return verify_step_cost(self.cost_table, k, self.batch_size)
 
-    def _slow_message(self, step, length: float, k: float, pos: list[float], speedup: float) -> str:
+    def schedule_cost(self, mean_drafts: float) -> float:
+        """``c`` of a step whose verify steps drafted ``mean_drafts`` on average: with ``depth_batches`` each ``k``
+        at its own batch, weighted by its share of the verify steps (class docstring); else :meth:`verify_cost`."""
+        if not self.depth_batches:
+            return self.verify_cost(mean_drafts)
+        shares = depth_shares(mean_drafts, list(self.depth_batches))
+        if shares is None:  # three or more k: the mean drafts at the batch of the k nearest them
+            near = min(self.depth_batches, key=lambda d: (abs(d - mean_drafts), -d))
+            return verify_step_cost(self.cost_table, mean_drafts, self.depth_batches[near])
+        return sum(w * verify_step_cost(self.cost_table, d, self.depth_batches[d]) for d, w in shares.items())
+
+    def _slow_message(self, step, length: float, k: float, pos: list[float], speedup: float, c_k: float) -> str:
         options = [(0, 1.0)] + [
             (kk, (1.0 + sum(pos[:kk])) / self.verify_cost(kk)) for kk in range(1, len(pos) + 1)
         ]
         return slow_message(
-            self.config, step, length=length, k=k, speedup=speedup, verify_cost=self.verify_cost(k),
+            self.config, step, length=length, k=k, speedup=speedup, verify_cost=c_k,
             cost_source=self.cost_source, batch=self.batch_size, options=options if pos else [],
             slow_streak=self.slow_streak,
         )
@@ -795,6 +820,8 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
     k = spec.get("num_speculative_tokens")
     speculation = verl_config.speculation_on(config)
     user_spec = verl_config.user_speculative_config(config) or {}
+    schedule = verl_config.speculation_schedule(config) if speculation else None
+    batch = engine_batch_size(config)
     if speculation and cfg.action != "off" and _truthy(_get(config, f"{_RO}.disable_log_stats", True)):
         logger.warning(
             "%s.disable_log_stats=true: vLLM keeps no speculative-decoding counters, so rollout acceptance "
@@ -807,5 +834,6 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
         speculation=speculation,
         draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
         variable_k=speculation and len(verl_config.speculation_depths(config)) > 1,
-        batch_size=engine_batch_size(config),
+        batch_size=batch,
+        depth_batches=depth_batches(schedule, verl_config.max_num_seqs(config), int(k or 1), batch) if schedule else None,
     )

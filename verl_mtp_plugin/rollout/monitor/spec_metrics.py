@@ -318,11 +318,12 @@ def drafted_counts(counts: SpecDecodeCounts, depths: Sequence[int] | None = None
     """Verify steps that drafted each position: the counts' own ``drafted_per_pos`` when known; else, with the
     schedule's ``depths`` (:func:`verl_mtp_plugin.spec_schedule.schedule_depths`), what vLLM's totals determine
     (:func:`~verl_mtp_plugin.spec_schedule.drafted_per_position`, ``None`` where they cannot); else (a fixed
-    ``k``) every verify step."""
+    ``k``) every verify step. A schedule whose only ``k`` is below ``num_speculative_tokens`` drafts none of the
+    positions past it (no rate, no key, for them)."""
     n = len(counts.accepted_per_pos)
     if counts.drafted_per_pos:
         return [float(d) for d in (counts.drafted_per_pos + (0,) * n)[:n]]
-    if depths is not None and len(set(depths)) > 1:
+    if depths and (len(set(depths)) > 1 or max(depths) < n):
         from verl_mtp_plugin.spec_schedule import drafted_per_position
 
         return list(drafted_per_position(counts.num_drafts, counts.num_draft_tokens, n, depths))
