@@ -33,7 +33,8 @@ _SCRIPT = textwrap.dedent("""
     from verl_mtp_cpu.workers import install_trainer_worker_standins
     from verl_mtp_plugin.compat import checkpoint_resume as cr
 
-    refresh = sys.argv[1] == "refresh"
+    variant = sys.argv[1]
+    refresh = variant == "refresh"
     install_trainer_worker_standins()
     init_megatron(seed=3)
     cr.probe()
@@ -53,7 +54,55 @@ _SCRIPT = textwrap.dedent("""
     before = {k: v.detach().clone() for k, v in ddp.module.state_dict().items() if isinstance(v, torch.Tensor)}
     # verl's model-only load: the checkpoint's weights into the model (here: the same model, every weight + 0.25)
     loaded = {k: (v + 0.25 if v.is_floating_point() and not k.endswith("_extra_state") else v) for k, v in before.items()}
-    ddp.module.load_state_dict(loaded, strict=False)
+    if variant.startswith("offload"):
+        # param_offload=true, the shipped recipes': the plugin engine's real load_checkpoint over verl's real
+        # MegatronEngine.load_checkpoint (load the model to the device, the manager's load, offload it again)
+        import os, tempfile
+        from verl.workers.engine.megatron import transformer_impl as ti
+        from verl_mtp_plugin.engine.megatron import NemotronHMTPMegatronEngine
+        from verl_mtp_plugin.policy import MTPMode
+
+        def offload(models):  # verl's offload_megatron_model_to_cpu, its storage effect; CPU torch cannot pin
+            for m in models:   # (verl/utils/megatron_utils.py: torch.empty(..., pin_memory=True) needs a GPU)
+                for b in list(m.buffers) + list(m.expert_parallel_buffers):
+                    if b.param_data.storage().size() > 0:
+                        b.param_data.cpu_data = b.param_data.detach().clone()
+                        b.param_data_size = b.param_data.storage().size()
+                        b.param_data.storage().resize_(0)
+
+        def onload(models, load_grad=True, load_frozen_params=True):  # verl's load_megatron_model_to_gpu's effect
+            for m in models:
+                for b in list(m.buffers) + list(m.expert_parallel_buffers):
+                    if b.param_data.storage().size() == 0:
+                        b.param_data.storage().resize_(b.param_data_size)
+                        b.param_data.copy_(b.param_data.cpu_data)
+
+        ti.offload_megatron_model_to_cpu, ti.load_megatron_model_to_gpu = offload, onload
+
+        class Manager:  # verl's MegatronCheckpointManager with load_contents=[model,extra]
+            should_load_model, should_load_hf_model, should_load_optimizer = True, False, False
+
+            def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+                ddp.module.load_state_dict(loaded, strict=False)
+
+        eng = NemotronHMTPMegatronEngine.__new__(NemotronHMTPMegatronEngine)
+        eng.module, eng.optimizer, eng.checkpoint_mananager = [ddp], opt, Manager()
+        eng._is_offload_param, eng._is_offload_optimizer = True, False
+        eng.mtp_mode = MTPMode.ONLINE
+        offload([ddp])  # the engine's state after init with param_offload
+        ckpt = tempfile.mkdtemp()
+        try:
+            if variant == "offload-refresh-after":  # the plugin's order before: verl's whole load, then the refresh
+                ti.MegatronEngine.load_checkpoint(eng, ckpt)
+                cr.refresh_main_params(opt)
+            else:
+                eng.load_checkpoint(ckpt)
+        except Exception as e:
+            print("RESULT " + json.dumps({"raised": f"{type(e).__name__}: {e}"[:300]}))
+            sys.exit(0)
+        onload([ddp])  # verl's train_mode before the step
+    else:
+        ddp.module.load_state_dict(loaded, strict=False)
     if refresh:
         cr.refresh_main_params(opt)
     ddp.zero_grad_buffer()
@@ -88,6 +137,19 @@ def test_model_only_load_refreshes_the_distributed_optimizers_fp32_masters():
     assert stale["at_before"] == stale["n"] > 0 and stale["at_loaded"] == 0, stale  # the bug the refresh fixes
     fixed = _run("refresh")
     assert fixed["step_ok"] and fixed["at_loaded"] == fixed["n"] and fixed["at_before"] == 0, fixed
+
+
+@pytest.mark.timeout(900)
+def test_model_only_resume_with_param_offload_refreshes_before_verl_offloads_the_model():
+    """The shipped recipes offload parameters: verl's load_checkpoint offloads the model again as it ends, freeing
+    the DDP buffers the refresh reads. After verl's whole load the refresh failed (every model-only resume, the
+    route the mode-change refusal recommends); the engine's load refreshes between verl's load and its offload,
+    and the next step keeps the loaded weights."""
+    late = _run("offload-refresh-after")
+    assert "out of bounds for storage of size 0" in late.get("raised", ""), late
+    fixed = _run("offload")
+    assert "raised" not in fixed, fixed
+    assert fixed["step_ok"] and fixed["at_loaded"] == fixed["n"] > 0 and fixed["at_before"] == 0, fixed
 
 
 # ---------------------------------------------------------------------------------------------- the refusals

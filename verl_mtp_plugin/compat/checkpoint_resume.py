@@ -19,8 +19,14 @@ subfolders at every save (:func:`write_checkpoint_mode`) and checks a resume aga
 ``load_contents`` and the supported way); model weights without the MTP block (mode off) cannot give an MTP
 mode its block (refused).
 
-verl's private names this module relies on: the engine's ``checkpoint_mananager`` attribute (verl's spelling) and
-its manager's ``should_load_model`` / ``should_load_hf_model`` / ``should_load_optimizer`` properties; megatron-core's public
+The refresh runs inside verl's ``MegatronEngine.load_checkpoint``, right after its checkpoint manager loaded the
+weights (:func:`refresh_after_model_load`): with ``param_offload`` verl offloads the model again as that method
+ends, freeing the DDP buffers' storage that megatron's refresh reads (after it, the refresh failed with
+``setStorage: ... out of bounds for storage of size 0``, on every model-only resume of the shipped recipes).
+
+verl's private names this module relies on: the engine's ``checkpoint_mananager`` attribute (verl's spelling), its
+manager's ``should_load_model`` / ``should_load_hf_model`` / ``should_load_optimizer`` properties and its
+``load_checkpoint`` (called by the engine's ``load_checkpoint`` before the offload); megatron-core's public
 ``reload_model_params(state_dict=None)``. :func:`probe` checks all of them at start-up (the engine's constructor).
 """
 
@@ -41,6 +47,7 @@ __all__ = [
     "load_flags_from_contents",
     "probe",
     "read_checkpoint_mode",
+    "refresh_after_model_load",
     "refresh_main_params",
     "resume_folder",
     "write_checkpoint_mode",
@@ -77,6 +84,11 @@ def probe() -> None:
             problems.append(f"verl MegatronCheckpointManager.{flag} (property)")
     if f"self.{MANAGER_ATTR} = MegatronCheckpointManager(" not in inspect.getsource(transformer_impl.MegatronEngine):
         problems.append(f"verl MegatronEngine.{MANAGER_ATTR} (the engine's checkpoint manager)")
+    load_src = inspect.getsource(transformer_impl.MegatronEngine.load_checkpoint)
+    call, offload = load_src.find(f"self.{MANAGER_ATTR}.load_checkpoint("), load_src.find("offload_megatron_model_to_cpu")
+    if call < 0 or (offload >= 0 and offload < call):
+        problems.append(f"verl MegatronEngine.load_checkpoint calling self.{MANAGER_ATTR}.load_checkpoint(...) "
+                        "before it offloads the model")
     if problems:
         raise RuntimeError(
             "verl_mtp_plugin's checkpoint-resume compat (verl_mtp_plugin/compat/checkpoint_resume.py) needs: "
@@ -159,6 +171,33 @@ def check_resume(*, saved_mode: str | None, mode: str, load_model: bool, load_op
             f"parameters, so {LOAD_CONTENTS_KEY} cannot load 'optimizer'. Set {LOAD_CONTENTS_KEY}=[model,extra]: "
             f"the weights (trunk and MTP block) come from the checkpoint, the optimizer starts afresh from them "
             f"(fresh Adam moments, learning-rate schedule from step 0).")
+
+
+@contextlib.contextmanager
+def refresh_after_model_load(engine):
+    """While verl's ``engine.load_checkpoint`` runs: :func:`refresh_main_params` right after the engine's checkpoint
+    manager loaded the weights, while they are on the device (module docstring). Raises ``RuntimeError`` when the
+    manager's load did not run inside (verl changed the method: the refresh would be lost)."""
+    manager = getattr(engine, MANAGER_ATTR)
+    load = manager.load_checkpoint
+    done = []
+
+    def load_then_refresh(*args, **kwargs):
+        out = load(*args, **kwargs)
+        refresh_main_params(engine.optimizer)
+        done.append(True)
+        return out
+
+    manager.load_checkpoint = load_then_refresh  # this instance only, for this call
+    try:
+        yield
+    finally:
+        if manager.__dict__.get("load_checkpoint") is load_then_refresh:
+            del manager.load_checkpoint
+    if not done:
+        raise RuntimeError(f"verl_mtp_plugin: verl's engine.load_checkpoint did not call its {MANAGER_ATTR}."
+                           "load_checkpoint: the optimizer's fp32 master weights were not refreshed from the loaded "
+                           "weights (the first step would undo the resume); see compat/checkpoint_resume.py")
 
 
 def refresh_main_params(optimizer) -> None:

@@ -606,14 +606,16 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         """verl's load, refused before anything is read when the checkpoint's MTP mode cannot continue in this
         run's mode with ``load_contents`` (:func:`~verl_mtp_plugin.compat.checkpoint_resume.check_resume`); after a
         load of the weights without the optimizer, the optimizer's fp32 master weights are refreshed from the loaded
-        weights (verl leaves them at the base checkpoint's: the first step would undo the resume)."""
+        weights (verl leaves them at the base checkpoint's: the first step would undo the resume), right after the
+        load and before verl offloads the model again (``param_offload``)."""
         load_model, load_optimizer = resume_compat.load_flags(self)
         resume_compat.check_resume(saved_mode=resume_compat.read_checkpoint_mode(local_path),
                                    mode=self.mtp_mode.value, load_model=load_model, load_optimizer=load_optimizer,
                                    where=local_path)
-        super().load_checkpoint(local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load, **kwargs)
-        if load_model and not load_optimizer and self.optimizer is not None:
-            resume_compat.refresh_main_params(self.optimizer)
+        refresh = load_model and not load_optimizer and self.optimizer is not None
+        with resume_compat.refresh_after_model_load(self) if refresh else contextlib.nullcontext():
+            super().load_checkpoint(local_path, hdfs_path=hdfs_path, del_local_after_load=del_local_after_load,
+                                    **kwargs)
 
     def optimizer_step(self):
         grad_norm = super().optimizer_step()
