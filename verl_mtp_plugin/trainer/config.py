@@ -409,6 +409,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     extension = vllm_kwargs.get("worker_extension_cls")
+    if speculation:
+        errors += _extension_errors(extension)
     quantization = get_key(config, f"{_RO}.quantization") or vllm_kwargs.get("quantization")
     qat = as_bool(get_key(config, f"{_MEG}.qat.enable", False))
     if speculation and extension in PLUGIN_EXTENSIONS and (quantization or qat):
@@ -435,6 +437,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
 
     env = verl_config.env_settings(config)  # the recipe's ray runtime_env env_vars, else the driver's environment
     errors += _env_errors(env, speculation=speculation, selected=selected)
+    errors += _ray_env_errors(config, env)
     checksum, checksum_key = env[ENV_SYNC_CHECKSUM]
     rollout_tp = int(get_key(config, f"{_RO}.tensor_model_parallel_size", 1) or 1)
     rollout_ep = int(get_key(config, f"{_RO}.expert_parallel_size", 1) or 1)
@@ -844,6 +847,32 @@ def training_memory_warnings(config: Any, *, mode: MTPMode | None) -> list[str]:
     ]
 
 
+def _ray_env_errors(config: Any, env: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> list[str]:
+    """What the workers would not see as checked: a ``runtime_env.env_vars`` value that is not a string (Ray's
+    ``ray.init`` stops with a TypeError naming the value, not the key), and a plugin setting only in the driver's
+    environment while the run joins a running Ray cluster (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``), whose
+    workers do not inherit it (they would run the defaults while the check passed the driver's value)."""
+    from verl_mtp_plugin.config_keys import RAY_ENV_VARS
+
+    environ = os.environ if environ is None else environ
+    errors = []
+    env_vars = to_plain(get_key(config, RAY_ENV_VARS, {})) or {}
+    if isinstance(env_vars, Mapping):
+        for name, value in env_vars.items():
+            if value is not None and not isinstance(value, str):
+                errors.append(f"{RAY_ENV_VARS}.{name}={value!r}: Ray's runtime_env takes strings only (ray.init would "
+                              f"stop with a TypeError that names no key); quote it: '{value}'")
+    address = get_key(config, "ray_kwargs.ray_init.address") or environ.get("RAY_ADDRESS")
+    if address:
+        for name, setting in env.items():
+            value, key = setting
+            if value is not None and not str(key).startswith(RAY_ENV_VARS):
+                errors.append(f"{name}={value!r} is set in this process's environment only, and the run joins a "
+                              f"running Ray cluster (ray_kwargs.ray_init.address / RAY_ADDRESS={address}) whose "
+                              f"workers do not inherit it; set it in {RAY_ENV_VARS}.{name}")
+    return errors
+
+
 def _env_errors(env: Mapping[str, Any], *, speculation: bool, selected: bool) -> list[str]:
     """Values of the plugin's environment settings (:data:`verl_mtp_plugin.verl_config.PLUGIN_ENV_VARS`) that its
     workers would refuse or misread, each naming where it is set; settings that would do nothing are warned about.
@@ -900,6 +929,45 @@ DELTA_BACKENDS = ("delta_sharded",)
 #: checkpoint manager with ``backend = "naive"`` whatever ``checkpoint_engine.backend`` says.
 COLOCATED_TRAINER_MODES = ("sync", "colocate_async", "mtp_sync", "mtp_colocate_async")
 SEPARATE_TRAINER_MODES = ("separate_async", "mtp_separate_async")
+
+
+def _extension_errors(extension: Any) -> list[str]:
+    """vLLM speculates: its workers need the plugin's worker extension (or a subclass), the only drafter sync that
+    loads the MTP block verifiably. Without it verl's own extension runs (verl 0.9.1's
+    ``vLLMColocateWorkerExtension``): on vLLM's V2 runner it finds no drafter (``model_runner.drafter``) and the
+    drafter keeps its start-up weights for the whole run; on V1 it loads it unchecked. A custom path is imported
+    here to check that it subclasses the plugin's; where its imports (vLLM) are missing on this host, a warning."""
+    key = f"{_VLLM}.worker_extension_cls"
+    fix = f"set {key}: {WORKER_EXTENSION_CLS} (or set {_MTP}.enable_rollout=false)"
+    if extension in PLUGIN_EXTENSIONS:
+        return []
+    if not extension:
+        return [f"MTP speculation is on without the plugin's drafter sync ({key} unset: verl's own worker extension, "
+                "which finds no drafter on vLLM's V2 runner and loads it unchecked on V1, so the drafter can draft "
+                f"with weights the trainer never sent); {fix}"]
+    module, _, name = str(extension).rpartition(".")
+    import importlib
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None if module else False
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return [f"{key}={extension!r}: no module {module!r} here; {fix}"]
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
+    except ImportError as e:
+        logger.warning("verl_mtp_plugin: %s=%s could not be checked on this host (%s); the vLLM workers need the "
+                       "plugin's extension or a subclass of it", key, extension, e)
+        return []
+    except AttributeError:
+        return [f"{key}={extension!r}: {module} has no {name!r}; {fix}"]
+    if not (isinstance(cls, type) and issubclass(cls, MTPColocateWorkerExtension)):
+        return [f"{key}={extension!r} is not the plugin's worker extension or a subclass of it: the drafter would not "
+                f"be synced verifiably; {fix}"]
+    return []
 
 
 def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
