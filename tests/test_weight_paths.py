@@ -189,6 +189,42 @@ def test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds(tm
     assert handle in str(err) and f"disconnected after {acks} acknowledged message(s), {waiting}" in str(err), err
 
 
+def test_a_receiver_that_never_connects_fails_the_trainers_sender(tmp_path, monkeypatch):
+    """The update call failed on vLLM's side before its receiver opened the socket (or the worker is gone): verl's
+    sender waited forever for room to send (the RPC's error is awaited only after the send). With the watch it
+    gives up after VERL_MTP_SYNC_RECV_TIMEOUT_S, naming the socket."""
+    import asyncio
+
+    import torch
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    from verl_mtp_cpu.vllm_engine import _verl_platform
+    from verl_mtp_plugin.compat.verl_weight_sender import WeightReceiverLostError, install
+
+    install()
+    monkeypatch.setenv("VERL_MTP_SYNC_RECV_TIMEOUT_S", "2")
+    handle = f"ipc://{tmp_path}/nobody.sock"
+    box = {}
+
+    def send():
+        try:
+            with _verl_platform():
+                sender = BucketedWeightSender(handle, bucket_size_mb=1, use_shm=False)
+                asyncio.run(sender.async_send_weights(iter([("w0", torch.zeros(16))])))
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(BOUND_S)
+    assert not t.is_alive(), "the sender still waits for a receiver that never connected"
+    err = box.get("error")
+    assert isinstance(err, WeightReceiverLostError), err
+    assert f"no vLLM worker connected to receive it ({handle}) within 2 s" in str(err), err
+    assert 2.0 <= time.monotonic() - t0 < BOUND_S
+
+
 def test_the_plugins_registration_with_verl_installs_the_watch():
     """verl imports the plugin (``external_lib``) in its workers after itself, which registers the engine
     (:func:`verl_mtp_plugin.engine.registry.register`): that registration installs the watch."""

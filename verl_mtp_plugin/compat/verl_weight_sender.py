@@ -9,7 +9,10 @@ RPC future that would report the worker's death is awaited only after the sender
 :func:`install` wraps the sender's socket (``BucketedWeightSender._init_socket``) so that each acknowledgement is
 waited for in short polls while a ZMQ socket monitor watches the connection: when the receiver's end of the IPC connection disconnects (the OS closes it when the process dies),
 the sender raises :class:`WeightReceiverLostError` naming the socket and how far the update got. A live receiver
-that takes long to load a bucket is waited for as before (no timeout). Installed in every process that imports
+that takes long to load a bucket is waited for as before (no timeout). A receiver that never connects (the update
+RPC failed on vLLM's side before it opened the socket, or the worker is gone) is waited for at most
+``VERL_MTP_SYNC_RECV_TIMEOUT_S`` (default 300 s, the time the receiver waits for each bucket): then the same error
+says no worker connected. Installed in every process that imports
 the plugin after verl (:func:`verl_mtp_plugin.engine.registry.register`), i.e. the trainer's workers that send.
 :func:`probe` checks at start-up that verl still has what the wrapper relies on. ``_cleanup`` is wrapped too: with
 the shared-memory transport the dead receiver's resource tracker may have unlinked the segment already, and verl's
@@ -20,6 +23,10 @@ this module touches.
 from __future__ import annotations
 
 import logging
+import os
+import time
+
+from verl_mtp_plugin.config_keys import ENV_SYNC_RECV_TIMEOUT as RECV_TIMEOUT_ENV
 
 __all__ = ["POLL_MS", "WeightReceiverLostError", "install", "installed", "probe"]
 
@@ -28,6 +35,21 @@ logger = logging.getLogger(__name__)
 #: how often the sender looks at the connection while it waits for an acknowledgement
 POLL_MS = 200
 _MARK = "_verl_mtp_receiver_watch"
+
+
+#: how long the sender waits for a receiver to connect without ``VERL_MTP_SYNC_RECV_TIMEOUT_S`` (the receiver's own
+#: wait for each bucket has the same default)
+DEFAULT_CONNECT_TIMEOUT_S = 300.0
+
+
+def connect_timeout_s() -> float:
+    """Seconds the sender waits for a receiver to connect: ``VERL_MTP_SYNC_RECV_TIMEOUT_S`` (checked at start-up),
+    else :data:`DEFAULT_CONNECT_TIMEOUT_S`."""
+    try:
+        value = float(os.environ.get(RECV_TIMEOUT_ENV, "").strip() or DEFAULT_CONNECT_TIMEOUT_S)
+    except ValueError:
+        value = DEFAULT_CONNECT_TIMEOUT_S
+    return value if value > 0 else DEFAULT_CONNECT_TIMEOUT_S
 
 
 class WeightReceiverLostError(RuntimeError):
@@ -46,6 +68,9 @@ class _WatchedReqSocket:
         self._peers = 0
         self._lost = 0
         self._acks = 0
+        self._connected = False
+        self._since = time.monotonic()
+        self._connect_s = connect_timeout_s()
         self.lost_error: WeightReceiverLostError | None = None
 
     def _drain_events(self) -> None:
@@ -59,6 +84,7 @@ class _WatchedReqSocket:
                 return
             if event["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 self._peers += 1
+                self._connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._peers -= 1
                 self._lost += 1
@@ -71,6 +97,14 @@ class _WatchedReqSocket:
                 f"{self._acks} acknowledged message(s), {waiting_for}: its process died (killed, out of memory or "
                 "crashed; its cause is in the vLLM worker's log). The rollout holds a partial update; restart the "
                 "run (from the last checkpoint)"
+            )
+            raise self.lost_error
+        if not self._connected and time.monotonic() - self._since > self._connect_s:
+            self.lost_error = WeightReceiverLostError(
+                f"weight update aborted: no vLLM worker connected to receive it ({self._handle}) within "
+                f"{self._connect_s:.0f} s ({RECV_TIMEOUT_ENV}): the update call failed on vLLM's side before it "
+                "opened the socket, or the worker is gone (its cause is in the vLLM worker's log); restart the run "
+                "(from the last checkpoint)"
             )
             raise self.lost_error
 
