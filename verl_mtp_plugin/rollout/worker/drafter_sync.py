@@ -336,7 +336,9 @@ class MTPDrafterSync:
         vllm_config: vLLM config made current while loading (optional).
         mode (str): ``"online"`` (load every update) or ``"frozen"`` (load once).
         drafter_loaded (bool): the drafter already holds real MTP weights (vLLM loaded them from the
-            checkpoint, i.e. ``load_format`` is not ``"dummy"``). ``frozen`` then never loads it.
+            checkpoint, i.e. ``load_format`` is not ``"dummy"``). ``frozen`` still loads it on the first update:
+            the trainer's frozen block is the one to draft with, and after a resume of a checkpoint trained
+            online it is not the HF checkpoint's; later updates skip it.
         verify_checksums (bool): compare tensor digests after every drafter load.
         stage (str): where the MTP part of an update waits until the drafter is loaded: ``"device"``
             (a copy on the tensors' device, the default) or ``"host"`` (a copy in host memory, pinned
@@ -367,6 +369,7 @@ class MTPDrafterSync:
         self.vllm_config = vllm_config
         self.mode = mode
         self.drafter_loaded = bool(drafter_loaded)
+        self.synced = False  # an update loaded the drafter (frozen: once)
         self.verify_checksums = verify_checksums
         self.expected_mtp_keys = frozenset(expected_hf_mtp_keys(text_config(draft_model_config)))
         if not self.expected_mtp_keys:
@@ -420,7 +423,7 @@ class MTPDrafterSync:
         if self._active:
             raise MTPSyncError("begin() called twice without finish()/abort()")
         self._own, self._shared, self._extra = self.drafter_structure()
-        self._load = self.mode == "online" or not self.drafter_loaded
+        self._load = self.mode == "online" or not (self.drafter_loaded and self.synced)
         self._pending = []
         self._not_local: list[str] = []  # MTP expert names received, kept by another vLLM rank (not staged)
         self._local_experts = local_experts(self.drafter, self.vllm_config) if self._load else None
@@ -517,7 +520,7 @@ class MTPDrafterSync:
                         "completes); the next update reloads the drafter in full.",
                         phase="load",
                     ) from e
-                self.drafter_loaded = True
+                self.drafter_loaded = self.synced = True
         finally:
             self._active = False
             self._pending = []
