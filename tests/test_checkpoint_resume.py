@@ -235,3 +235,23 @@ def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overr
                                         "actor_rollout_ref.actor.checkpoint.load_contents=[model,extra]")).mode.value == "online"
     assert validate_verl_config(_config("grpo_frozen", tmp_path, *overrides, *extra)).mode.value == "frozen"
     validate_verl_config(_config("grpo_online", tmp_path, "trainer.resume_mode=disable"))
+    # verl's v1 trainer resumes locally with default_hdfs_dir set too (the legacy trainer raises): checked all the same
+    with pytest.raises(MTPConfigError, match=r"saved in MTP mode frozen"):
+        validate_verl_config(_config("grpo_online", tmp_path, *overrides, *extra, "trainer.default_hdfs_dir=hdfs://x"))
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["trainer.resume_mode=latest"], "trainer.resume_mode='latest': allowed values are auto, disable, resume_path"),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpts/run1"],
+     "trainer.resume_from_path='/ckpts/run1' with trainer.resume_mode=resume_path: must be the path of a "
+     "global_step_<N> folder"),
+])
+def test_resume_settings_verl_fails_on_after_start_up_are_refused_naming_the_key(tmp_path, overrides, needle):
+    """An unknown resume mode fails verl's v1 trainer with an UnboundLocalError, a path without global_step_N with
+    an assert, both after every worker was built."""
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(_config("grpo_online", tmp_path, *overrides))
+    assert needle in str(e.value)

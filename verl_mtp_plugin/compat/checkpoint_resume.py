@@ -49,6 +49,7 @@ __all__ = [
     "read_checkpoint_mode",
     "refresh_after_model_load",
     "refresh_main_params",
+    "resume_errors",
     "resume_folder",
     "write_checkpoint_mode",
 ]
@@ -110,15 +111,34 @@ def load_flags_from_contents(load_contents) -> tuple[bool, bool]:
     return ("model" in contents or "hf_model" in contents), "optimizer" in contents
 
 
-def resume_folder(*, resume_mode, default_local_dir, resume_from_path=None, default_hdfs_dir=None) -> str | None:
-    """The ``global_step_N`` folder verl's trainer resumes from (``RayPPOTrainer._load_checkpoint``, from the
-    ``trainer.*`` keys of the same names: ``resume_mode`` auto: the latest under ``default_local_dir``;
-    ``resume_path``: ``resume_from_path``), or None (no resume, or nothing there yet). Paths relative to this
-    process's working directory, as verl's trainer resolves them."""
+#: ``trainer.resume_mode`` values verl's trainers know (another one: the v1 trainer fails after its start-up)
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+def resume_errors(*, resume_mode, resume_from_path=None) -> list[str]:
+    """``trainer.resume_mode`` / ``trainer.resume_from_path`` values verl's trainer fails on only after every worker
+    is built (an unknown mode: ``UnboundLocalError`` in the v1 trainer; a path that is not a string or names no
+    ``global_step_N``: an assert), each naming its key."""
+    mode = str(resume_mode or "auto")
+    if mode not in RESUME_MODES:
+        return [f"trainer.resume_mode={resume_mode!r}: allowed values are {', '.join(RESUME_MODES)}"]
+    if mode == "resume_path" and not (isinstance(resume_from_path, str) and "global_step_" in resume_from_path):
+        return [f"trainer.resume_from_path={resume_from_path!r} with trainer.resume_mode=resume_path: must be the "
+                "path of a global_step_<N> folder (verl reads the step from its name)"]
+    return []
+
+
+def resume_folder(*, resume_mode, default_local_dir, resume_from_path=None, default_hdfs_dir=None,
+                  use_v1: bool = True) -> str | None:
+    """The ``global_step_N`` folder verl's trainer resumes from (``_load_checkpoint`` of the v1 trainer and of the
+    legacy ``RayPPOTrainer``, from the ``trainer.*`` keys of the same names: ``resume_mode`` auto: the latest under
+    ``default_local_dir``; ``resume_path``: ``resume_from_path``), or None (no resume, or nothing there yet). The
+    legacy trainer does not resume with ``default_hdfs_dir`` set (it raises); the v1 trainer ignores that key. Paths
+    relative to this process's working directory, as verl's trainer resolves them."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     mode = str(resume_mode or "auto")
-    if mode == "disable" or default_hdfs_dir is not None:
+    if mode not in RESUME_MODES or mode == "disable" or (default_hdfs_dir is not None and not use_v1):
         return None
     if mode == "resume_path":
         path = resume_from_path

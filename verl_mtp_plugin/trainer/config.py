@@ -119,8 +119,12 @@ def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
     actor checkpoint (:mod:`verl_mtp_plugin.compat.checkpoint_resume`; the engine checks it again before loading)."""
     from verl_mtp_plugin.compat import checkpoint_resume as cr
 
-    folder = cr.resume_folder(**{k: get_key(config, f"trainer.{k}") for k in
-                                 ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")})
+    keys = {k: get_key(config, f"trainer.{k}") for k in
+            ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")}
+    bad = cr.resume_errors(resume_mode=keys["resume_mode"], resume_from_path=keys["resume_from_path"])
+    if bad:
+        return bad
+    folder = cr.resume_folder(**keys, use_v1=as_bool(get_key(config, "trainer.use_v1", True)))
     if folder is None:
         return []
     actor = os.path.join(folder, "actor")
