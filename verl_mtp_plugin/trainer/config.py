@@ -46,9 +46,9 @@ and zero acceptance after wake-up: that is the sleep-level check below.
 
 from __future__ import annotations
 
-import json
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -478,7 +478,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
     errors += _weight_path_errors(config, speculation=speculation)
     errors += sample_poll_errors(config)
     if hf_config is None:
-        errors += _hub_quantization_errors(config, speculation=plugin_sync, extension=extension)
+        errors += _hub_quantization_errors(config, plugin_sync=plugin_sync, extension=extension)
 
     drafter_sync, drafter_sync_key = env[DRAFTER_SYNC_ENV]
     drafter_sync = None if drafter_sync is None else str(drafter_sync).strip().lower()
@@ -1040,13 +1040,13 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
     return errors
 
 
-def _hub_quantization_errors(config: Any, *, speculation: bool, extension: Any) -> list[str]:
+def _hub_quantization_errors(config: Any, *, plugin_sync: bool, extension: Any) -> list[str]:
     """A quantized checkpoint named by a hub id (or any path whose ``config.json`` is not a local file):
     its HF config read from the local Hugging Face cache (no network); when it is not there, the plugin's
     vLLM extension refuses the first sync from the config vLLM loaded, before any weight is loaded
     (:func:`verl_mtp_plugin.rollout.worker.extension.quantized_checkpoint_error`)."""
     path = get_key(config, f"{_M}.path")
-    if not (speculation and path):  # speculation: the plugin's drafter sync (or a subclass's) runs
+    if not (plugin_sync and path):
         return []
     try:
         from transformers import AutoConfig

@@ -833,7 +833,6 @@ def guard_from_verl_config(config: Any) -> MTPDesyncGuard:
         num_speculative_tokens=int(k) if k is not None else None,
         speculation=speculation,
         draft_sample_method=str(user_spec.get("draft_sample_method") or "greedy"),
-        variable_k=speculation and len(verl_config.speculation_depths(config)) > 1,
         batch_size=batch,
         depth_batches=depth_batches(schedule, verl_config.max_num_seqs(config), int(k or 1), batch) if schedule else None,
     )
