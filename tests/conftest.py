@@ -122,7 +122,8 @@ INTEGRATION_TESTS = {
     "test_spec_schedule.py": {"test_vllm_cpu_drafts_the_scheduled_k_for_the_number_of_running_requests"},
     "test_te_placeholder_private.py": {"test_from_import_of_private_name_raises_import_error"},
     "test_vllm_sync.py": {"test_worker_extension_class_contract"},
-    "test_weight_paths.py": {"test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds"},
+    "test_weight_paths.py": {"test_a_vllm_worker_killed_mid_update_fails_the_trainers_sender_in_seconds",
+                             "test_verls_checkpoint_worker_process_gets_the_watch_from_the_recipes_module"},
     "test_wheel.py": "*",  # pip builds the wheel
 }
 LAYERS = ("unit", "integration", "e2e")

@@ -225,6 +225,106 @@ def test_a_receiver_that_never_connects_fails_the_trainers_sender(tmp_path, monk
     assert 2.0 <= time.monotonic() - t0 < BOUND_S
 
 
+@pytest.mark.parametrize("mode", ["separate_async", "mtp_separate_async"])
+@pytest.mark.parametrize("speculation", [True, False])
+def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(recipe, mode, speculation):
+    """Under separate_async verl's CheckpointEngineWorker sends the updates on to vLLM in a process that imports only
+    ``checkpoint_engine.custom_backend_module``: without the plugin's module there a dead vLLM worker hangs the
+    update, so the start-up check refuses it naming the key (with or without speculation; colocated modes do not use
+    that process)."""
+    from verl_mtp_plugin.trainer.config import CHECKPOINT_WORKER_MODULE, CUSTOM_BACKEND_MODULE_KEY
+
+    assert OmegaConf.select(recipe, CUSTOM_BACKEND_MODULE_KEY) == CHECKPOINT_WORKER_MODULE  # the recipes set it
+    base = recipe
+    if not speculation:
+        base = _with(recipe, actor_rollout_ref__model__mtp__enable_rollout=False)
+        base = _with(base, **{"actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config": None})
+    key = CUSTOM_BACKEND_MODULE_KEY.replace(".", "__")
+    for module in (None, "my_pkg.backends"):
+        cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "nccl",
+                                                              key: module})
+        out = _outcome(cfg)
+        assert f"set {CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE}" in out and repr(module) in out, out
+        assert _outcome(_with(cfg, trainer__v1__trainer_mode="mtp_sync")) == "ok"  # colocated: not used
+    cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "nccl"})
+    assert _outcome(cfg) == "ok"
+
+
+_CHECKPOINT_WORKER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys, time
+    import torch
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry, CheckpointEngineWorker
+    from verl.workers.config.rollout import CheckpointEngineConfig, RolloutConfig
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    @CheckpointEngineRegistry.register("loopback_for_test")
+    class Loopback(CheckpointEngine):  # construction only: the transport is not what is tested
+        def __init__(self, bucket_size, **kwargs):
+            self.bucket_size = bucket_size
+        def prepare(self):
+            return {}
+        @classmethod
+        def build_topology(cls, *args, **kwargs):
+            return {}, {}
+        def init_process_group(self, **kwargs):
+            pass
+        def finalize(self):
+            pass
+        async def send_weights(self, weights, global_steps=None):
+            pass
+        async def receive_weights(self, global_steps=None):
+            return
+            yield
+
+    module = sys.argv[2] or None
+    plugin_before = any(m.startswith("verl_mtp_plugin") for m in sys.modules)
+    cfg = RolloutConfig(name="vllm", checkpoint_engine=CheckpointEngineConfig(backend="loopback_for_test",
+                                                                              custom_backend_module=module))
+    CheckpointEngineWorker(cfg, None, server_adapter=object())  # verl's constructor, as Ray runs it
+    out = {"plugin_before": plugin_before,
+           "watch": bool(getattr(BucketedWeightSender._init_socket, "_verl_mtp_receiver_watch", False))}
+    if out["watch"]:  # this process's sender, as ServerAdapter.update_weights uses it: no vLLM worker connects
+        from verl_mtp_cpu.vllm_engine import _verl_platform
+        t0 = time.monotonic()
+        try:
+            with _verl_platform():
+                sender = BucketedWeightSender(sys.argv[1], bucket_size_mb=1, use_shm=False)
+                asyncio.run(sender.async_send_weights(iter([("w0", torch.zeros(16))])))
+        except Exception as e:
+            out["error"], out["message"], out["took"] = type(e).__name__, str(e), time.monotonic() - t0
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_verls_checkpoint_worker_process_gets_the_watch_from_the_recipes_module(tmp_path, recipe):
+    """verl's real ``CheckpointEngineWorker`` constructed in a fresh process that never imported the plugin (as Ray
+    builds it for separate_async), with the recipe's ``custom_backend_module``: the sender's watch is installed there
+    and an update no vLLM worker receives fails in seconds naming the socket. Without the module the process has no
+    watch (the hang the start-up refusal prevents)."""
+    import json
+
+    from verl_mtp_plugin.trainer.config import CUSTOM_BACKEND_MODULE_KEY
+
+    script = tmp_path / "checkpoint_worker.py"
+    script.write_text(_CHECKPOINT_WORKER)
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
+           "VERL_MTP_SYNC_RECV_TIMEOUT_S": "2"}
+    results = {}
+    for name, module in (("recipe", OmegaConf.select(recipe, CUSTOM_BACKEND_MODULE_KEY)), ("none", "")):
+        handle = f"ipc://{tmp_path}/{name}.sock"
+        p = subprocess.run([sys.executable, str(script), handle, module], env=env, capture_output=True, text=True,
+                           timeout=300)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        assert p.returncode == 0 and line, p.stdout[-2000:] + p.stderr[-4000:]
+        results[name] = (json.loads(line[-1][len("RESULT "):]), handle)
+    got, handle = results["recipe"]
+    assert not got["plugin_before"] and got["watch"], got
+    assert got["error"] == "WeightReceiverLostError" and handle in got["message"] and got["took"] < BOUND_S, got
+    assert results["none"][0] == {"plugin_before": False, "watch": False}
+
+
 def test_the_plugins_registration_with_verl_installs_the_watch():
     """verl imports the plugin (``external_lib``) in its workers after itself, which registers the engine
     (:func:`verl_mtp_plugin.engine.registry.register`): that registration installs the watch."""

@@ -77,6 +77,8 @@ JOINTS = (
                                                                  "should_load_optimizer")),
     *(Joint("verl", f"verl.workers.rollout.vllm_rollout.bucketed_weight_transfer.BucketedWeightSender.{name}",
             ("self",), "compat/verl_weight_sender.py wraps it") for name in ("_init_socket", "_cleanup")),
+    Joint("verl", "verl.workers.config.rollout.CheckpointEngineConfig.__dataclass_fields__.custom_backend_module", None,
+          "verl imports it in CheckpointEngineWorker: rollout/checkpoint_worker.py installs the sender's watch there"),
     Joint("megatron", "megatron.core.optimizer.MegatronOptimizer.reload_model_params", ("self", "state_dict"),
           "compat/checkpoint_resume.py refreshes the fp32 masters with it after a model-only load"),
     Joint("megatron", "megatron.core.transformer.multi_token_prediction.roll_tensor",

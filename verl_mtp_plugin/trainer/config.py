@@ -959,6 +959,10 @@ DELTA_BACKENDS = ("delta_sharded",)
 #: checkpoint manager with ``backend = "naive"`` whatever ``checkpoint_engine.backend`` says.
 COLOCATED_TRAINER_MODES = ("sync", "colocate_async", "mtp_sync", "mtp_colocate_async")
 SEPARATE_TRAINER_MODES = ("separate_async", "mtp_separate_async")
+#: the module verl imports in its ``CheckpointEngineWorker`` (the process that sends the standalone replicas'
+#: updates to vLLM): the plugin's, which installs the weight sender's watch there
+CUSTOM_BACKEND_MODULE_KEY = f"{_RO}.checkpoint_engine.custom_backend_module"
+CHECKPOINT_WORKER_MODULE = "verl_mtp_plugin.rollout.checkpoint_worker"
 
 
 def _extension_check(extension: Any) -> tuple[bool, list[str]]:
@@ -1006,7 +1010,9 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
       colocated ``naive`` path (the actor's ``update_weights`` -> ``update_weights_from_ipc``) for the hybrid
       replicas; ``checkpoint_engine.backend`` is not used for them.
     * ``separate_async``: the standalone replicas are updated through ``checkpoint_engine.backend``: verl
-      refuses ``naive`` there (an assert after the whole start-up), the IPC backends reach the extension,
+      refuses ``naive`` there (an assert after the whole start-up), the IPC backends reach the extension (their
+      sender, verl's ``CheckpointEngineWorker``, imports ``checkpoint_engine.custom_backend_module``, which must be
+      :data:`CHECKPOINT_WORKER_MODULE` for the sender's watch to run there),
       ``delta_sharded`` goes through vLLM's weight-transfer engine, which never calls the extension: the
       drafter would keep stale MTP weights with no error.
     """
@@ -1020,6 +1026,15 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
             f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}=naive: verl's separate_async trainer "
             "updates its standalone rollout through a checkpoint engine and refuses naive (an assert after the "
             f"whole start-up); set {CHECKPOINT_BACKEND_KEY} to one of {', '.join(IPC_BACKENDS[1:])}"
+        )
+    module = get_key(config, CUSTOM_BACKEND_MODULE_KEY)
+    if separate and backend in IPC_BACKENDS[1:] and module != CHECKPOINT_WORKER_MODULE:
+        errors.append(
+            f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}={backend}: verl's CheckpointEngineWorker "
+            "sends each update on to the vLLM workers in a process that does not import the plugin, so a vLLM "
+            "worker that dies mid-update would hang the update for good instead of failing it in seconds; set "
+            f"{CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE} (verl imports it in that process; it is "
+            f"{module!r} now)"
         )
     if not speculation:
         return errors
