@@ -330,10 +330,12 @@ def test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners():
     for want, code in runs.items():
         out = subprocess.run([sys.executable, "-c", code + show], capture_output=True, text=True, timeout=600)
         assert out.stdout.strip().splitlines()[-1] == want, (code, out.stderr[-2000:])
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_mtp_plugin.trainer.v1")
-    out = subprocess.run([sys.executable, "-c", "import verl; " + show], capture_output=True, text=True, timeout=600,
-                         env=env)
-    assert out.stdout.strip().splitlines()[-1] == "True True", out.stderr[-2000:]
+    # the documented module, and the bare package (which verl imports before its trainer modules)
+    for modules in ("verl_mtp_plugin.trainer.v1", "verl_mtp_plugin"):
+        env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=modules)
+        out = subprocess.run([sys.executable, "-c", "import verl; " + show], capture_output=True, text=True,
+                             timeout=600, env=env)
+        assert out.stdout.strip().splitlines()[-1] == "True True", (modules, out.stderr[-2000:])
 
 
 # --------------------------------------------------------------------------------------- private joints

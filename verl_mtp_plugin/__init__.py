@@ -74,6 +74,7 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
+import os as _os  # noqa: E402
 import sys as _sys  # noqa: E402
 
 if "verl" in _sys.modules:
@@ -89,3 +90,8 @@ if "verl" in _sys.modules:
         from verl_mtp_plugin.trainer.config import startup_check as _startup_check
 
         _install_startup_check(_startup_check)
+    elif "verl_mtp_plugin" in [m.strip() for m in _os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]:
+        # verl imports VERL_USE_EXTERNAL_MODULES as it is itself imported, before its trainer modules: the bare
+        # package there means what the documented verl_mtp_plugin.trainer.v1 does (the plugin's trainers and the
+        # start-up check under verl's entry point), which would otherwise never be installed in this process
+        importlib.import_module("verl_mtp_plugin.trainer.v1")
