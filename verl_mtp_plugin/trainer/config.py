@@ -122,6 +122,10 @@ def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
 
     keys = {k: get_key(config, f"trainer.{k}") for k in
             ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")}
+    if keys["resume_mode"] is None and get_key(config, "trainer.resume_mode", "absent") is None:
+        # set to null (a config without the key reads as verl's default, auto): verl's trainer knows no such mode
+        # and fails after every worker is built (the v1 trainer with an UnboundLocalError)
+        return [f"trainer.resume_mode=None: allowed values are {', '.join(cr.RESUME_MODES)}"]
     bad = cr.resume_errors(resume_mode=keys["resume_mode"], resume_from_path=keys["resume_from_path"])
     if bad:
         return bad
