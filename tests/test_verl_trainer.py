@@ -452,7 +452,9 @@ def test_rollout_skip_cache_reads_the_base_modes_settings(cluster):
 
     cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async", "data.train_batch_size=8",
                           "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
+                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+                          "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module="
+                          "verl_mtp_plugin.rollout.checkpoint_worker"])
     trainer = get_trainer_cls("mtp_separate_async")(cfg)
     assert trainer.parameter_sync_step == 4  # verl's separate_async default, through the mode property
     skip = RolloutTqSkip(cfg.skip.rollout_tq, cfg)
@@ -476,7 +478,9 @@ def test_plugin_task_runner_resolves_plugin_modes_in_its_ray_actor(cluster):
     # constructor: reaching that check proves the lookup found the plugin class (a verl subclass)
     # (a checkpoint engine separate_async accepts: the plugin's trainer refuses naive there itself)
     cfg = _compose(extra=["trainer.v1.trainer_mode=mtp_separate_async",
-                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"])
+                          "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+                          "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module="
+                          "verl_mtp_plugin.rollout.checkpoint_worker"])
     with pytest.raises(ray.exceptions.RayTaskError, match="Unknown trainer 'mtp_separate_async'"):
         ray.get(TaskRunnerV1.remote().run.remote(cfg))
     with pytest.raises(ray.exceptions.RayTaskError, match="train_batch_size must equal parameter_sync_step"):

@@ -229,9 +229,9 @@ def test_a_receiver_that_never_connects_fails_the_trainers_sender(tmp_path, monk
 @pytest.mark.parametrize("speculation", [True, False])
 def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(recipe, mode, speculation):
     """Under separate_async verl's CheckpointEngineWorker sends the updates on to vLLM in a process that imports only
-    ``checkpoint_engine.custom_backend_module``: without the plugin's module there a dead vLLM worker hangs the
-    update, so the start-up check refuses it naming the key (with or without speculation; colocated modes do not use
-    that process)."""
+    ``checkpoint_engine.custom_backend_module``: without a plugin module there (or VERL_USE_EXTERNAL_MODULES naming
+    one) a dead vLLM worker hangs the update, so the start-up check refuses it naming the key, for every checkpoint
+    engine that process runs, with or without speculation (colocated modes do not use that process)."""
     from verl_mtp_plugin.trainer.config import CHECKPOINT_WORKER_MODULE, CUSTOM_BACKEND_MODULE_KEY
 
     assert OmegaConf.select(recipe, CUSTOM_BACKEND_MODULE_KEY) == CHECKPOINT_WORKER_MODULE  # the recipes set it
@@ -240,26 +240,50 @@ def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(reci
         base = _with(recipe, actor_rollout_ref__model__mtp__enable_rollout=False)
         base = _with(base, **{"actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config": None})
     key = CUSTOM_BACKEND_MODULE_KEY.replace(".", "__")
-    for module in (None, "my_pkg.backends"):
-        cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "nccl",
-                                                              key: module})
-        out = _outcome(cfg)
-        assert f"set {CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE}" in out and repr(module) in out, out
-        assert _outcome(_with(cfg, trainer__v1__trainer_mode="mtp_sync")) == "ok"  # colocated: not used
-    cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): "nccl"})
-    assert _outcome(cfg) == "ok"
+    backends = ("nccl", "kimi_ckpt_engine") + (() if speculation else ("delta_sharded", "my_engine"))
+    for backend in backends:
+        for module in (None, "my_pkg.backends"):
+            cfg = _with(base, trainer__v1__trainer_mode=mode,
+                        **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): backend, key: module})
+            out = _outcome(cfg)
+            assert f"set {CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE}" in out, (backend, out)
+            assert f"it is {module!r} now" in out, (backend, out)
+            assert _outcome(_with(cfg, trainer__v1__trainer_mode="mtp_sync")) == "ok"  # colocated: not used
+            # the plugin imported in every verl process by verl itself: the watch is there too
+            env = {"ray_kwargs__ray_init__runtime_env__env_vars__VERL_USE_EXTERNAL_MODULES": "verl_mtp_plugin"}
+            assert _outcome(_with(cfg, **env)) == "ok", backend
+        cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): backend})
+        assert _outcome(cfg) == "ok", backend
+
+
+def test_the_checkpoint_engines_named_are_the_ones_verl_registers():
+    """The backends the start-up check accepts or refuses by name are the names verl 0.9.1's engines register
+    (read from its source: engines whose transport is not installed here do not register on import)."""
+    import pathlib
+    import re
+
+    import verl.checkpoint_engine as ce
+
+    from verl_mtp_plugin.trainer.config import DELTA_BACKENDS
+
+    names = set()
+    for f in pathlib.Path(ce.__file__).parent.glob("*.py"):
+        names |= set(re.findall(r'CheckpointEngineRegistry\.register\("([^"]+)"\)', f.read_text()))
+    assert names == set(IPC_BACKENDS) | set(DELTA_BACKENDS), names
 
 
 _CHECKPOINT_WORKER = textwrap.dedent(
     """
     import asyncio, json, os, sys, time
+    from types import SimpleNamespace
     import torch
     from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry, CheckpointEngineWorker
     from verl.workers.config.rollout import CheckpointEngineConfig, RolloutConfig
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+    from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
     @CheckpointEngineRegistry.register("loopback_for_test")
-    class Loopback(CheckpointEngine):  # construction only: the transport is not what is tested
+    class Loopback(CheckpointEngine):  # the trainer's side of the transport: one tensor received
         def __init__(self, bucket_size, **kwargs):
             self.bucket_size = bucket_size
         def prepare(self):
@@ -274,23 +298,28 @@ _CHECKPOINT_WORKER = textwrap.dedent(
         async def send_weights(self, weights, global_steps=None):
             pass
         async def receive_weights(self, global_steps=None):
-            return
-            yield
+            yield "model.layers.0.mixer.weight", torch.zeros(16)
+
+    class Adapter(SimpleNamespace):  # verl's vLLM ServerAdapter's update path; the vLLM worker never connects
+        update_weights = ServerAdapter.update_weights
+        async def _execute_method(self, *args, **kwargs):
+            return None  # the RPC failed on vLLM's side before its receiver opened the socket
 
     module = sys.argv[2] or None
     plugin_before = any(m.startswith("verl_mtp_plugin") for m in sys.modules)
     cfg = RolloutConfig(name="vllm", checkpoint_engine=CheckpointEngineConfig(backend="loopback_for_test",
                                                                               custom_backend_module=module))
-    CheckpointEngineWorker(cfg, None, server_adapter=object())  # verl's constructor, as Ray runs it
+    adapter = Adapter(zmq_handle=sys.argv[1], use_shm=False, _has_server=False, replica_rank=0, rollout_rank=0,
+                      config=SimpleNamespace(checkpoint_engine=SimpleNamespace(update_weights_bucket_megabytes=1)))
+    worker = CheckpointEngineWorker(cfg, None, server_adapter=adapter)  # verl's constructor, as Ray runs it
     out = {"plugin_before": plugin_before,
            "watch": bool(getattr(BucketedWeightSender._init_socket, "_verl_mtp_receiver_watch", False))}
-    if out["watch"]:  # this process's sender, as ServerAdapter.update_weights uses it: no vLLM worker connects
+    if out["watch"]:  # without it verl's sender would wait for the receiver for good
         from verl_mtp_cpu.vllm_engine import _verl_platform
         t0 = time.monotonic()
         try:
             with _verl_platform():
-                sender = BucketedWeightSender(sys.argv[1], bucket_size_mb=1, use_shm=False)
-                asyncio.run(sender.async_send_weights(iter([("w0", torch.zeros(16))])))
+                asyncio.run(CheckpointEngineWorker.update_weights(worker, global_steps=1))
         except Exception as e:
             out["error"], out["message"], out["took"] = type(e).__name__, str(e), time.monotonic() - t0
     print("RESULT " + json.dumps(out))
@@ -300,17 +329,18 @@ _CHECKPOINT_WORKER = textwrap.dedent(
 
 def test_verls_checkpoint_worker_process_gets_the_watch_from_the_recipes_module(tmp_path, recipe):
     """verl's real ``CheckpointEngineWorker`` constructed in a fresh process that never imported the plugin (as Ray
-    builds it for separate_async), with the recipe's ``custom_backend_module``: the sender's watch is installed there
-    and an update no vLLM worker receives fails in seconds naming the socket. Without the module the process has no
-    watch (the hang the start-up refusal prevents)."""
+    builds it for separate_async), with the recipe's ``custom_backend_module``: the sender's watch is installed there,
+    and its ``update_weights`` (verl's ServerAdapter path) for a vLLM worker that never connects fails in seconds
+    naming the socket. Without the module the process has no watch (the hang the start-up refusal prevents)."""
     import json
+    import random
 
     from verl_mtp_plugin.trainer.config import CUSTOM_BACKEND_MODULE_KEY
 
     script = tmp_path / "checkpoint_worker.py"
     script.write_text(_CHECKPOINT_WORKER)
-    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
-           "VERL_MTP_SYNC_RECV_TIMEOUT_S": "2"}
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(random.randint(20000, 40000)), "VERL_MTP_SYNC_RECV_TIMEOUT_S": "2"}
     results = {}
     for name, module in (("recipe", OmegaConf.select(recipe, CUSTOM_BACKEND_MODULE_KEY)), ("none", "")):
         handle = f"ipc://{tmp_path}/{name}.sock"
@@ -321,7 +351,8 @@ def test_verls_checkpoint_worker_process_gets_the_watch_from_the_recipes_module(
         results[name] = (json.loads(line[-1][len("RESULT "):]), handle)
     got, handle = results["recipe"]
     assert not got["plugin_before"] and got["watch"], got
-    assert got["error"] == "WeightReceiverLostError" and handle in got["message"] and got["took"] < BOUND_S, got
+    assert got["error"] == "WeightReceiverLostError" and got["took"] < BOUND_S, got
+    assert f"no vLLM worker connected to receive it ({handle}) within 2 s" in got["message"], got
     assert results["none"][0] == {"plugin_before": False, "watch": False}
 
 

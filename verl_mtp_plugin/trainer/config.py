@@ -59,6 +59,7 @@ from verl_mtp_plugin.config_keys import CRITIC as _CRITIC
 from verl_mtp_plugin.config_keys import CRITIC_MEGATRON as _CRITIC_MEG
 from verl_mtp_plugin.config_keys import MODEL as _M
 from verl_mtp_plugin.config_keys import MTP as _MTP
+from verl_mtp_plugin.config_keys import RAY_ENV_VARS as _RAY_ENV
 from verl_mtp_plugin.config_keys import ROLLOUT as _RO
 from verl_mtp_plugin.config_keys import VLLM_KWARGS as _VLLM
 from verl_mtp_plugin.config_keys import (
@@ -952,10 +953,11 @@ def _hf_quantization(hf_config: Any) -> str | None:
 
 #: ``actor_rollout_ref.rollout.checkpoint_engine.backend``: how the trainer's weights reach vLLM.
 CHECKPOINT_BACKEND_KEY = f"{_RO}.checkpoint_engine.backend"
-#: verl 0.9.1 backends whose rollout side is ``CheckpointEngineWorker.update_weights`` ->
-#: ``ServerAdapter.update_weights`` -> the worker RPC ``update_weights_from_ipc(use_shm=...)``: the plugin's
-#: extension receives the stream and syncs the drafter (``naive`` is the colocated actor-side call of the same RPC).
-IPC_BACKENDS = ("naive", "nccl", "nixl", "mooncake", "kimi", "hccl")
+#: verl 0.9.1 backends (the names they register with ``CheckpointEngineRegistry``; verl's NPU engine registers as
+#: ``nccl`` too) whose rollout side is ``CheckpointEngineWorker.update_weights`` -> ``ServerAdapter.update_weights``
+#: -> the worker RPC ``update_weights_from_ipc(use_shm=...)``: the plugin's extension receives the stream and syncs
+#: the drafter (``naive`` is the colocated actor-side call of the same RPC).
+IPC_BACKENDS = ("naive", "nccl", "nixl", "mooncake", "kimi_ckpt_engine")
 #: verl 0.9.1's delta backend: ``ServerAdapter._update_delta_weights`` -> the worker's ``update_verl_delta_weights``
 #: -> vLLM's weight-transfer engine (``start_weight_update`` / ``update_weights``), which bypasses the extension.
 DELTA_BACKENDS = ("delta_sharded",)
@@ -1007,6 +1009,21 @@ def _extension_check(extension: Any) -> tuple[bool, list[str]]:
     return True, []
 
 
+def _checkpoint_worker_imports_the_plugin(config: Any) -> bool:
+    """verl's ``CheckpointEngineWorker`` imports the plugin, which installs the weight sender's watch there: through
+    ``checkpoint_engine.custom_backend_module`` (a module of the plugin: importing any of them where verl is loaded
+    installs it), or ``VERL_USE_EXTERNAL_MODULES`` in the job's runtime env naming one (verl imports those in every
+    process that imports verl)."""
+    def plugin(name: Any) -> bool:
+        name = name.strip() if isinstance(name, str) else ""
+        return name == "verl_mtp_plugin" or name.startswith("verl_mtp_plugin.")
+
+    if plugin(get_key(config, CUSTOM_BACKEND_MODULE_KEY)):
+        return True
+    env = get_key(config, f"{_RAY_ENV}.VERL_USE_EXTERNAL_MODULES")
+    return isinstance(env, str) and any(plugin(m) for m in env.split(","))
+
+
 def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
     """Every weight path verl 0.9.1 can take syncs the drafter through the plugin's extension, or is refused.
 
@@ -1031,8 +1048,8 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
             "updates its standalone rollout through a checkpoint engine and refuses naive (an assert after the "
             f"whole start-up); set {CHECKPOINT_BACKEND_KEY} to one of {', '.join(IPC_BACKENDS[1:])}"
         )
-    module = get_key(config, CUSTOM_BACKEND_MODULE_KEY)
-    if separate and backend in IPC_BACKENDS[1:] and module != CHECKPOINT_WORKER_MODULE:
+    if separate and backend != "naive" and not _checkpoint_worker_imports_the_plugin(config):
+        module = get_key(config, CUSTOM_BACKEND_MODULE_KEY)
         errors.append(
             f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}={backend}: verl's CheckpointEngineWorker "
             "sends each update on to the vLLM workers in a process that does not import the plugin, so a vLLM "
