@@ -243,6 +243,7 @@ def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overr
 @pytest.mark.parametrize("overrides,needle", [
     (["trainer.resume_mode=latest"], "trainer.resume_mode='latest': allowed values are auto, disable, resume_path"),
     (["trainer.resume_mode=null"], "trainer.resume_mode=None: allowed values are auto, disable, resume_path"),
+    (["trainer.resume_mode="], "trainer.resume_mode='': allowed values are auto, disable, resume_path"),
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpts/run1"],
      "trainer.resume_from_path='/ckpts/run1' with trainer.resume_mode=resume_path: must be the path of a "
      "global_step_<N> folder"),

@@ -227,13 +227,14 @@ def test_a_receiver_that_never_connects_fails_the_trainers_sender(tmp_path, monk
 
 @pytest.mark.parametrize("mode", ["separate_async", "mtp_separate_async"])
 @pytest.mark.parametrize("speculation", [True, False])
-def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(recipe, mode, speculation):
+def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(recipe, mode, speculation, monkeypatch):
     """Under separate_async verl's CheckpointEngineWorker sends the updates on to vLLM in a process that imports only
     ``checkpoint_engine.custom_backend_module``: without a plugin module there (or VERL_USE_EXTERNAL_MODULES naming
     one) a dead vLLM worker hangs the update, so the start-up check refuses it naming the key, for every checkpoint
     engine that process runs, with or without speculation (colocated modes do not use that process)."""
     from verl_mtp_plugin.trainer.config import CHECKPOINT_WORKER_MODULE, CUSTOM_BACKEND_MODULE_KEY
 
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     assert OmegaConf.select(recipe, CUSTOM_BACKEND_MODULE_KEY) == CHECKPOINT_WORKER_MODULE  # the recipes set it
     base = recipe
     if not speculation:
@@ -249,9 +250,18 @@ def test_separate_async_needs_the_plugins_module_in_verls_checkpoint_worker(reci
             assert f"set {CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE}" in out, (backend, out)
             assert f"it is {module!r} now" in out, (backend, out)
             assert _outcome(_with(cfg, trainer__v1__trainer_mode="mtp_sync")) == "ok"  # colocated: not used
-            # the plugin imported in every verl process by verl itself: the watch is there too
-            env = {"ray_kwargs__ray_init__runtime_env__env_vars__VERL_USE_EXTERNAL_MODULES": "verl_mtp_plugin"}
-            assert _outcome(_with(cfg, **env)) == "ok", backend
+            # the plugin imported in every verl process by verl itself (the job's runtime env, or the driver's
+            # environment a cluster the run starts inherits), a module of the user's own kept in the key
+            env_key = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_USE_EXTERNAL_MODULES"
+            assert _outcome(_with(cfg, **{env_key: f"other_pkg,{CHECKPOINT_WORKER_MODULE}"})) == "ok", backend
+            with monkeypatch.context() as m:
+                m.setenv("VERL_USE_EXTERNAL_MODULES", "verl_mtp_plugin")
+                assert _outcome(cfg) == "ok", backend
+            assert f"add {CHECKPOINT_WORKER_MODULE} to ray_kwargs.ray_init.runtime_env.env_vars" in out
+        # a plugin module that does not exist is refused before verl fails to import it after the start-up
+        typo = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): backend,
+                                                              key: CHECKPOINT_WORKER_MODULE + "s"})
+        assert f"'{CHECKPOINT_WORKER_MODULE}s' is no module of the plugin" in _outcome(typo), backend
         cfg = _with(base, trainer__v1__trainer_mode=mode, **{CHECKPOINT_BACKEND_KEY.replace(".", "__"): backend})
         assert _outcome(cfg) == "ok", backend
 

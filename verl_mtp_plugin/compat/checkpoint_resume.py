@@ -119,7 +119,7 @@ def resume_errors(*, resume_mode, resume_from_path=None) -> list[str]:
     """``trainer.resume_mode`` / ``trainer.resume_from_path`` values verl's trainer fails on only after every worker
     is built (an unknown mode: ``UnboundLocalError`` in the v1 trainer; a path that is not a string or names no
     ``global_step_N``: an assert), each naming its key."""
-    mode = str(resume_mode or "auto")
+    mode = "auto" if resume_mode is None else str(resume_mode)
     if mode not in RESUME_MODES:
         return [f"trainer.resume_mode={resume_mode!r}: allowed values are {', '.join(RESUME_MODES)}"]
     if mode == "resume_path" and not (isinstance(resume_from_path, str) and "global_step_" in resume_from_path):
@@ -137,7 +137,7 @@ def resume_folder(*, resume_mode, default_local_dir, resume_from_path=None, defa
     relative to this process's working directory, as verl's trainer resolves them."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-    mode = str(resume_mode or "auto")
+    mode = "auto" if resume_mode is None else str(resume_mode)
     if mode not in RESUME_MODES or mode == "disable" or (default_hdfs_dir is not None and not use_v1):
         return None
     if mode == "resume_path":

@@ -1009,19 +1009,42 @@ def _extension_check(extension: Any) -> tuple[bool, list[str]]:
     return True, []
 
 
-def _checkpoint_worker_imports_the_plugin(config: Any) -> bool:
-    """verl's ``CheckpointEngineWorker`` imports the plugin, which installs the weight sender's watch there: through
-    ``checkpoint_engine.custom_backend_module`` (a module of the plugin: importing any of them where verl is loaded
-    installs it), or ``VERL_USE_EXTERNAL_MODULES`` in the job's runtime env naming one (verl imports those in every
-    process that imports verl)."""
-    def plugin(name: Any) -> bool:
-        name = name.strip() if isinstance(name, str) else ""
-        return name == "verl_mtp_plugin" or name.startswith("verl_mtp_plugin.")
+def _checkpoint_worker_errors(config: Any, *, mode: str, backend: str) -> list[str]:
+    """verl's ``CheckpointEngineWorker`` must import the plugin, which installs the weight sender's watch there:
+    through ``checkpoint_engine.custom_backend_module`` (a module of the plugin: importing any of them where verl is
+    loaded installs it), or ``VERL_USE_EXTERNAL_MODULES`` naming one (verl imports those in every process that imports
+    verl), in the job's runtime env or, where the key is not there, the driver's environment (which a Ray cluster the
+    run starts inherits). A plugin module named that does not exist is refused too (verl would fail to import it
+    only after the start-up)."""
+    import importlib.util
 
-    if plugin(get_key(config, CUSTOM_BACKEND_MODULE_KEY)):
-        return True
-    env = get_key(config, f"{_RAY_ENV}.VERL_USE_EXTERNAL_MODULES")
-    return isinstance(env, str) and any(plugin(m) for m in env.split(","))
+    module = get_key(config, CUSTOM_BACKEND_MODULE_KEY)
+    env_key = f"{_RAY_ENV}.VERL_USE_EXTERNAL_MODULES"
+    env = get_key(config, env_key)
+    if env is None:
+        env_key, env = "VERL_USE_EXTERNAL_MODULES (the driver's environment)", os.environ.get("VERL_USE_EXTERNAL_MODULES")
+    named = [(CUSTOM_BACKEND_MODULE_KEY, module.strip())] if isinstance(module, str) else []
+    named += [(env_key, m.strip()) for m in env.split(",")] if isinstance(env, str) else []
+    ours = [(k, m) for k, m in named if m == "verl_mtp_plugin" or m.startswith("verl_mtp_plugin.")]
+    errors = []
+    for key, name in ours:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:
+            found = False
+        if not found:
+            errors.append(f"{key}: {name!r} is no module of the plugin (verl would fail to import it after the "
+                          f"start-up); set {CHECKPOINT_WORKER_MODULE}")
+    if ours:
+        return errors
+    return [
+        f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}={backend}: verl's CheckpointEngineWorker sends "
+        "each update on to the vLLM workers in a process that does not import the plugin, so a vLLM worker that dies "
+        "mid-update would hang the update for good instead of failing it in seconds; set "
+        f"{CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE} (verl imports it in that process; it is {module!r} "
+        f"now), or, to keep a module of your own there (the key holds one), add {CHECKPOINT_WORKER_MODULE} to "
+        f"{_RAY_ENV}.VERL_USE_EXTERNAL_MODULES"
+    ]
 
 
 def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
@@ -1048,15 +1071,8 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
             "updates its standalone rollout through a checkpoint engine and refuses naive (an assert after the "
             f"whole start-up); set {CHECKPOINT_BACKEND_KEY} to one of {', '.join(IPC_BACKENDS[1:])}"
         )
-    if separate and backend != "naive" and not _checkpoint_worker_imports_the_plugin(config):
-        module = get_key(config, CUSTOM_BACKEND_MODULE_KEY)
-        errors.append(
-            f"trainer.v1.trainer_mode={mode} with {CHECKPOINT_BACKEND_KEY}={backend}: verl's CheckpointEngineWorker "
-            "sends each update on to the vLLM workers in a process that does not import the plugin, so a vLLM "
-            "worker that dies mid-update would hang the update for good instead of failing it in seconds; set "
-            f"{CUSTOM_BACKEND_MODULE_KEY}={CHECKPOINT_WORKER_MODULE} (verl imports it in that process; it is "
-            f"{module!r} now)"
-        )
+    if separate and backend != "naive":
+        errors += _checkpoint_worker_errors(config, mode=mode, backend=backend)
     if not speculation:
         return errors
     if backend in DELTA_BACKENDS and (separate or mode is None):
