@@ -118,8 +118,9 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 def resume_errors(*, resume_mode, resume_from_path=None) -> list[str]:
     """``trainer.resume_mode`` / ``trainer.resume_from_path`` values verl's trainer fails on only after every worker
     is built (an unknown mode: ``UnboundLocalError`` in the v1 trainer; a path that is not a string or names no
-    ``global_step_N``: an assert), each naming its key."""
-    mode = "auto" if resume_mode is None else str(resume_mode)
+    ``global_step_N``: an assert), each naming its key. ``None`` is a key set to null (verl's trainer knows no such
+    mode); the caller passes ``auto`` for a config without the key."""
+    mode = resume_mode
     if mode not in RESUME_MODES:
         return [f"trainer.resume_mode={resume_mode!r}: allowed values are {', '.join(RESUME_MODES)}"]
     if mode == "resume_path" and not (isinstance(resume_from_path, str) and "global_step_" in resume_from_path):

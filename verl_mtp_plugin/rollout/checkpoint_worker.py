@@ -11,10 +11,10 @@ there and a dead worker would hang the update for good.
 verl imports ``actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module`` in that process before it builds
 its checkpoint engine (and in the trainer's workers and driver, where importing it installs the same watch): set it
 to this module's path, :data:`MODULE`. The start-up check refuses ``separate_async`` with any checkpoint engine but
-``naive`` (which it refuses anyway) without it, naming the key, unless ``VERL_USE_EXTERNAL_MODULES`` in the job's
-runtime env already imports the plugin in every verl process; the shipped recipes set it. Importing the plugin where
-verl is loaded also registers its engine with verl (megatron-core and verl's engine modules are imported: ~5 s once
-per worker on a 2-core CPU host), as in the trainer's workers.
+``naive`` (which it refuses anyway) without it, naming the key, unless ``VERL_USE_EXTERNAL_MODULES`` (the job's
+runtime env, else the driver's) already imports the plugin in every verl process; the shipped recipes set it.
+Importing the plugin where verl is loaded also registers its engine with verl (megatron-core and verl's engine
+modules are imported: ~5 s once per worker on a 2-core CPU host), as in the trainer's workers.
 """
 
 from __future__ import annotations

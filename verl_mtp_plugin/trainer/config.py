@@ -121,12 +121,9 @@ def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
     actor checkpoint (:mod:`verl_mtp_plugin.compat.checkpoint_resume`; the engine checks it again before loading)."""
     from verl_mtp_plugin.compat import checkpoint_resume as cr
 
-    keys = {k: get_key(config, f"trainer.{k}") for k in
+    # a config without resume_mode reads as verl's default, auto; one set to null is refused as any unknown mode
+    keys = {k: get_key(config, f"trainer.{k}", "auto" if k == "resume_mode" else None) for k in
             ("resume_mode", "default_local_dir", "resume_from_path", "default_hdfs_dir")}
-    if keys["resume_mode"] is None and get_key(config, "trainer.resume_mode", "absent") is None:
-        # set to null (a config without the key reads as verl's default, auto): verl's trainer knows no such mode
-        # and fails after every worker is built (the v1 trainer with an UnboundLocalError)
-        return [f"trainer.resume_mode=None: allowed values are {', '.join(cr.RESUME_MODES)}"]
     bad = cr.resume_errors(resume_mode=keys["resume_mode"], resume_from_path=keys["resume_from_path"])
     if bad:
         return bad
@@ -1055,8 +1052,8 @@ def _weight_path_errors(config: Any, *, speculation: bool) -> list[str]:
       replicas; ``checkpoint_engine.backend`` is not used for them.
     * ``separate_async``: the standalone replicas are updated through ``checkpoint_engine.backend``: verl
       refuses ``naive`` there (an assert after the whole start-up), the IPC backends reach the extension (their
-      sender, verl's ``CheckpointEngineWorker``, imports ``checkpoint_engine.custom_backend_module``, which must be
-      :data:`CHECKPOINT_WORKER_MODULE` for the sender's watch to run there),
+      sender, verl's ``CheckpointEngineWorker``, must import the plugin for the sender's watch to run there:
+      :func:`_checkpoint_worker_errors`),
       ``delta_sharded`` goes through vLLM's weight-transfer engine, which never calls the extension: the
       drafter would keep stale MTP weights with no error.
     """
