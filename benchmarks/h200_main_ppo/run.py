@@ -464,6 +464,135 @@ def cmd_table(a) -> int:
     return 0
 
 
+#: the done-criteria of the modes' comparison over the last steps (``run.py compare``)
+GEN_RATIO_MAX = 0.6  # online's generation time per step at most this share of mode off's
+ACCEPT_GAIN_MIN = 0.15  # online's first-draft acceptance at least frozen's plus this
+ESTIMATE_DIFF_MAX = 0.03  # vLLM's first-draft acceptance within this of the trainer's estimate, every step
+
+
+def _mean(xs: list) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def window(metrics: dict, events: list[dict], last: int) -> dict:
+    """One mode's last ``last`` logged steps, from verl's own metrics (and the worker extension's sync events):
+    the means the comparison reads, and the rollout's sequential verify steps, ``response_length/max`` over
+    ``rollout/spec_accept_length`` (1 token per step without speculation): the rollout ends with its longest
+    response, so ``timing_s/gen`` = those steps x the seconds each took (the verify step, the host between)."""
+    steps = sorted(int(k) for k in metrics)[-last:]
+    ms = [metrics.get(s, metrics.get(str(s))) for s in steps]
+
+    def col(key):
+        return [m.get(key) for m in ms]
+
+    acc_len = [m.get("rollout/spec_accept_length") or 1.0 for m in ms]
+    seq_steps = [m["response_length/max"] / a for m, a in zip(ms, acc_len) if m.get("response_length/max")]
+    est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get("actor/mtp_expected_accept_rate")) for m in ms]
+    diffs = [abs(v - e) for v, e in est if v is not None and e is not None]
+    gens = col("timing_s/gen")
+    syncs = {e.get("update"): e for e in events if e.get("event") == "sync"}
+    drafter = [((syncs.get(s) or {}).get("metrics") or {}).get("sync/bytes_drafter") for s in steps]
+    out = {"steps": steps, "gen_s": _mean(gens), "gen_s_each": gens, "step_s": _mean(col("timing_s/step")),
+           "sync_s": _mean(col("timing_s/update_weights")), "score": _mean(col("critic/score/mean")),
+           "response_len_mean": _mean(col("response_length/mean")),
+           "response_len_max": _mean(col("response_length/max")),
+           "accept_len": _mean(col("rollout/spec_accept_length")),
+           "accept_pos0": _mean(col("rollout/spec_accept_rate_pos_0")),
+           "accept_pos1": _mean(col("rollout/spec_accept_rate_pos_1")),
+           "estimate": _mean(col("actor/mtp_expected_accept_rate")),
+           "estimate_diff_mean": _mean(diffs), "estimate_diff_max": max(diffs) if diffs else None,
+           "seq_verify_steps": _mean(seq_steps),
+           "peak_alloc_gib": max((x for x in col("actor/perf/max_memory_allocated_gb") if x is not None), default=None),
+           "peak_reserved_gib": max((x for x in col("actor/perf/max_memory_reserved_gb") if x is not None),
+                                    default=None),
+           "drafter_bytes": _mean(drafter)}
+    out["gen_s_per_seq_step"] = (out["gen_s"] / out["seq_verify_steps"]
+                                 if out["gen_s"] and out["seq_verify_steps"] else None)
+    return out
+
+
+def compare(runs: dict[str, dict], last: int) -> dict:
+    """The modes side by side over their last ``last`` steps, each criterion with its verdict, and the factors
+    that hold the generation-time ratio: ``gen_online / gen_off`` = (sequential verify steps, online / off: the
+    tokens per verify step and the tail) x (seconds per sequential step, online / off: the verify step's cost with
+    k drafts and the host overhead between steps)."""
+    w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
+    res: dict = {"last": last, "modes": w, "criteria": {}, "factors": {}}
+    on, off, fr = w.get("online"), w.get("off"), w.get("frozen")
+    c = res["criteria"]
+    if on and off and on["gen_s"] and off["gen_s"]:
+        ratio = on["gen_s"] / off["gen_s"]
+        c["gen_ratio_online_off"] = {"value": ratio, "max": GEN_RATIO_MAX, "met": ratio <= GEN_RATIO_MAX}
+        if on["seq_verify_steps"] and off["seq_verify_steps"]:
+            res["factors"]["online_off"] = {
+                "seq_verify_steps": on["seq_verify_steps"] / off["seq_verify_steps"],
+                "s_per_seq_step": on["gen_s_per_seq_step"] / off["gen_s_per_seq_step"],
+                "response_len_max": on["response_len_max"] / off["response_len_max"],
+                "tokens_per_verify_step": on["accept_len"]}
+    if fr and off and fr["gen_s"] and off["gen_s"]:
+        res["factors"]["frozen_off"] = {"gen_ratio": fr["gen_s"] / off["gen_s"]}
+    if on and fr and on["accept_pos0"] is not None and fr["accept_pos0"] is not None:
+        gain = on["accept_pos0"] - fr["accept_pos0"]
+        c["accept_gain_online_frozen"] = {"value": gain, "min": ACCEPT_GAIN_MIN, "met": gain >= ACCEPT_GAIN_MIN}
+    if on and on["estimate_diff_max"] is not None:
+        c["estimate_diff_online"] = {"value": on["estimate_diff_max"], "mean": on["estimate_diff_mean"],
+                                     "max": ESTIMATE_DIFF_MAX, "met": on["estimate_diff_max"] <= ESTIMATE_DIFF_MAX}
+    return res
+
+
+#: ``run.py compare``'s markdown columns: (header, window key, format)
+CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "step_s", "{:.2f}"),
+            ("sync s", "sync_s", "{:.3f}"), ("response mean / max", None, None),
+            ("tokens per verify step", "accept_len", "{:.2f}"), ("vLLM acc pos 0", "accept_pos0", "{:.3f}"),
+            ("trainer est.", "estimate", "{:.3f}"), ("est. diff mean / max", None, None),
+            ("sequential verify steps", "seq_verify_steps", "{:.0f}"), ("s per step", "gen_s_per_seq_step",
+                                                                        "{:.4f}"),
+            ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
+            ("score", "score", "{:.3f}")]
+
+
+def cmd_compare(a) -> int:
+    """The modes' runs over their last ``--last`` steps (``run.py compare SUMMARY [SUMMARY ...]``; a mode found in
+    several summaries: the last one given): a markdown table, each done-criterion with its verdict, the factors of
+    the generation-time ratio; ``--json`` writes it all."""
+    runs: dict[str, dict] = {}
+    for path in a.summaries:
+        for mode, r in json.loads(pathlib.Path(path).read_text())["runs"].items():
+            if r.get("metrics"):
+                runs[mode] = r
+    res = compare(runs, a.last)
+
+    def f(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
+    print("| mode | " + " | ".join(h for h, _, _ in CMP_COLS) + " |")
+    print("|---|" + "---|" * len(CMP_COLS))
+    for mode, w in res["modes"].items():
+        cells = []
+        for h, key, fmt in CMP_COLS:
+            if key == "steps":
+                cells.append(f"{w['steps'][0]}-{w['steps'][-1]}" if w["steps"] else "-")
+            elif h.startswith("response"):
+                cells.append(f"{f(w['response_len_mean'], '{:.0f}')} / {f(w['response_len_max'], '{:.0f}')}")
+            elif h.startswith("est. diff"):
+                cells.append(f"{f(w['estimate_diff_mean'], '{:.3f}')} / {f(w['estimate_diff_max'], '{:.3f}')}")
+            elif h.startswith("peak"):
+                cells.append(f"{f(w['peak_alloc_gib'], '{:.1f}')} / {f(w['peak_reserved_gib'], '{:.1f}')}")
+            else:
+                cells.append(f(w[key], fmt))
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+    print()
+    for name, crit in res["criteria"].items():
+        bound = f"<= {crit['max']}" if "max" in crit else f">= {crit['min']}"
+        print(f"- {name}: {crit['value']:.3f} ({bound}: {'met' if crit['met'] else 'NOT met'})")
+    for name, fac in res["factors"].items():
+        print(f"- factors {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in fac.items() if v is not None))
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
 def cmd_plot(a) -> int:
     """The picture of the modes' runs (``run.py plot OUT.png SUMMARY [SUMMARY ...]``), one line per mode (a mode
     found in several summaries: the last one given): the reward, vLLM's first-draft acceptance (dotted: the
@@ -557,7 +686,13 @@ def main(argv=None) -> int:
     t.add_argument("out")
     t.add_argument("summaries", nargs="+")
     t.add_argument("--title", default="verl's trainer on the H200, Nemotron 3 Super's widths (2.07 B)")
+    t = sub.add_parser("compare", help="the modes over their last steps: table, done-criteria, gen-time factors")
+    t.add_argument("summaries", nargs="+")
+    t.add_argument("--last", type=int, default=10, help="the last N logged steps of each mode")
+    t.add_argument("--json", help="write the comparison here")
     a = ap.parse_args(argv)
+    if a.cmd == "compare":
+        return cmd_compare(a)
     if a.cmd == "plot":
         return cmd_plot(a)
     if a.cmd == "table":
