@@ -321,7 +321,7 @@ def step_table(metrics: dict, events: list[dict], seqs: int) -> list[dict]:
             if key in m:
                 row[key] = m[key]
         for key, v in m.items():
-            if key.startswith(("timing_s/", "perf/", "mtp_guard/", "rollout/spec_", "actor/mtp_")):
+            if key.startswith(("timing_s/", "perf/", "mtp_guard/", "rollout/spec_", "actor/mtp_", "actor/perf/")):
                 row[key] = v
         gen = m.get("timing_s/gen")
         if gen and "response_length/mean" in m:
@@ -428,6 +428,7 @@ MD_COLS = [
     ("drafter bytes", "sync/bytes_drafter", "{:.0f}"), ("drafter load s", "sync/drafter_seconds", "{:.4f}"),
     ("vLLM update s", "sync/update_wall_s", "{:.3f}"),
     ("drafter digest after wake", "drafter_pre", "{}"), ("after sync", "drafter_post", "{}"),
+    ("peak alloc GiB", "actor/perf/max_memory_allocated_gb", "{:.1f}"),
     ("score", "critic/score/mean", "{:.3f}"),
 ]
 
@@ -440,15 +441,19 @@ def print_md(summary: dict, source: str) -> None:
             continue
         d = digest_check(r.get("events", []))
         print(f"**{mode}** ({source}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
-              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, drafter loaded in "
-              f"updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to the previous "
-              f"sync's: {d.get('all_equal')}\n")
-        if not r["table"]:
+              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, " +
+              (f"drafter loaded in updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to "
+               f"the previous sync's: {d.get('all_equal')}\n" if d.get("pairs") else "no drafter (no speculation)\n"))
+        # rebuilt from the run's metrics and events, so a summary written before a column was added shows it too
+        args = summary.get("args") or {}
+        table = step_table({int(k): v for k, v in r.get("metrics", {}).items()}, r.get("events", []),
+                           args.get("prompts", 16) * args.get("n", 8))
+        if not table:
             continue
-        cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in r["table"])]
+        cols = [c for c in MD_COLS if any(row.get(c[1]) is not None for row in table)]
         print("| step | " + " | ".join(c[0] for c in cols) + " |")
         print("|---|" + "---|" * len(cols))
-        for row in r["table"]:
+        for row in table:
             vals = []
             for _, key, fmt in cols:
                 v = row.get(key)
