@@ -12,6 +12,8 @@ import importlib.util
 import json
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("h200_main_ppo_run", ROOT / "benchmarks" / "h200_main_ppo" / "run.py")
 run = importlib.util.module_from_spec(_spec)
@@ -48,44 +50,97 @@ def test_without_it_the_recipes_tokens_per_gpu_stand(tmp_path, monkeypatch):
 
 
 def _summary(path, mode, gen, acc_len, pos0, est, resp_max, steps=12):
-    metrics = {str(s): {"timing_s/gen": gen, "rollout/spec_accept_length": acc_len,
-                        "rollout/spec_accept_rate_pos_0": pos0, "actor/mtp_expected_accept_rate": est,
-                        "response_length/max": resp_max, "response_length/mean": resp_max - 50,
-                        "timing_s/step": gen + 15, "actor/perf/max_memory_allocated_gb": 50.0 + s}
-               for s in range(1, steps + 1)}
-    if acc_len is None:  # mode off: vLLM logs no speculation metrics
-        for m in metrics.values():
-            for k in ("rollout/spec_accept_length", "rollout/spec_accept_rate_pos_0", "actor/mtp_expected_accept_rate"):
-                del m[k]
+    """A mode's summary.json: steps 1..steps, int-like string keys as verl's file logger writes them; the gen time
+    and accept length alternate around the given means (+-1 s, +-0.5) so a ratio of means and a mean of ratios
+    differ."""
+    metrics = {}
+    for s in range(1, steps + 1):
+        sign = 1 if s % 2 else -1
+        m = {"timing_s/gen": gen + sign, "response_length/max": resp_max, "response_length/mean": resp_max - 50,
+             "timing_s/step": gen + 15, "actor/perf/max_memory_allocated_gb": 50.0 + s}
+        if acc_len is not None:  # mode off: vLLM logs no speculation metrics
+            m.update({"rollout/spec_accept_length": acc_len + 0.5 * sign, "rollout/spec_accept_rate_pos_0": pos0})
+            if est is not None:
+                m["actor/mtp_expected_accept_rate"] = est
+        metrics[str(s)] = m
     metrics["1"]["timing_s/gen"] = 99.0  # outside the last 10 steps: must not count
     path.write_text(json.dumps({"runs": {mode: {"metrics": metrics, "events": []}}}))
     return str(path)
+
+
+def _compare(tmp_path, *args):
+    out = tmp_path / "cmp.json"
+    assert run.main(["compare", *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 def test_compare_reads_the_last_steps_judges_each_criterion_and_splits_the_gen_ratio(tmp_path, capsys):
     paths = [_summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400),
              _summary(tmp_path / "fr.json", "frozen", 9.0, 1.2, 0.20, None, 400),
              _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 380)]
-    out = tmp_path / "cmp.json"
-    assert run.main(["compare", *paths, "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["modes"]["online"]["steps"] == list(range(3, 13))
+    res = _compare(tmp_path, *paths)
+    assert res["modes"]["online"]["steps"] == list(range(3, 13)) and not res["warnings"]
     assert res["modes"]["online"]["gen_s"] == 6.0 and res["modes"]["off"]["peak_alloc_gib"] == 62.0
     c = res["criteria"]
     assert abs(c["gen_ratio_online_off"]["value"] - 0.5) < 1e-12 and c["gen_ratio_online_off"]["met"]
     assert abs(c["accept_gain_online_frozen"]["value"] - 0.5) < 1e-12 and c["accept_gain_online_frozen"]["met"]
     assert abs(c["estimate_diff_online"]["value"] - 0.02) < 1e-12 and c["estimate_diff_online"]["met"]
+    assert c["estimate_diff_online"]["steps_judged"] == 10
     f = res["factors"]["online_off"]
-    # sequential verify steps: 400 / 2.5 = 160 online, 380 / 1 = 380 off; their product with s per step is the ratio
-    assert abs(f["seq_verify_steps"] - 160 / 380) < 1e-12
-    assert abs(f["seq_verify_steps"] * f["s_per_seq_step"] - 0.5) < 1e-12
+    # sequential verify steps, the mean over steps of 400 / accept length (3.0 and 2.0 alternating): 166.67 online,
+    # 380 off (1 token per step without speculation); seconds per step 6 / 166.67 online, 12 / 380 off
+    assert abs(res["modes"]["online"]["seq_verify_steps"] - 500 / 3) < 1e-9
+    assert abs(f["seq_verify_steps"] - (500 / 3) / 380) < 1e-12
+    assert abs(f["s_per_seq_step"] - (6 / (500 / 3)) / (12 / 380)) < 1e-12
+    assert abs(res["factors"]["frozen_off"]["gen_ratio"] - 0.75) < 1e-12
     assert "NOT met" not in capsys.readouterr().out
     # a slower online rollout, a drafter no better than frozen's, an estimate off by 0.05: each criterion fails
     paths[0] = _summary(tmp_path / "on.json", "online", 9.0, 1.4, 0.30, 0.35, 400)
-    assert run.main(["compare", *paths, "--json", str(out)]) == 0
-    c = json.loads(out.read_text())["criteria"]
+    c = _compare(tmp_path, *paths)["criteria"]
     assert not any(v["met"] for v in c.values())
     assert capsys.readouterr().out.count("NOT met") == 3
+
+
+def test_compare_says_what_it_could_not_judge_and_warns_on_short_or_unequal_windows(tmp_path, capsys):
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 380)
+    res = _compare(tmp_path, off)
+    assert res["criteria"] == {} and set(res["not_judged"]) == {
+        "gen_ratio_online_off", "accept_gain_online_frozen", "estimate_diff_online"}
+    assert "missing: online" in res["not_judged"]["gen_ratio_online_off"]
+    assert capsys.readouterr().out.count("not judged") == 3
+    # online cut at step 7: a window of 7 steps (1-7) against off's 3-12
+    on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400, steps=7)
+    res = _compare(tmp_path, on, off)
+    assert res["modes"]["online"]["steps"] == list(range(1, 8))
+    assert any("fewer than --last 10" in w for w in res["warnings"])
+    assert any("windows differ" in w for w in res["warnings"])
+    # a speculating step that lacks vLLM's accept length is left out of the estimate, not read as 1 token per step
+    data = json.loads(pathlib.Path(on).read_text())
+    del data["runs"]["online"]["metrics"]["7"]["rollout/spec_accept_length"]
+    pathlib.Path(on).write_text(json.dumps(data))
+    w = _compare(tmp_path, on)["modes"]["online"]
+    assert abs(w["seq_verify_steps"] - (400 / 3 + 400 / 2 + 400 / 3 + 400 / 2 + 400 / 3 + 400 / 2) / 6) < 1e-9
+    # a step with vLLM's acceptance but no trainer estimate is not judged, so the criterion is not met
+    del data["runs"]["online"]["metrics"]["5"]["actor/mtp_expected_accept_rate"]
+    pathlib.Path(on).write_text(json.dumps(data))
+    c = _compare(tmp_path, on)["criteria"]["estimate_diff_online"]
+    assert c["steps_judged"] == 6 and not c["met"]
+
+
+def test_compare_refuses_a_window_below_one_step(tmp_path):
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 380)
+    with pytest.raises(SystemExit):
+        run.main(["compare", off, "--last", "0"])
+
+
+def test_table_names_a_run_without_speculation_and_one_with_a_single_drafter_load(capsys):
+    assert run.main(["table", str(ROOT / "benchmarks/results/h100_super_modes/off/run/summary.json")]) == 0
+    out = capsys.readouterr().out
+    assert "no drafter (no speculation)" in out and "| peak alloc GiB |" in out and "| 31.4 | 0.424 |" in out
+    # the first Super lease: online stopped before step 1, its drafter loaded once at start-up
+    assert run.main(["table", str(ROOT / "benchmarks/results/h200_super_s1/summary.json")]) == 0
+    out = capsys.readouterr().out
+    assert "drafter loaded in updates [1], no later update" in out and "no drafter" not in out
 
 
 def test_compare_on_the_committed_online_run_gives_its_quoted_estimate_gap(capsys):
@@ -93,3 +148,4 @@ def test_compare_on_the_committed_online_run_gives_its_quoted_estimate_gap(capsy
     assert run.main(["compare", str(ROOT / "benchmarks/results/h200_super_s2/summary.json")]) == 0
     out = capsys.readouterr().out
     assert "| online | 11-20 | 8.55 |" in out and "0.011 / 0.028" in out
+    assert "(<= 0.03, 10 of 10 steps judged: met)" in out

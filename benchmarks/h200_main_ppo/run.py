@@ -443,7 +443,9 @@ def print_md(summary: dict, source: str) -> None:
         print(f"**{mode}** ({source}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
               f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, " +
               (f"drafter loaded in updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to "
-               f"the previous sync's: {d.get('all_equal')}\n" if d.get("pairs") else "no drafter (no speculation)\n"))
+               f"the previous sync's: {d.get('all_equal')}\n" if d.get("pairs") else
+               f"drafter loaded in updates {d.get('drafter_loaded_in_updates')}, no later update to compare its digest "
+               "with\n" if d.get("drafter_loaded_in_updates") else "no drafter (no speculation)\n"))
         # rebuilt from the run's metrics and events, so a summary written before a column was added shows it too
         args = summary.get("args") or {}
         table = step_table({int(k): v for k, v in r.get("metrics", {}).items()}, r.get("events", []),
@@ -482,23 +484,32 @@ def _mean(xs: list) -> float | None:
 
 def window(metrics: dict, events: list[dict], last: int) -> dict:
     """One mode's last ``last`` logged steps, from verl's own metrics (and the worker extension's sync events):
-    the means the comparison reads, and the rollout's sequential verify steps, ``response_length/max`` over
-    ``rollout/spec_accept_length`` (1 token per step without speculation): the rollout ends with its longest
-    response, so ``timing_s/gen`` = those steps x the seconds each took (the verify step, the host between)."""
+    the means the comparison reads, and an estimate of the rollout's sequential verify steps,
+    ``response_length/max`` over ``rollout/spec_accept_length`` (1 token per step in a mode without any
+    ``rollout/spec_*`` key): the rollout ends with its longest response, so ``timing_s/gen`` = those steps x the
+    seconds each took (the verify step, the host between). vLLM's accept length is the mean over every request's
+    verify steps; the longest response may accept less, so the estimate can undercount its steps and the seconds per
+    step, ``timing_s/gen`` over the estimate, carry that error. A speculating mode's step without the key is left
+    out of the estimate."""
     steps = sorted(int(k) for k in metrics)[-last:]
     ms = [metrics.get(s, metrics.get(str(s))) for s in steps]
 
     def col(key):
         return [m.get(key) for m in ms]
 
-    acc_len = [m.get("rollout/spec_accept_length") or 1.0 for m in ms]
-    seq_steps = [m["response_length/max"] / a for m, a in zip(ms, acc_len) if m.get("response_length/max")]
+    speculating = any(k.startswith("rollout/spec_") for m in ms for k in m)
+    seq_steps = []
+    for m in ms:
+        acc = m.get("rollout/spec_accept_length") if speculating else 1.0
+        if m.get("response_length/max") and acc:
+            seq_steps.append(m["response_length/max"] / acc)
     est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get("actor/mtp_expected_accept_rate")) for m in ms]
     diffs = [abs(v - e) for v, e in est if v is not None and e is not None]
     gens = col("timing_s/gen")
     syncs = {e.get("update"): e for e in events if e.get("event") == "sync"}
     drafter = [((syncs.get(s) or {}).get("metrics") or {}).get("sync/bytes_drafter") for s in steps]
-    out = {"steps": steps, "gen_s": _mean(gens), "gen_s_each": gens, "step_s": _mean(col("timing_s/step")),
+    out = {"steps": steps, "speculating": speculating, "gen_s": _mean(gens), "gen_s_each": gens,
+           "step_s": _mean(col("timing_s/step")),
            "sync_s": _mean(col("timing_s/update_weights")), "score": _mean(col("critic/score/mean")),
            "response_len_mean": _mean(col("response_length/mean")),
            "response_len_max": _mean(col("response_length/max")),
@@ -507,6 +518,7 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
            "accept_pos1": _mean(col("rollout/spec_accept_rate_pos_1")),
            "estimate": _mean(col("actor/mtp_expected_accept_rate")),
            "estimate_diff_mean": _mean(diffs), "estimate_diff_max": max(diffs) if diffs else None,
+           "estimate_steps_judged": len(diffs),
            "seq_verify_steps": _mean(seq_steps),
            "peak_alloc_gib": max((x for x in col("actor/perf/max_memory_allocated_gb") if x is not None), default=None),
            "peak_reserved_gib": max((x for x in col("actor/perf/max_memory_reserved_gb") if x is not None),
@@ -518,14 +530,25 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
 
 
 def compare(runs: dict[str, dict], last: int) -> dict:
-    """The modes side by side over their last ``last`` steps, each criterion with its verdict, and the factors
-    that hold the generation-time ratio: ``gen_online / gen_off`` = (sequential verify steps, online / off: the
-    tokens per verify step and the tail) x (seconds per sequential step, online / off: the verify step's cost with
-    k drafts and the host overhead between steps)."""
+    """The modes side by side over their last ``last`` steps, each criterion with its verdict (or why it was not
+    judged), the windows' problems, and the generation-time ratio split in two estimated factors: ``gen_online /
+    gen_off`` = (sequential verify steps, online / off: the tokens per verify step and the tail) x (seconds per
+    sequential step, online / off: the verify step's cost with k drafts and the host between steps; it takes up
+    the first factor's estimation error, :func:`window`)."""
     w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
-    res: dict = {"last": last, "modes": w, "criteria": {}, "factors": {}}
+    res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
+    for mode, x in w.items():
+        if len(x["steps"]) < last:
+            res["warnings"].append(f"{mode}: {len(x['steps'])} steps logged, fewer than --last {last}")
+    if len({(x["steps"][0], x["steps"][-1]) for x in w.values() if x["steps"]}) > 1:
+        res["warnings"].append("the modes' windows differ: " + ", ".join(
+            f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
     on, off, fr = w.get("online"), w.get("off"), w.get("frozen")
-    c = res["criteria"]
+    c, nj = res["criteria"], res["not_judged"]
+
+    def missing(*names):
+        return "missing: " + ", ".join(n for n in names if n not in w)
+
     if on and off and on["gen_s"] and off["gen_s"]:
         ratio = on["gen_s"] / off["gen_s"]
         c["gen_ratio_online_off"] = {"value": ratio, "max": GEN_RATIO_MAX, "met": ratio <= GEN_RATIO_MAX}
@@ -533,16 +556,24 @@ def compare(runs: dict[str, dict], last: int) -> dict:
             res["factors"]["online_off"] = {
                 "seq_verify_steps": on["seq_verify_steps"] / off["seq_verify_steps"],
                 "s_per_seq_step": on["gen_s_per_seq_step"] / off["gen_s_per_seq_step"],
-                "response_len_max": on["response_len_max"] / off["response_len_max"],
-                "tokens_per_verify_step": on["accept_len"]}
+                "response_len_max": on["response_len_max"] / off["response_len_max"]}
+    else:
+        nj["gen_ratio_online_off"] = missing("online", "off") if not (on and off) else "no timing_s/gen"
     if fr and off and fr["gen_s"] and off["gen_s"]:
         res["factors"]["frozen_off"] = {"gen_ratio": fr["gen_s"] / off["gen_s"]}
     if on and fr and on["accept_pos0"] is not None and fr["accept_pos0"] is not None:
         gain = on["accept_pos0"] - fr["accept_pos0"]
         c["accept_gain_online_frozen"] = {"value": gain, "min": ACCEPT_GAIN_MIN, "met": gain >= ACCEPT_GAIN_MIN}
+    else:
+        nj["accept_gain_online_frozen"] = (missing("online", "frozen") if not (on and fr)
+                                           else "no rollout/spec_accept_rate_pos_0")
     if on and on["estimate_diff_max"] is not None:
+        judged, steps = on["estimate_steps_judged"], len(on["steps"])
         c["estimate_diff_online"] = {"value": on["estimate_diff_max"], "mean": on["estimate_diff_mean"],
-                                     "max": ESTIMATE_DIFF_MAX, "met": on["estimate_diff_max"] <= ESTIMATE_DIFF_MAX}
+                                     "max": ESTIMATE_DIFF_MAX, "steps_judged": judged,
+                                     "met": on["estimate_diff_max"] <= ESTIMATE_DIFF_MAX and judged == steps}
+    else:
+        nj["estimate_diff_online"] = missing("online") if not on else "no step with both acceptance and estimate"
     return res
 
 
@@ -563,7 +594,7 @@ def cmd_compare(a) -> int:
     the generation-time ratio; ``--json`` writes it all."""
     runs: dict[str, dict] = {}
     for path in a.summaries:
-        for mode, r in json.loads(pathlib.Path(path).read_text())["runs"].items():
+        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
             if r.get("metrics"):
                 runs[mode] = r
     res = compare(runs, a.last)
@@ -590,9 +621,15 @@ def cmd_compare(a) -> int:
     print()
     for name, crit in res["criteria"].items():
         bound = f"<= {crit['max']}" if "max" in crit else f">= {crit['min']}"
-        print(f"- {name}: {crit['value']:.3f} ({bound}: {'met' if crit['met'] else 'NOT met'})")
+        judged = (f", {crit['steps_judged']} of {len(res['modes']['online']['steps'])} steps judged"
+                  if "steps_judged" in crit else "")
+        print(f"- {name}: {crit['value']:.3f} ({bound}{judged}: {'met' if crit['met'] else 'NOT met'})")
+    for name, why in res["not_judged"].items():
+        print(f"- {name}: not judged ({why})")
     for name, fac in res["factors"].items():
-        print(f"- factors {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in fac.items() if v is not None))
+        print(f"- factors {name} (estimates): " + ", ".join(f"{k} {v:.3f}" for k, v in fac.items() if v is not None))
+    for line in res["warnings"]:
+        print(f"- warning: {line}")
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
@@ -637,6 +674,13 @@ def cmd_plot(a) -> int:
     fig.savefig(a.out, dpi=110)
     print(f"wrote {a.out} ({', '.join(f'{k}: {v[0]}' for k, v in runs.items())})")
     return 0
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv=None) -> int:
@@ -693,7 +737,7 @@ def main(argv=None) -> int:
     t.add_argument("--title", default="verl's trainer on the H200, Nemotron 3 Super's widths (2.07 B)")
     t = sub.add_parser("compare", help="the modes over their last steps: table, done-criteria, gen-time factors")
     t.add_argument("summaries", nargs="+")
-    t.add_argument("--last", type=int, default=10, help="the last N logged steps of each mode")
+    t.add_argument("--last", type=_positive, default=10, help="the last N logged steps of each mode")
     t.add_argument("--json", help="write the comparison here")
     a = ap.parse_args(argv)
     if a.cmd == "compare":
