@@ -4,7 +4,8 @@ overridden, on a small Nemotron-H with Mamba, attention, MoE and an MTP block ``
 weights), vLLM on the V2 model runner with CUDA graphs and sleep mode (``free_cache_engine: true``),
 colocated (``trainer.v1.trainer_mode=mtp_sync``, the recipes' own).
 
-Two sub-commands:
+Sub-commands (``table``, ``plot`` and ``compare`` read the ``summary.json`` files ``run`` writes: the per-step
+markdown tables, the modes' picture, and the modes' last steps side by side with each done-criterion judged):
 
 * ``assets DIR`` (any machine; CPU is fine, ~1-2 min): the tiny MoE checkpoint + tokenizer + parquet files,
   built from the CPU harness's pieces (:mod:`verl_mtp_cpu.assets`: its tokenizer,
