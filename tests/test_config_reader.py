@@ -314,28 +314,36 @@ def test_no_environment_variable_skips_the_check_under_verls_entry(verl_hooks, m
     assert "VERL_MTP_SYNC_STAGE='gpu'" in (_hook_message(online(BAD), verl_hooks, "legacy") or "")
 
 
+@pytest.mark.timeout(900)
 def test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners():
     """verl's task runners import external_lib (HFModelConfig) with their trainer modules loaded: the v1 trainer base
     (TaskRunnerV1) or the legacy ray_trainer (main_ppo_v0.TaskRunner); VERL_USE_EXTERNAL_MODULES imports the plugin's
-    trainers with verl."""
+    trainers with verl. The four processes run side by side: each imports verl, megatron-core and vLLM, ~20 s of CPU
+    but up to ~2 min of wall time on a machine whose disk is cold (measured on a 2-core AMX host beside a CI run)."""
     import os
     import subprocess
     import sys
 
     show = "from verl_mtp_plugin.compat import verl_entry; print(verl_entry.installed('v1'), verl_entry.installed('legacy'))"
-    runs = {
-        "True True": "import verl.trainer.ppo.v1.trainer_base, importlib; importlib.import_module('verl_mtp_plugin'); ",
-        "False True": "import verl.trainer.main_ppo_v0, importlib; importlib.import_module('verl_mtp_plugin'); ",
-    }
-    for want, code in runs.items():
-        out = subprocess.run([sys.executable, "-c", code + show], capture_output=True, text=True, timeout=600)
-        assert out.stdout.strip().splitlines()[-1] == want, (code, out.stderr[-2000:])
-    # the documented module, and the bare package (which verl imports before its trainer modules)
-    for modules in ("verl_mtp_plugin.trainer.v1", "verl_mtp_plugin"):
-        env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=modules)
-        out = subprocess.run([sys.executable, "-c", "import verl; " + show], capture_output=True, text=True,
-                             timeout=600, env=env)
-        assert out.stdout.strip().splitlines()[-1] == "True True", (modules, out.stderr[-2000:])
+    cases = [  # (what it is, code, extra environment, the expected last line)
+        ("v1 trainer base", "import verl.trainer.ppo.v1.trainer_base, importlib; importlib.import_module('verl_mtp_plugin'); ",
+         {}, "True True"),
+        ("legacy task runner", "import verl.trainer.main_ppo_v0, importlib; importlib.import_module('verl_mtp_plugin'); ",
+         {}, "False True"),
+        # the documented module, and the bare package (which verl imports before its trainer modules)
+        *((modules, "import verl; ", {"VERL_USE_EXTERNAL_MODULES": modules}, "True True")
+          for modules in ("verl_mtp_plugin.trainer.v1", "verl_mtp_plugin")),
+    ]
+    procs = [(name, want, subprocess.Popen([sys.executable, "-c", code + show], stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=dict(os.environ, **extra)))
+             for name, code, extra, want in cases]
+    try:
+        for name, want, proc in procs:
+            out, err = proc.communicate(timeout=840)
+            assert out.strip().splitlines()[-1:] == [want], (name, err[-2000:])
+    finally:
+        for _, _, proc in procs:
+            proc.kill()
 
 
 # --------------------------------------------------------------------------------------- private joints
