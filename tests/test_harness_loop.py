@@ -58,3 +58,32 @@ def test_a_silent_run_and_one_past_a_fatal_line_are_stopped(tmp_path):
     assert log.rstrip().endswith("[h200 driver] stopped: still running 1 s after a fatal log line")
     run, _ = _run(tmp_path, "echo ok; exit 0", timeout_s=60, silence_s=30, fatal=(re.compile("ok"),), grace_s=30)
     assert (run.rc, run.stopped) == (0, None)  # a fatal line in a run that ends: the exit decides
+
+
+RAY_FAIL = "echo 'Exception: The current node timed out during startup. This could happen because ...'; exit 1"
+
+
+def test_a_run_that_fails_in_rays_start_up_is_tried_again_once(tmp_path):
+    # first try: Ray's raylet did not register in its fixed 30 s (a loaded host); the second try runs
+    marker = tmp_path / "tried"
+    script = (f'if [ ! -e {marker} ]; then touch {marker}; {RAY_FAIL}; fi; '
+              'echo \'{"step": 1, "data": {"critic/score/mean": 0.5}}\' >> "$VERL_FILE_LOGGER_PATH"; echo ok; exit 0')
+    run, log = _run(tmp_path, script, timeout_s=60)
+    assert (run.rc, run.stopped, run.metrics) == (0, None, {1: {"critic/score/mean": 0.5}})
+    assert log.startswith("[verl_cpu harness] try 2: the previous one failed in Ray's start-up (kept as run.log.ray_start1)")
+    assert "timed out during startup" in (tmp_path / "run.log.ray_start1").read_text()
+    # a Ray start that fails every time: two tries, then its failure
+    (tmp_path / "b").mkdir()
+    run, log = _run(tmp_path / "b", RAY_FAIL, timeout_s=60)
+    assert run.rc == 1 and "try 2" in log and "timed out during startup" in log
+    assert (tmp_path / "b" / "run.log.ray_start1").exists() and not (tmp_path / "b" / "run.log.ray_start2").exists()
+
+
+def test_a_run_that_fails_otherwise_or_after_a_step_is_not_tried_again(tmp_path):
+    run, log = _run(tmp_path, "echo 'RuntimeError: boom'; exit 1", timeout_s=60)
+    assert run.rc == 1 and log.startswith("$ sh -c ")
+    # the same message once the run has logged a step is the run's own failure, not Ray's start-up
+    script = ('echo \'{"step": 1, "data": {}}\' >> "$VERL_FILE_LOGGER_PATH"; ' + RAY_FAIL)
+    (tmp_path / "b").mkdir()
+    run, log = _run(tmp_path / "b", script, timeout_s=60)
+    assert run.rc == 1 and run.metrics == {1: {}} and log.startswith("$ sh -c ")

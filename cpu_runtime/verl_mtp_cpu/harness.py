@@ -458,10 +458,40 @@ class TrainerRun:
     events: list[dict]  # the harness events (:mod:`verl_mtp_cpu.events`)
 
 
+#: Ray's own start-up failure: ``ray.init`` waits a fixed 30 s for its raylet to register with the GCS
+#: (``ray/_private/node.py``: ``raylet_start_wait_time_s = 30``, no setting), which a 2-core host running several
+#: trainer runs side by side can exceed (seen in a CI run of 2026-12-06, before any worker of the run started)
+RAY_START_TIMEOUT = re.compile(r"The current node timed out during startup")
+
+
 def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_path: pathlib.Path,
                 metrics_path: pathlib.Path, events_path: pathlib.Path, timeout_s: float,
                 silence_s: float | None = None, fatal: tuple[re.Pattern, ...] = (), grace_s: float = 40.0,
-                on_line: Callable[[float, str], Any] | None = None, label: str = "verl_cpu harness") -> TrainerRun:
+                on_line: Callable[[float, str], Any] | None = None, label: str = "verl_cpu harness",
+                ray_start_tries: int = 2) -> TrainerRun:
+    """:func:`_run_trainer_once`, tried again (up to ``ray_start_tries`` in all, within the one ``timeout_s``) when a
+    try fails in Ray's own start-up (:data:`RAY_START_TIMEOUT` in its log, no step logged): the failed try's log is
+    kept as ``<log>.ray_start<N>``, and the new log says so on its first line."""
+    t0 = time.perf_counter()
+    for attempt in range(1, ray_start_tries + 1):
+        run = _run_trainer_once(cmd, cwd=cwd, env=env, log_path=log_path, metrics_path=metrics_path,
+                                events_path=events_path, timeout_s=timeout_s - (time.perf_counter() - t0),
+                                silence_s=silence_s, fatal=fatal, grace_s=grace_s, on_line=on_line, label=label,
+                                note=f"[{label}] try {attempt}: the previous one failed in Ray's start-up "
+                                     f"(kept as {log_path.name}.ray_start{attempt - 1})" if attempt > 1 else None)
+        if (run.rc == 0 or run.stopped or run.metrics or attempt == ray_start_tries
+                or not RAY_START_TIMEOUT.search(log_path.read_text(errors="replace"))):
+            return dataclasses.replace(run, wall_s=time.perf_counter() - t0)
+        log_path.rename(log_path.with_name(f"{log_path.name}.ray_start{attempt}"))
+        for f in (metrics_path, events_path):
+            f.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
+
+
+def _run_trainer_once(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_path: pathlib.Path,
+                      metrics_path: pathlib.Path, events_path: pathlib.Path, timeout_s: float,
+                      silence_s: float | None, fatal: tuple[re.Pattern, ...], grace_s: float,
+                      on_line: Callable[[float, str], Any] | None, label: str, note: str | None) -> TrainerRun:
     """Run one process of verl's trainer (``cmd``: ``python -m ...main_ppo ...``) to its end, the loop that
     :func:`run_recipe` and the GPU drivers (``benchmarks/h200_main_ppo/run.py``) share.
 
@@ -480,6 +510,8 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
     t0 = time.perf_counter()
     stopped, first_fatal, last_line = None, None, t0
     with open(log_path, "w", buffering=1) as log:  # a line at a time: the demo shows the run's phases as they come
+        if note:
+            log.write(note + "\n")
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
