@@ -319,10 +319,11 @@ def test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners():
     """verl's task runners import external_lib (HFModelConfig) with their trainer modules loaded: the v1 trainer base
     (TaskRunnerV1) or the legacy ray_trainer (main_ppo_v0.TaskRunner); VERL_USE_EXTERNAL_MODULES imports the plugin's
     trainers with verl. The four processes run side by side: each imports verl, megatron-core and vLLM, ~20 s of CPU
-    but up to ~2 min of wall time on a machine whose disk is cold (measured on a 2-core AMX host beside a CI run)."""
+    but 2 min of wall time for one of them on a loaded 2-core host (a CI run's trainer runs beside it)."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     show = "from verl_mtp_plugin.compat import verl_entry; print(verl_entry.installed('v1'), verl_entry.installed('legacy'))"
     cases = [  # (what it is, code, extra environment, the expected last line)
@@ -334,16 +335,22 @@ def test_the_hooks_are_installed_by_the_plugins_import_in_verls_task_runners():
         *((modules, "import verl; ", {"VERL_USE_EXTERNAL_MODULES": modules}, "True True")
           for modules in ("verl_mtp_plugin.trainer.v1", "verl_mtp_plugin")),
     ]
-    procs = [(name, want, subprocess.Popen([sys.executable, "-c", code + show], stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, text=True, env=dict(os.environ, **extra)))
-             for name, code, extra, want in cases]
+    # their output to files, not pipes: a process waited on last must not block on a full pipe meanwhile
+    procs = []
     try:
-        for name, want, proc in procs:
-            out, err = proc.communicate(timeout=840)
-            assert out.strip().splitlines()[-1:] == [want], (name, err[-2000:])
+        for name, code, extra, want in cases:
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            proc = subprocess.Popen([sys.executable, "-c", code + show], stdout=out, stderr=err, text=True,
+                                    env=dict(os.environ, **extra))
+            procs.append((name, want, proc, out, err))
+        for name, want, proc, out, err in procs:
+            proc.wait(timeout=840)
+            out.seek(0), err.seek(0)
+            assert out.read().strip().splitlines()[-1:] == [want], (name, err.read()[-2000:])
     finally:
-        for _, _, proc in procs:
+        for _, _, proc, out, err in procs:
             proc.kill()
+            out.close(), err.close()
 
 
 # --------------------------------------------------------------------------------------- private joints
