@@ -441,12 +441,15 @@ def print_md(summary: dict, source: str) -> None:
             print(f"**{mode}** ({source}): {r}\n")
             continue
         d = digest_check(r.get("events", []))
+        loads = f"drafter loaded in updates {d['drafter_loaded_in_updates']}, "
+        if d["pairs"]:
+            drafter = loads + f"every digest after wake-up equal to the previous sync's: {d['all_equal']}"
+        elif d["drafter_loaded_in_updates"]:
+            drafter = loads + "no later update to compare its digest with"
+        else:
+            drafter = "no drafter (no speculation)"
         print(f"**{mode}** ({source}): rc {r['rc']}{', ' + r['stopped'] if r.get('stopped') else ''}, wall "
-              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d.get('updates')}, " +
-              (f"drafter loaded in updates {d.get('drafter_loaded_in_updates')}, every digest after wake-up equal to "
-               f"the previous sync's: {d.get('all_equal')}\n" if d.get("pairs") else
-               f"drafter loaded in updates {d.get('drafter_loaded_in_updates')}, no later update to compare its digest "
-               "with\n" if d.get("drafter_loaded_in_updates") else "no drafter (no speculation)\n"))
+              f"{r['wall_s']} s, steps {r['steps_logged']}; weight updates {d['updates']}, {drafter}\n")
         # rebuilt from the run's metrics and events, so a summary written before a column was added shows it too
         args = summary.get("args") or {}
         table = step_table({int(k): v for k, v in r.get("metrics", {}).items()}, r.get("events", []),
@@ -470,6 +473,17 @@ def cmd_table(a) -> int:
     for path in a.summaries:
         print_md(json.loads(pathlib.Path(path).read_text()), path)
     return 0
+
+
+def runs_by_mode(paths: list[str]) -> dict[str, tuple[str, dict]]:
+    """``{mode: (summary path, run)}`` of the runs with metrics in these ``summary.json`` files (a mode found in
+    several: the last one given), what ``plot`` and ``compare`` read."""
+    runs = {}
+    for path in paths:
+        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
+            if r.get("metrics"):
+                runs[mode] = (path, r)
+    return runs
 
 
 #: the done-criteria of the modes' comparison over the last steps (``run.py compare``)
@@ -593,12 +607,7 @@ def cmd_compare(a) -> int:
     """The modes' runs over their last ``--last`` steps (``run.py compare SUMMARY [SUMMARY ...]``; a mode found in
     several summaries: the last one given): a markdown table, each done-criterion with its verdict, the factors of
     the generation-time ratio; ``--json`` writes it all."""
-    runs: dict[str, dict] = {}
-    for path in a.summaries:
-        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
-            if r.get("metrics"):
-                runs[mode] = r
-    res = compare(runs, a.last)
+    res = compare({mode: r for mode, (_, r) in runs_by_mode(a.summaries).items()}, a.last)
 
     def f(v, fmt):
         return "-" if v is None else fmt.format(v)
@@ -645,11 +654,8 @@ def cmd_plot(a) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs: dict[str, tuple[str, dict]] = {}
-    for path in a.summaries:
-        for mode, r in json.loads(pathlib.Path(path).read_text())["runs"].items():
-            if r.get("metrics"):
-                runs[mode] = (path, {int(k): v for k, v in r["metrics"].items()})
+    runs = {mode: (path, {int(k): v for k, v in r["metrics"].items()})
+            for mode, (path, r) in runs_by_mode(a.summaries).items()}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [("critic/score/mean", "reward (mean score)"),
               ("rollout/spec_accept_rate_pos_0", "vLLM first-draft acceptance"),
