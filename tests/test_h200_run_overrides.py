@@ -149,3 +149,27 @@ def test_compare_on_the_committed_online_run_gives_its_quoted_estimate_gap(capsy
     out = capsys.readouterr().out
     assert "| online | 11-20 | 8.55 |" in out and "0.011 / 0.028" in out
     assert "(<= 0.03, 10 of 10 steps judged: met)" in out
+
+
+def test_compare_of_the_committed_h100_modes_gives_the_quoted_ratio_and_factors(capsys):
+    # RESULTS.md, the H100 modes: online's generation 1.13x off's over steps 11-20, the split into 0.383x the
+    # sequential verify steps at 2.952x the seconds per step, the estimate within 0.016 at every step
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    assert run.main(["compare", str(modes / "off/run/summary.json"), str(modes / "online/run/summary.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| online | 11-20 | 7.16 | 26.21 |" in out and "| 2.64 | 0.866 | 0.870 | 0.009 / 0.016 |" in out
+    assert "gen_ratio_online_off: 1.132 (<= 0.6: NOT met)" in out
+    assert "seq_verify_steps 0.383, s_per_seq_step 2.952, response_len_max 1.000" in out
+    assert "accept_gain_online_frozen: not judged (missing: frozen)" in out
+
+
+def test_the_plot_title_names_the_cards_the_summaries_ran_on(tmp_path):
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    h100 = [str(modes / "off/run/summary.json"), str(modes / "online/run/summary.json")]
+    assert run.plot_cards(h100) == "an H100 80GB HBM3"
+    other = tmp_path / "summary.json"
+    other.write_text(json.dumps({"runs": {}, "nvidia_smi": "NVIDIA H200, 143771 MiB, 580.159.04\n"}))
+    assert run.plot_cards([*h100, str(other)]) == "an H100 80GB HBM3 and an H200"
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"runs": {}}))
+    assert run.plot_cards([str(bare)]) == "a GPU"

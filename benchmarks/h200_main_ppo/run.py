@@ -645,6 +645,18 @@ def cmd_compare(a) -> int:
     return 0
 
 
+def plot_cards(paths: list[str]) -> str:
+    """The cards the summaries ran on, from their ``nvidia_smi`` line (its name field, "NVIDIA " dropped), joined
+    with " and " when they differ; "a GPU" when none is named."""
+    cards = []
+    for path in paths:
+        line = json.loads(pathlib.Path(path).read_text()).get("nvidia_smi") or ""
+        name = line.strip().split(",")[0].strip().removeprefix("NVIDIA ")
+        if name and name not in cards:
+            cards.append(name)
+    return " and ".join(f"an {c}" if c[:1] in "AEFHILMNORSX" else f"a {c}" for c in cards) or "a GPU"
+
+
 def cmd_plot(a) -> int:
     """The picture of the modes' runs (``run.py plot OUT.png SUMMARY [SUMMARY ...]``), one line per mode (a mode
     found in several summaries: the last one given): the reward, vLLM's first-draft acceptance (dotted: the
@@ -676,7 +688,7 @@ def cmd_plot(a) -> int:
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(a.title)
+    fig.suptitle(a.title or f"verl's trainer on {plot_cards(a.summaries)}, Nemotron 3 Super's widths (2.07 B)")
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
     print(f"wrote {a.out} ({', '.join(f'{k}: {v[0]}' for k, v in runs.items())})")
@@ -741,7 +753,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("plot", help="reward, first-draft acceptance and gen time per step of the modes' runs")
     t.add_argument("out")
     t.add_argument("summaries", nargs="+")
-    t.add_argument("--title", default="verl's trainer on the H200, Nemotron 3 Super's widths (2.07 B)")
+    t.add_argument("--title", default=None, help="default: the cards the summaries name (nvidia-smi), Super's widths")
     t = sub.add_parser("compare", help="the modes over their last steps: table, done-criteria, gen-time factors")
     t.add_argument("summaries", nargs="+")
     t.add_argument("--last", type=_positive, default=10, help="the last N logged steps of each mode")
