@@ -859,7 +859,7 @@ def rollout_groups(result: dict, key: str) -> list[tuple]:
 def summarize_rollout(result: dict) -> None:
     """Per arm, sampling variant and batch: median / min / max of every timed call's wall time and tail, and the
     ratios to no speculation's medians in the same variant (``x_no_spec``: > 1 is faster). ``by_sampling``: every
-    variant's; ``by_batch``: the first variant's (``plain`` when it ran; a run of one variant: all its calls)."""
+    variant's; ``by_batch``: the first variant in ``--sampling``'s order (a run of one variant: all its calls)."""
     arms = result["arms"]
     variants = rollout_variants(result)
     for row in arms.values():

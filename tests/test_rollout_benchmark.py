@@ -452,3 +452,54 @@ def test_a_json_from_before_the_sampling_variants_renders_as_it_did(spec_bench):
     assert [r.split(" | ")[0] for r in rows[2:5]] == ["| k0", "| k0", "| k0"]
     assert rows[2].startswith("| k0 | 64 | 2.00, 2.26, 1.86, 2.64, 2.36 | 2.26 | – |")
     assert result["arms"]["k1"]["by_batch"]["64"]["x_no_spec"]["wall_s"] == pytest.approx(2.26 / 1.44, abs=0.01)
+
+
+class _FakeEngine:
+    """``LLMEngine``'s loop surface (``add_request`` / ``step`` / ``has_unfinished_requests``): every request finishes
+    in one step with its ``max_tokens`` tokens, and with a log-probability per token only when it asked for them
+    (``logprobs`` not None), short by one for the request named ``short``."""
+
+    def __init__(self, short: str | None = None):
+        self.requests, self.short = [], short
+
+    def add_request(self, rid, prompt, params):
+        self.requests.append((rid, prompt, params))
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outs = []
+        for rid, _, sp in self.requests:
+            ids = list(range(sp.max_tokens))
+            lps = None if sp.logprobs is None else [{t: -0.1} for t in ids][: len(ids) - (rid.endswith(self.short or "~"))]
+            text = "x" * len(ids) if sp.detokenize else ""
+            outs.append(SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, text=text)]))
+        self.requests = []
+        return outs
+
+
+class _FakeTally:
+    def snapshot(self):
+        from verl_mtp_plugin.rollout.monitor.spec_metrics import SpecDecodeCounts
+
+        return SpecDecodeCounts(), 0, 0
+
+
+def test_a_rollout_call_sends_its_variants_request_and_checks_a_log_probability_per_token(spec_bench):
+    args = _args(spec_bench, "--sampling", "plain,verl")
+    eng = _FakeEngine()
+    llm = SimpleNamespace(llm_engine=eng)
+    sent = []
+    add = eng.add_request
+    eng.add_request = lambda rid, prompt, sp: (sent.append(sp), add(rid, prompt, sp))
+    c = spec_bench.rollout_call(llm, _FakeTally(), [[1, 2], [3]], [4, 6], args, None, sampling="verl")
+    assert [sp.max_tokens for sp in sent] == [4, 6] and all(sp.logprobs == 0 and sp.detokenize for sp in sent)
+    assert c["sampling"] == "verl" and c["tokens"] == 10 and c["text_chars"] == 10
+    c = spec_bench.rollout_call(llm, _FakeTally(), [[1, 2], [3]], [4, 6], args, None, sampling="plain")
+    assert sent[-1].logprobs is None and not sent[-1].detokenize and c["text_chars"] == 0
+    llm = SimpleNamespace(llm_engine=_FakeEngine(short="-1"))  # the second request lost one log-probability
+    with pytest.raises(RuntimeError, match="1 of 2 requests came back without a log-probability per token"):
+        spec_bench.rollout_call(llm, _FakeTally(), [[1, 2], [3]], [4, 6], args, None, sampling="verl")
+    # a plain request asks for none: nothing to check
+    assert spec_bench.rollout_call(llm, _FakeTally(), [[1]], [3], args, None, sampling="plain")["tokens"] == 3
