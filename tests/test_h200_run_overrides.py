@@ -57,6 +57,7 @@ def _summary(path, mode, gen, acc_len, pos0, est, resp_max, steps=12):
     for s in range(1, steps + 1):
         sign = 1 if s % 2 else -1
         m = {"timing_s/gen": gen + sign, "response_length/max": resp_max, "response_length/mean": resp_max - 50,
+             "timing_per_token_ms/gen": (gen + sign) / (resp_max - 50),  # verl's: gen s / response token, in ms
              "timing_s/step": gen + 15, "actor/perf/max_memory_allocated_gb": 50.0 + s}
         if acc_len is not None:  # mode off: vLLM logs no speculation metrics
             m.update({"rollout/spec_accept_length": acc_len + 0.5 * sign, "rollout/spec_accept_rate_pos_0": pos0})
@@ -93,6 +94,16 @@ def test_compare_reads_the_last_steps_judges_each_criterion_and_splits_the_gen_r
     assert abs(f["seq_verify_steps"] - (500 / 3) / 380) < 1e-12
     assert abs(f["s_per_seq_step"] - (6 / (500 / 3)) / (12 / 380)) < 1e-12
     assert abs(res["factors"]["frozen_off"]["gen_ratio"] - 0.75) < 1e-12
+    # seconds per generated token, verl's metric in microseconds: the mean over steps of (gen +- 1) / (max - 50),
+    # with the window's least and most; its ratio differs from the gen ratio where the lengths differ (350 vs 330)
+    on_w = res["modes"]["online"]
+    assert abs(on_w["gen_us_per_token"] - 6000 / 350) < 1e-9
+    assert (on_w["gen_us_per_token_min"], on_w["gen_us_per_token_max"]) == pytest.approx((5000 / 350, 7000 / 350))
+    assert abs(f["s_per_token"] - (6 / 350) / (12 / 330)) < 1e-12
+    fo = res["factors"]["frozen_off"]
+    assert abs(fo["seq_verify_steps"] - (400 / 1.7 + 400 / 0.7) / 2 / 380) < 1e-12
+    assert abs(fo["s_per_token"] - (9 / 350) / (12 / 330)) < 1e-12
+    assert "| 17.1 (14.3-20.0) |" in capsys.readouterr().out
     assert "NOT met" not in capsys.readouterr().out
     # a slower online rollout, a drafter no better than frozen's, an estimate off by 0.05: each criterion fails
     paths[0] = _summary(tmp_path / "on.json", "online", 9.0, 1.4, 0.30, 0.35, 400)
@@ -161,6 +172,18 @@ def test_compare_of_the_committed_h100_modes_gives_the_quoted_ratio_and_factors(
     assert "gen_ratio_online_off: 1.132 (<= 0.6: NOT met)" in out
     assert "seq_verify_steps 0.383, s_per_seq_step 2.952, response_len_max 1.000" in out
     assert "accept_gain_online_frozen: not judged (missing: frozen)" in out
+
+
+def test_compare_of_the_three_committed_h100_modes_gives_the_quoted_gain_split_and_seconds_per_token(capsys):
+    # RESULTS.md, the third mode run: frozen's drafter 0.645 below online's at the first draft, frozen's generation
+    # 0.905x off's at 1.23 tokens per verify step, and all three modes' seconds per generated token
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    assert run.main(["compare", *(str(modes / m / "run/summary.json") for m in ("off", "online", "frozen"))]) == 0
+    out = capsys.readouterr().out
+    assert "| frozen | 11-20 | 5.73 | 16.87 |" in out and "| 1.23 | 0.220 |" in out
+    assert "| 61.8 (52.0-66.4) |" in out and "| 69.9 (58.2-88.9) |" in out and "| 55.9 (52.3-61.2) |" in out
+    assert "accept_gain_online_frozen: 0.645 (>= 0.15: met)" in out
+    assert "gen_ratio 0.905, seq_verify_steps 0.815, s_per_seq_step 1.111, response_len_max 1.000, s_per_token 0.905" in out
 
 
 def test_the_plot_title_names_the_cards_the_summaries_ran_on(tmp_path):

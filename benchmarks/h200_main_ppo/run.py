@@ -521,6 +521,7 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
     est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get("actor/mtp_expected_accept_rate")) for m in ms]
     diffs = [abs(v - e) for v, e in est if v is not None and e is not None]
     gens = col("timing_s/gen")
+    per_tok = [x * 1000.0 for x in col("timing_per_token_ms/gen") if x is not None]  # verl's: gen s / response token
     syncs = {e.get("update"): e for e in events if e.get("event") == "sync"}
     drafter = [((syncs.get(s) or {}).get("metrics") or {}).get("sync/bytes_drafter") for s in steps]
     out = {"steps": steps, "speculating": speculating, "gen_s": _mean(gens), "gen_s_each": gens,
@@ -535,6 +536,8 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
            "estimate_diff_mean": _mean(diffs), "estimate_diff_max": max(diffs) if diffs else None,
            "estimate_steps_judged": len(diffs),
            "seq_verify_steps": _mean(seq_steps),
+           "gen_us_per_token": _mean(per_tok), "gen_us_per_token_min": min(per_tok, default=None),
+           "gen_us_per_token_max": max(per_tok, default=None),
            "peak_alloc_gib": max((x for x in col("actor/perf/max_memory_allocated_gb") if x is not None), default=None),
            "peak_reserved_gib": max((x for x in col("actor/perf/max_memory_reserved_gb") if x is not None),
                                     default=None),
@@ -544,12 +547,23 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
     return out
 
 
+def _split(x: dict, off: dict) -> dict:
+    """A speculating mode's generation time over off's, in :func:`compare`'s estimated factors, and the ratio of
+    verl's seconds per generated response token (``timing_per_token_ms/gen``; ``None`` without it)."""
+    per_tok = (x["gen_us_per_token"] / off["gen_us_per_token"]
+               if x["gen_us_per_token"] and off["gen_us_per_token"] else None)
+    return {"seq_verify_steps": x["seq_verify_steps"] / off["seq_verify_steps"],
+            "s_per_seq_step": x["gen_s_per_seq_step"] / off["gen_s_per_seq_step"],
+            "response_len_max": x["response_len_max"] / off["response_len_max"], "s_per_token": per_tok}
+
+
 def compare(runs: dict[str, dict], last: int) -> dict:
     """The modes side by side over their last ``last`` steps, each criterion with its verdict (or why it was not
     judged), the windows' problems, and the generation-time ratio split in two estimated factors: ``gen_online /
     gen_off`` = (sequential verify steps, online / off: the tokens per verify step and the tail) x (seconds per
     sequential step, online / off: the verify step's cost with k drafts and the host between steps; it takes up
-    the first factor's estimation error, :func:`window`)."""
+    the first factor's estimation error, :func:`window`); frozen's over off's alike, and for each both modes'
+    seconds per generated token (verl's ``timing_per_token_ms/gen``)."""
     w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
@@ -568,14 +582,13 @@ def compare(runs: dict[str, dict], last: int) -> dict:
         ratio = on["gen_s"] / off["gen_s"]
         c["gen_ratio_online_off"] = {"value": ratio, "max": GEN_RATIO_MAX, "met": ratio <= GEN_RATIO_MAX}
         if on["seq_verify_steps"] and off["seq_verify_steps"]:
-            res["factors"]["online_off"] = {
-                "seq_verify_steps": on["seq_verify_steps"] / off["seq_verify_steps"],
-                "s_per_seq_step": on["gen_s_per_seq_step"] / off["gen_s_per_seq_step"],
-                "response_len_max": on["response_len_max"] / off["response_len_max"]}
+            res["factors"]["online_off"] = _split(on, off)
     else:
         nj["gen_ratio_online_off"] = missing("online", "off") if not (on and off) else "no timing_s/gen"
     if fr and off and fr["gen_s"] and off["gen_s"]:
         res["factors"]["frozen_off"] = {"gen_ratio": fr["gen_s"] / off["gen_s"]}
+        if fr["seq_verify_steps"] and off["seq_verify_steps"]:
+            res["factors"]["frozen_off"].update(_split(fr, off))
     if on and fr and on["accept_pos0"] is not None and fr["accept_pos0"] is not None:
         gain = on["accept_pos0"] - fr["accept_pos0"]
         c["accept_gain_online_frozen"] = {"value": gain, "min": ACCEPT_GAIN_MIN, "met": gain >= ACCEPT_GAIN_MIN}
@@ -599,6 +612,7 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
             ("trainer est.", "estimate", "{:.3f}"), ("est. diff mean / max", None, None),
             ("sequential verify steps", "seq_verify_steps", "{:.0f}"), ("s per step", "gen_s_per_seq_step",
                                                                         "{:.4f}"),
+            ("gen us per token (min-max)", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
             ("score", "score", "{:.3f}")]
 
@@ -623,6 +637,9 @@ def cmd_compare(a) -> int:
                 cells.append(f"{f(w['response_len_mean'], '{:.0f}')} / {f(w['response_len_max'], '{:.0f}')}")
             elif h.startswith("est. diff"):
                 cells.append(f"{f(w['estimate_diff_mean'], '{:.3f}')} / {f(w['estimate_diff_max'], '{:.3f}')}")
+            elif h.startswith("gen us per token"):
+                cells.append(f"{f(w['gen_us_per_token'], '{:.1f}')} ({f(w['gen_us_per_token_min'], '{:.1f}')}-"
+                             f"{f(w['gen_us_per_token_max'], '{:.1f}')})")
             elif h.startswith("peak"):
                 cells.append(f"{f(w['peak_alloc_gib'], '{:.1f}')} / {f(w['peak_reserved_gib'], '{:.1f}')}")
             else:
