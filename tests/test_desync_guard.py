@@ -310,6 +310,8 @@ def test_slow_speculation_warns_with_the_arithmetic_and_never_raises():
     assert f"speedup ~= L / c_k = 1.080 / {c3:.3f} = {s:.3f} < 1.0; break-even L = c_k = {c3:.3f}" in msg
     assert "measured on an H200 at the 30B-A3B shape, greedy drafting" in msg and f"{GUARD_CONFIG_PATH}.verify_cost" in msg
     assert f"k=0: 1.000, k=1: {1.05 / c1:.3f}" in msg and "best k = 0" in msg
+    # the estimate's basis and the measured side to check it against (verl's own per-token generation time)
+    assert "counts engine steps only" in msg and "compare timing_per_token_ms/gen with a run without speculation" in msg
     assert outs[-1]["mtp_guard/est_speedup"] == pytest.approx(s)
     assert outs[-1]["mtp_guard/breakeven_accept_length"] == pytest.approx(c3)
 

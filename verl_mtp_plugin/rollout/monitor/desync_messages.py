@@ -179,6 +179,11 @@ def slow_message(
         "acceptance used to be higher, see the desync causes (drafter sync, sleep level). c_k measured on "
         f"another model or machine misleads: set {GUARD_CONFIG_PATH}.verify_cost from your own step times."
     )
+    lines.append(
+        "  The estimate counts engine steps only. Where the rollout's time follows the tokens generated instead "
+        "(verl's timing_per_token_ms/gen about the same with and without speculation), speculation changes little "
+        "either way: compare timing_per_token_ms/gen with a run without speculation before switching it off."
+    )
     return "\n".join(lines)
 
 
