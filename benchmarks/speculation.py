@@ -801,12 +801,18 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
     exactly its length (``ignore_eos``) at ``--temperature``, with the ``sampling`` variant's request
     (:func:`rollout_sampling_params`); the time each one finished, seen by the driver. Acceptance per position and
     preempted requests from this engine's own tally (:class:`EngineTally`). A request that asked for
-    log-probabilities must have one per token (checked after the timing)."""
+    log-probabilities must have one per token (checked after the timing). ``driver_cpu_s``: the CPU seconds this
+    process spent over the call, all its threads (``time.process_time``). Where vLLM's engine core runs in its own
+    process (CUDA: ``VLLM_ENABLE_V1_MULTIPROCESSING`` 1, vLLM's default) that is the front end's work (adding the
+    requests, receiving each step's outputs, detokenizing, building the log-probabilities), which waits for the
+    engine without spinning; its share of the wall time says how close the front end came to bounding the rollout
+    (as in verl, where vLLM's async front end does this work in the server actor's process)."""
     from verl_mtp_plugin.rollout.monitor.spec_metrics import per_position_rates
 
     eng = llm.llm_engine
     counts0, preempted0, steps0 = tally.snapshot()
     call = next(_CALLS)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         eng.add_request(f"{call}-{i}", {"prompt_token_ids": p}, rollout_sampling_params(sampling, n, args))
@@ -817,6 +823,7 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
                 finish.append(time.perf_counter())
                 tokens += len(out.outputs[0].token_ids)
                 done.append(out)
+    driver_cpu_s = time.process_time() - cpu0
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
     if sampling == "verl":
@@ -827,6 +834,7 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
     c = counts.minus(counts0)
     return {**tail_times(t0, finish), "sampling": sampling, "tokens": tokens,
             "text_chars": sum(len(o.outputs[0].text or "") for o in done), "tokens_per_s": tokens / (max(finish) - t0),
+            "driver_cpu_s": driver_cpu_s, "driver_cpu_share": driver_cpu_s / (max(finish) - t0),
             "engine_steps": steps - steps0, "preempted": preempted - preempted0,
             "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
             "num_accepted_tokens": c.num_accepted_tokens, "accept_rate_pos": per_position_rates(c, depths),
@@ -871,7 +879,8 @@ def summarize_rollout(result: dict) -> None:
                 if calls:
                     by_n[n] = {x: {"median": statistics.median(c[x] for c in calls),
                                    "min": min(c[x] for c in calls), "max": max(c[x] for c in calls)}
-                               for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s")}
+                               for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s", "driver_cpu_share")
+                               if all(x in c for c in calls)}  # driver_cpu_share: not in calls before it was kept
                     by_n[n]["calls"] = len(calls)
             if by_n:
                 row["by_sampling"][variant] = by_n
@@ -903,17 +912,18 @@ def rollout_table(result: dict) -> str:
     """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm (and sampling variant, when
     several ran: ``k2 verl``) and batch size every timed call's wall time in the order it ran, the median and its
     ratio to no speculation's median in the same variant (> 1 is faster), the same for the tail (from 90 % of the
-    requests finished to the last), the median tokens/s and engine steps, and the last call's vLLM acceptance and
-    verify steps per drafted position."""
+    requests finished to the last), the median tokens/s, engine steps and share of the wall time the driver spent
+    on the CPU (``driver_cpu_share``; "–" for calls recorded before it was kept), and the last call's vLLM
+    acceptance and verify steps per drafted position."""
     summarize_rollout(result)
     rows = ["| arm | N | wall s, each call | median | x no spec | tail q90 s, each call | median | x no spec "
-            "| tokens/s, median | engine steps, median | acceptance per position (last call) "
-            "| verify steps drafting each position (last call) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| tokens/s, median | engine steps, median | driver CPU / wall, median "
+            "| acceptance per position (last call) | verify steps drafting each position (last call) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, row in result["arms"].items():
         if row.get("error"):
             error = row["error"][:120].replace("|", "\\|").replace("\n", " ")
-            rows.append(f"| {key} | – | failed: {error} | | | | | | | | | |")
+            rows.append(f"| {key} | – | failed: {error} | | | | | | | | | | |")
         for label, variant, by_n in rollout_groups(result, key):
             for n, r in by_n.items():
                 calls = sorted((c for v in row["visits"] for c in v["calls"].get(n, []) if call_sampling(c) == variant),
@@ -927,6 +937,7 @@ def rollout_table(result: dict) -> str:
                     f"| {r['tail_q90_s']['median']:.2f} | {_ratio(x.get('tail_q90_s'))} "
                     f"| {r['tokens_per_s']['median']:.0f} "
                     f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
+                    f"| {_ratio((r.get('driver_cpu_share') or {}).get('median'))} "
                     f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
                     f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
     return "\n".join(rows)

@@ -503,3 +503,36 @@ def test_a_rollout_call_sends_its_variants_request_and_checks_a_log_probability_
         spec_bench.rollout_call(llm, _FakeTally(), [[1, 2], [3]], [4, 6], args, None, sampling="verl")
     # a plain request asks for none: nothing to check
     assert spec_bench.rollout_call(llm, _FakeTally(), [[1]], [3], args, None, sampling="plain")["tokens"] == 3
+
+
+def test_a_rollout_call_records_the_cpu_time_its_driver_spent_and_its_share_of_the_wall(spec_bench):
+    import time
+
+    args = _args(spec_bench)
+
+    class Busy(_FakeEngine):  # a front end at work: the step burns the CPU
+        def step(self):
+            t = time.process_time()
+            while time.process_time() - t < 0.2:
+                pass
+            return super().step()
+
+    class Waiting(_FakeEngine):  # a front end waiting on the engine: the step sleeps
+        def step(self):
+            time.sleep(0.2)
+            return super().step()
+
+    busy = spec_bench.rollout_call(SimpleNamespace(llm_engine=Busy()), _FakeTally(), [[1]], [3], args, None)
+    idle = spec_bench.rollout_call(SimpleNamespace(llm_engine=Waiting()), _FakeTally(), [[1]], [3], args, None)
+    assert busy["driver_cpu_s"] >= 0.2 and busy["driver_cpu_share"] > 0.8
+    assert idle["driver_cpu_s"] < 0.1 and idle["driver_cpu_share"] < 0.5
+    # the summary's median share, and the table's column ("–" for calls recorded before the share was kept)
+    result = {"config": {}, "arms": {"k0": {"visits": [{"calls": {"1": [busy, idle, busy]}}]}}}
+    table = spec_bench.rollout_table(result)
+    share = result["arms"]["k0"]["by_batch"]["1"]["driver_cpu_share"]["median"]
+    assert share == busy["driver_cpu_share"]  # the median of busy, idle, busy
+    column = table.splitlines()[0].split(" | ").index("driver CPU / wall, median")
+    assert table.splitlines()[2].split(" | ")[column] == f"{share:.2f}"
+    for c in (busy, idle):
+        del c["driver_cpu_share"]
+    assert spec_bench.rollout_table(result).splitlines()[2].split(" | ")[column] == "–"
