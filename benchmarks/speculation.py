@@ -835,6 +835,7 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
     return {**tail_times(t0, finish), "sampling": sampling, "tokens": tokens,
             "text_chars": sum(len(o.outputs[0].text or "") for o in done), "tokens_per_s": tokens / (max(finish) - t0),
             "driver_cpu_s": driver_cpu_s, "driver_cpu_share": driver_cpu_s / (max(finish) - t0),
+            "driver_cpu_us_per_token": 1e6 * driver_cpu_s / tokens,
             "engine_steps": steps - steps0, "preempted": preempted - preempted0,
             "num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
             "num_accepted_tokens": c.num_accepted_tokens, "accept_rate_pos": per_position_rates(c, depths),
@@ -879,7 +880,8 @@ def summarize_rollout(result: dict) -> None:
                 if calls:
                     by_n[n] = {x: {"median": statistics.median(c[x] for c in calls),
                                    "min": min(c[x] for c in calls), "max": max(c[x] for c in calls)}
-                               for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s", "driver_cpu_share")
+                               for x in ("wall_s", "tail_q50_s", "tail_q90_s", "tokens_per_s", "driver_cpu_share",
+                                         "driver_cpu_us_per_token")
                                if all(x in c for c in calls)}  # driver_cpu_share: not in calls before it was kept
                     by_n[n]["calls"] = len(calls)
             if by_n:
@@ -908,16 +910,24 @@ def _ratio(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def _driver_cpu(r: dict) -> str:
+    """A batch summary's driver CPU cell: the median share of the wall time and CPU microseconds per token."""
+    share, per_token = r.get("driver_cpu_share"), r.get("driver_cpu_us_per_token")
+    if share is None or per_token is None:
+        return "–"
+    return f"{share['median']:.2f} / {per_token['median']:.1f}"
+
+
 def rollout_table(result: dict) -> str:
     """The markdown table of ``benchmarks/RESULTS.md`` from a rollout JSON: per arm (and sampling variant, when
     several ran: ``k2 verl``) and batch size every timed call's wall time in the order it ran, the median and its
     ratio to no speculation's median in the same variant (> 1 is faster), the same for the tail (from 90 % of the
     requests finished to the last), the median tokens/s, engine steps and share of the wall time the driver spent
-    on the CPU (``driver_cpu_share``; "–" for calls recorded before it was kept), and the last call's vLLM
-    acceptance and verify steps per drafted position."""
+    on the CPU and those CPU microseconds per token ("–" for calls recorded before they were kept), and the last
+    call's vLLM acceptance and verify steps per drafted position."""
     summarize_rollout(result)
     rows = ["| arm | N | wall s, each call | median | x no spec | tail q90 s, each call | median | x no spec "
-            "| tokens/s, median | engine steps, median | driver CPU / wall, median "
+            "| tokens/s, median | engine steps, median | driver CPU: share of wall / us per token, median "
             "| acceptance per position (last call) | verify steps drafting each position (last call) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, row in result["arms"].items():
@@ -937,7 +947,7 @@ def rollout_table(result: dict) -> str:
                     f"| {r['tail_q90_s']['median']:.2f} | {_ratio(x.get('tail_q90_s'))} "
                     f"| {r['tokens_per_s']['median']:.0f} "
                     f"| {statistics.median(c.get('engine_steps', 0) for c in calls):.0f} "
-                    f"| {_ratio((r.get('driver_cpu_share') or {}).get('median'))} "
+                    f"| {_driver_cpu(r)} "
                     f"| {' / '.join(f'{a:.3f}' for a in calls[-1]['accept_rate_pos']) or '–'} "
                     f"| {' / '.join(str(d) for d in calls[-1].get('drafted_per_pos', [])) or '–'} |")
     return "\n".join(rows)

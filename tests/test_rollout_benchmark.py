@@ -525,14 +525,15 @@ def test_a_rollout_call_records_the_cpu_time_its_driver_spent_and_its_share_of_t
     busy = spec_bench.rollout_call(SimpleNamespace(llm_engine=Busy()), _FakeTally(), [[1]], [3], args, None)
     idle = spec_bench.rollout_call(SimpleNamespace(llm_engine=Waiting()), _FakeTally(), [[1]], [3], args, None)
     assert busy["driver_cpu_s"] >= 0.2 and busy["driver_cpu_share"] > 0.8
+    assert busy["driver_cpu_us_per_token"] == pytest.approx(1e6 * busy["driver_cpu_s"] / 3)
     assert idle["driver_cpu_s"] < 0.1 and idle["driver_cpu_share"] < 0.5
     # the summary's median share, and the table's column ("–" for calls recorded before the share was kept)
     result = {"config": {}, "arms": {"k0": {"visits": [{"calls": {"1": [busy, idle, busy]}}]}}}
     table = spec_bench.rollout_table(result)
     share = result["arms"]["k0"]["by_batch"]["1"]["driver_cpu_share"]["median"]
     assert share == busy["driver_cpu_share"]  # the median of busy, idle, busy
-    column = table.splitlines()[0].split(" | ").index("driver CPU / wall, median")
-    assert table.splitlines()[2].split(" | ")[column] == f"{share:.2f}"
+    column = table.splitlines()[0].split(" | ").index("driver CPU: share of wall / us per token, median")
+    assert table.splitlines()[2].split(" | ")[column] == f"{share:.2f} / {busy['driver_cpu_us_per_token']:.1f}"
     for c in (busy, idle):
-        del c["driver_cpu_share"]
+        del c["driver_cpu_share"], c["driver_cpu_us_per_token"]
     assert spec_bench.rollout_table(result).splitlines()[2].split(" | ")[column] == "–"
