@@ -75,8 +75,11 @@ cd $PWD
 date -u +%FT%TZ > $S/t_start
 [ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
 date -u +%FT%TZ > $S/t_assets
+# every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
+python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
   --reward benchmarks/h200_main_ppo/reward_long.py $* > $S/driver.log 2>&1
+kill \$PC
 $(after_main)
 PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
@@ -123,7 +126,7 @@ poll)
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
   # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log t_* failed run pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl t_* failed run pack roll mem dg 2>/dev/null) \
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null

@@ -1,0 +1,68 @@
+"""``benchmarks/h200_main_ppo/proc_cpu.py``: the per-process CPU sampler of the verl-trainer leases, and its summary
+over the rollout's samples."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("proc_cpu", ROOT / "benchmarks" / "h200_main_ppo" / "proc_cpu.py")
+proc_cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(proc_cpu)
+
+
+def test_names_group_ray_actors_vllms_engine_core_and_python_processes():
+    assert proc_cpu.group("12 ray::vLLMHttpServer.generate") == "ray::vLLMHttpServer"
+    assert proc_cpu.group("13 ray::AgentLoopWorker") == "ray::AgentLoopWorker"
+    assert proc_cpu.group("14 VLLM::EngineCore") == "VLLM::EngineCore"
+    assert proc_cpu.group("15 /opt/venv/bin/python3 -m verl_mtp_plugin.main_ppo --x y") == "python3 -m verl_mtp_plugin.main_ppo"
+
+
+def test_the_summary_reads_only_the_rollouts_samples_and_counts_absent_processes_as_idle():
+    samples = [  # 2 rollout samples (engine core busy), 1 between rollouts
+        {"t": 0, "dt": 0.5, "cpu": {"1 VLLM::EngineCore": 99.0, "2 ray::vLLMHttpServer.generate": 100.0,
+                                    "3 ray::AgentLoopWorker": 40.0, "4 ray::AgentLoopWorker": 20.0}},
+        {"t": 1, "dt": 0.5, "cpu": {"1 VLLM::EngineCore": 98.0, "2 ray::vLLMHttpServer.generate": 80.0,
+                                    "3 ray::AgentLoopWorker": 60.0}},
+        {"t": 2, "dt": 0.5, "cpu": {"1 VLLM::EngineCore": 2.0, "5 ray::WorkerDict": 300.0}},
+    ]
+    # the engine core's first sample, before it renamed itself, is filed under its last name
+    samples[0]["cpu"]["1 python -B -c from multiprocessing.spawn import spawn_main"] = samples[0]["cpu"].pop(
+        "1 VLLM::EngineCore")
+    res = proc_cpu.summarize(samples, "EngineCore", 50.0, 90.0)
+    assert (res["samples"], res["rollout_samples"], res["interval_s"]) == (3, 2, 0.5)
+    p = res["processes"]
+    assert "ray::WorkerDict" not in p  # busy only between rollouts
+    assert p["ray::vLLMHttpServer"] == {"processes": 1, "mean_pct": 90.0, "max_pct": 100.0, "pinned_share": 0.5}
+    # two workers over two samples, one absent from the second: (40 + 20 + 60 + 0) / 4
+    assert p["ray::AgentLoopWorker"]["processes"] == 2 and p["ray::AgentLoopWorker"]["mean_pct"] == 30.0
+    assert list(p)[:2] == ["VLLM::EngineCore", "ray::vLLMHttpServer"]  # by mean, highest first
+    assert p["VLLM::EngineCore"]["mean_pct"] == 98.5 and len(p) == 3
+
+
+def test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not(tmp_path):
+    busy = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-busy\nwhile True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-idle\nimport time; time.sleep(60)"])
+    try:
+        out = tmp_path / "cpu.jsonl"
+        assert proc_cpu.main(["sample", str(out), "--interval", "0.25", "--seconds", "2"]) == 0
+    finally:
+        busy.kill(), idle.kill()
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) >= 4 and all(s["dt"] >= 0.25 for s in samples)
+
+    def mean_pct(pid):  # a process absent from a sample used no CPU in it
+        return sum(v for s in samples for k, v in s["cpu"].items() if k.startswith(f"{pid} ")) / len(samples)
+
+    assert mean_pct(busy.pid) > 20  # a spinning loop, also on a loaded 2-core machine
+    assert mean_pct(idle.pid) < 5
+    assert any("proc-cpu-test-busy" in k for s in samples for k in s["cpu"])  # named by its command line
+    res = proc_cpu.summarize(samples, "proc-cpu-test-busy", 1.0, 90.0)
+    assert res["rollout_samples"] >= 2
+    assert proc_cpu.main(["summary", str(out), "--busy", "proc-cpu-test-busy", "--min", "1",
+                          "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["rollout_samples"] == res["rollout_samples"]
