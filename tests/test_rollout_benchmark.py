@@ -537,3 +537,46 @@ def test_a_rollout_call_records_the_cpu_time_its_driver_spent_and_its_share_of_t
     for c in (busy, idle):
         del c["driver_cpu_share"], c["driver_cpu_us_per_token"]
     assert spec_bench.rollout_table(result).splitlines()[2].split(" | ")[column] == "–"
+
+
+class _FakeAsyncEngine:
+    """``AsyncLLM.generate``'s surface: an async generator per request that yields its cumulative output once per
+    token (``CUMULATIVE``) or only the last (``FINAL_ONLY``), with a log-probability per token when asked for."""
+
+    def __init__(self):
+        self.params = []
+
+    async def generate(self, prompt, params, request_id):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.params.append(params)
+        for t in range(1, params.max_tokens + 1):
+            if params.output_kind == RequestOutputKind.FINAL_ONLY and t < params.max_tokens:
+                continue
+            ids = list(range(t))
+            lps = None if params.logprobs is None else [{i: -0.1} for i in ids]
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps)])
+
+
+def test_the_frontend_call_reads_every_request_to_its_end_and_verl_final_asks_for_one_output(spec_bench):
+    import asyncio
+
+    from vllm.sampling_params import RequestOutputKind
+
+    args = _args(spec_bench, "--sampling", "plain,verl,verl-final", "--len-fixed", "5")
+    eng = _FakeAsyncEngine()
+    for v in ("plain", "verl", "verl-final"):
+        c = asyncio.run(spec_bench.frontend_call(eng, [[1], [2, 3]], [5, 7], args, v))
+        assert c["sampling"] == v and c["tokens"] == 12 and c["driver_cpu_s"] >= 0
+        assert c["driver_cpu_us_per_token"] == pytest.approx(1e6 * c["driver_cpu_s"] / 12)
+    kinds = [(p.logprobs, p.detokenize, p.output_kind) for p in eng.params[::2]]
+    assert kinds == [(None, False, RequestOutputKind.CUMULATIVE), (0, True, RequestOutputKind.CUMULATIVE),
+                     (0, True, RequestOutputKind.FINAL_ONLY)]  # verl sends vLLM's default output kind
+    result = {"arms": {"k0": {"calls": [
+        {"sampling": "plain", "wall_s": 1.0, "driver_cpu_share": 0.1, "driver_cpu_us_per_token": 10.0},
+        {"sampling": "verl", "wall_s": 2.0, "driver_cpu_share": 0.4, "driver_cpu_us_per_token": 40.0},
+        {"sampling": "verl", "wall_s": 3.0, "driver_cpu_share": 0.2, "driver_cpu_us_per_token": 30.0},
+        {"sampling": "plain", "wall_s": 1.5, "driver_cpu_share": 0.3, "driver_cpu_us_per_token": 12.0}]}}}
+    rows = spec_bench.frontend_table(result).splitlines()
+    assert rows[2] == "| k0 | plain | 1.00, 1.50 | 1.25 | 0.20 | 11.0 (10.0-12.0) |"
+    assert rows[3] == "| k0 | verl | 2.00, 3.00 | 2.50 | 0.30 | 35.0 (30.0-40.0) |"
