@@ -815,6 +815,17 @@ def rollout_sampling_params(variant: str, n: int, args):
     raise ValueError(f"unknown sampling variant {variant!r} ({', '.join(SAMPLING_VARIANTS)})")
 
 
+def check_batch(done: list, tokens: int, lengths: list[int], sampling: str) -> None:
+    """A timed batch decoded every token it asked for, and a request of ``verl``'s asked for and got one
+    log-probability per token (checked after the timing)."""
+    if tokens != sum(lengths):
+        raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
+    if sampling.startswith("verl"):
+        short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
+        if short:
+            raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
+
+
 def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: list[int], args, depths,
                  sampling: str = "plain") -> dict:
     """One whole batch through vLLM's engine loop (``LLMEngine.add_request`` / ``step``): every request decodes
@@ -844,12 +855,7 @@ def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: lis
                 tokens += len(out.outputs[0].token_ids)
                 done.append(out)
     driver_cpu_s = time.process_time() - cpu0
-    if tokens != sum(lengths):
-        raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
-    if sampling.startswith("verl"):
-        short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
-        if short:
-            raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
+    check_batch(done, tokens, lengths, sampling)
     counts, preempted, steps = tally.snapshot()
     c = counts.minus(counts0)
     return {**tail_times(t0, finish), "sampling": sampling, "tokens": tokens,
@@ -1041,12 +1047,7 @@ async def frontend_call(engine, prompts: list[list[int]], lengths: list[int], ar
     done = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths))))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(len(o.outputs[0].token_ids) for o in done)
-    if tokens != sum(lengths):
-        raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
-    if sampling.startswith("verl"):
-        short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
-        if short:
-            raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
+    check_batch(done, tokens, lengths, sampling)
     return {"sampling": sampling, "wall_s": wall, "tokens": tokens, "driver_cpu_s": cpu, "driver_cpu_share": cpu / wall,
             "driver_cpu_us_per_token": 1e6 * cpu / tokens,
             "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
