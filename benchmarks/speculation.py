@@ -1060,6 +1060,8 @@ def cmd_frontend(args) -> int:
     variants are interleaved within each engine; the arms are not (one engine at a time)."""
     import asyncio
 
+    if args.len_fixed is None:
+        raise SystemExit("frontend: --len-fixed N (every response N tokens) is required")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if args.device == "cuda":
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -1072,8 +1074,6 @@ def cmd_frontend(args) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    if args.len_fixed is None:
-        raise SystemExit("frontend: --len-fixed N (every response N tokens) is required")
     n = args.batches[0]
     prompts = rollout_prompts(args.model, args.data, n)
     args.max_model_len = rollout_max_model_len(args, prompts)

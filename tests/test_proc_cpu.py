@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("proc_cpu", ROOT / "benchmarks" / "h200_main_ppo" / "proc_cpu.py")
 proc_cpu = importlib.util.module_from_spec(_spec)
@@ -66,3 +68,9 @@ def test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not(tmp_path):
     assert proc_cpu.main(["summary", str(out), "--busy", "proc-cpu-test-busy", "--min", "1",
                           "--json", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["rollout_samples"] == res["rollout_samples"]
+
+
+def test_sampling_refuses_an_interval_that_is_not_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        proc_cpu.main(["sample", str(tmp_path / "x.jsonl"), "--interval", "0"])
+    assert not (tmp_path / "x.jsonl").exists()

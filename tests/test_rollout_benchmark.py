@@ -580,3 +580,10 @@ def test_the_frontend_call_reads_every_request_to_its_end_and_verl_final_asks_fo
     rows = spec_bench.frontend_table(result).splitlines()
     assert rows[2] == "| k0 | plain | 1.00, 1.50 | 1.25 | 0.20 | 11.0 (10.0-12.0) |"
     assert rows[3] == "| k0 | verl | 2.00, 3.00 | 2.50 | 0.30 | 35.0 (30.0-40.0) |"
+
+
+def test_the_frontend_command_refuses_a_run_without_a_fixed_length_before_it_starts_anything(spec_bench, monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    with pytest.raises(SystemExit, match="--len-fixed N"):
+        spec_bench.cmd_frontend(_args(spec_bench, "--batches", "64"))
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in __import__("os").environ  # refused before any engine setting
