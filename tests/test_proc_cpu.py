@@ -47,25 +47,36 @@ def test_the_summary_reads_only_the_rollouts_samples_and_counts_absent_processes
 
 
 def test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not(tmp_path):
-    busy = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-busy\nwhile True: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-idle\nimport time; time.sleep(60)"])
+    busy = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-busy\nprint('ready', flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "#proc-cpu-test-idle\nimport time\nprint('ready', flush=True)\n"
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
+        assert busy.stdout.readline() == idle.stdout.readline() == "ready\n"  # both past the interpreter's start
         out = tmp_path / "cpu.jsonl"
+        before = proc_cpu.cpu_ticks()
         assert proc_cpu.main(["sample", str(out), "--interval", "0.25", "--seconds", "2"]) == 0
+        after = proc_cpu.cpu_ticks()
     finally:
         busy.kill(), idle.kill()
     samples = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(samples) >= 4 and all(s["dt"] >= 0.25 for s in samples)
 
-    def mean_pct(pid):  # a process absent from a sample used no CPU in it
-        return sum(v for s in samples for k, v in s["cpu"].items() if k.startswith(f"{pid} ")) / len(samples)
+    def sampled_s(pid):  # the CPU seconds the samples give the process (absent from a sample: none in it)
+        return sum(v / 100 * s["dt"] for s in samples for k, v in s["cpu"].items() if k.startswith(f"{pid} "))
 
-    assert mean_pct(busy.pid) > 20  # a spinning loop, also on a loaded 2-core machine
-    assert mean_pct(idle.pid) < 5
+    def actual_s(pid):  # what the kernel counted for it over the same window, from outside the sampler
+        return (after[str(pid)] - before[str(pid)]) / proc_cpu._TICKS
+
+    # the samples account for the busy process's CPU time over the window (whatever share of a core a loaded
+    # machine gave it), within a few clock ticks at the window's two ends; the idle one used none
+    assert actual_s(busy.pid) > 0.02
+    assert sampled_s(busy.pid) == pytest.approx(actual_s(busy.pid), abs=0.06)
+    assert actual_s(idle.pid) < 0.03 and sampled_s(idle.pid) < 0.03
     assert any("proc-cpu-test-busy" in k for s in samples for k in s["cpu"])  # named by its command line
-    res = proc_cpu.summarize(samples, "proc-cpu-test-busy", 1.0, 90.0)
-    assert res["rollout_samples"] >= 2
-    assert proc_cpu.main(["summary", str(out), "--busy", "proc-cpu-test-busy", "--min", "1",
+    res = proc_cpu.summarize(samples, "proc-cpu-test-busy", 0.1, 90.0)
+    assert res["rollout_samples"] >= 1
+    assert proc_cpu.main(["summary", str(out), "--busy", "proc-cpu-test-busy", "--min", "0.1",
                           "--json", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["rollout_samples"] == res["rollout_samples"]
 
