@@ -170,7 +170,7 @@ def test_compare_of_the_committed_h100_modes_gives_the_quoted_ratio_and_factors(
     assert run.main(["compare", str(modes / "off/run/summary.json"), str(modes / "online/run/summary.json")]) == 0
     out = capsys.readouterr().out
     assert "| online | 11-20 | 7.16 | 26.21 |" in out and "| 2.64 | 0.866 | 0.870 | 0.009 / 0.016 |" in out
-    assert "gen_ratio_online_off: 1.132 (<= 0.6: NOT met)" in out
+    assert "gen_ratio_online_off: 1.132 (<= 0.6: NOT met; 95 % interval over the steps 1.031-1.247)" in out
     assert "seq_verify_steps 0.383, s_per_seq_step 2.952, response_len_max 1.000" in out
     assert "accept_gain_online_frozen: not judged (missing: frozen)" in out
 
@@ -197,3 +197,47 @@ def test_the_plot_title_names_the_cards_the_summaries_ran_on(tmp_path):
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"runs": {}}))
     assert run.plot_cards([str(bare)]) == "a GPU"
+
+
+def test_compare_warns_when_a_modes_log_prob_passes_ran_at_another_pace(tmp_path):
+    # the reference's and the actor's log-prob passes do the same work in every mode at equal response lengths: a
+    # mode whose passes ran 1.5x off's ran on a slower machine, and its time ratios to off carry that
+    def with_pace(path, mode, gen, acc, pos0, est, ref, logp):
+        p = pathlib.Path(_summary(path, mode, gen, acc, pos0, est, 400))
+        data = json.loads(p.read_text())
+        for m in data["runs"][mode]["metrics"].values():
+            m.update({"timing_s/ref": ref, "timing_s/old_log_prob": logp})
+        p.write_text(json.dumps(data))
+        return str(p)
+
+    off = with_pace(tmp_path / "off.json", "off", 12.0, None, None, None, 4.0, 2.0)
+    on = with_pace(tmp_path / "on.json", "online", 6.0, 2.5, 0.7, 0.72, 4.2, 1.9)  # within 10 %
+    res = _compare(tmp_path, off, on)
+    assert not res["warnings"] and (res["modes"]["online"]["ref_s"], res["modes"]["online"]["logp_s"]) == (4.2, 1.9)
+    on = with_pace(tmp_path / "on.json", "online", 6.0, 2.5, 0.7, 0.72, 6.0, 2.0)
+    (w,) = _compare(tmp_path, off, on)["warnings"]
+    assert w.startswith("online: its reference log-prob pass took 6.00 s, off's 4.00 s (1.50x")
+
+
+def test_the_gen_ratios_interval_resamples_the_steps_of_both_runs():
+    assert run.ratio_interval([3.0] * 10, [6.0] * 10) == (0.5, 0.5)  # no spread within the runs: no interval
+    lo, hi = run.ratio_interval([2.0, 4.0] * 5, [6.0] * 10)
+    assert lo < 0.5 < hi and 1 / 3 < lo and hi < 2 / 3  # the ratio of means inside, narrower than the steps' range
+    assert run.ratio_interval([2.0, 4.0] * 5, [6.0] * 10) == (lo, hi)  # seeded
+    assert run.ratio_interval([3.0], [6.0, 6.0]) is None and run.ratio_interval([None, 3.0], [6.0] * 3) is None
+
+
+def test_compare_of_the_second_online_run_gives_the_quoted_ratio_and_pace(capsys):
+    # RESULTS.md, the second online run: 0.608x off's generation over steps 11-20 at off's pace (its log-prob
+    # passes within 4 % of off's), the first online run's lease 1.46x / 1.38x slower in the same passes
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    runs = [str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2")]
+    assert run.main(["compare", *runs]) == 0
+    out = capsys.readouterr().out
+    assert "| online | 11-20 | 3.85 | 17.60 |" in out and "| 37.6 (34.4-42.0) | 3.97 / 1.93 |" in out
+    assert "gen_ratio_online_off: 0.608 (<= 0.6: NOT met; 95 % interval over the steps 0.577-0.647)" in out
+    assert "seq_verify_steps 0.380, s_per_seq_step 1.600" in out and "warning" not in out
+    assert run.main(["compare", *runs[:2], str(modes / "online/run/summary.json")]) == 0
+    out = capsys.readouterr().out
+    assert "its reference log-prob pass took 5.88 s, off's 4.03 s (1.46x" in out
+    assert "its actor log-prob pass took 2.78 s, off's 2.01 s (1.38x" in out

