@@ -241,3 +241,13 @@ def test_compare_of_the_second_online_run_gives_the_quoted_ratio_and_pace(capsys
     out = capsys.readouterr().out
     assert "its reference log-prob pass took 5.88 s, off's 4.03 s (1.46x" in out
     assert "its actor log-prob pass took 2.78 s, off's 2.01 s (1.38x" in out
+
+
+def test_a_run_records_the_hosts_cpu_model_cores_and_vector_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu avx2 avx512f "
+                    "avx512_bf16 amx_tile sse4_2\n\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                    "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile sse4_2\n")
+    assert run.host_cpu(str(info)) == {"model": "Intel(R) Xeon(R) Processor", "cores": 2,
+                                       "flags": ["amx_tile", "avx512_bf16", "avx512f"]}
+    assert run.host_cpu(str(tmp_path / "missing")) is None

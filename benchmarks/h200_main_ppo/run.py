@@ -378,6 +378,19 @@ def preflight(a) -> int:
     return 1 if refused else 0
 
 
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> dict | None:
+    """The host's CPU as the results name it: model, logical cores, its AVX-512 and AMX flags (``None`` without
+    ``/proc/cpuinfo``)."""
+    try:
+        text = pathlib.Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"model": model, "cores": sum(1 for line in text.splitlines() if line.startswith("processor")),
+            "flags": sorted(f for f in flags if f.startswith(("avx512", "amx")))}
+
+
 def cmd_run(a) -> int:
     if a.preflight:
         return preflight(a)
@@ -391,6 +404,7 @@ def cmd_run(a) -> int:
                                                 "--format=csv,noheader"], capture_output=True, text=True).stdout
     except OSError:
         pass
+    summary["host_cpu"] = host_cpu()
     if a.import_check:
         rc = subprocess.run([sys.executable, str(HERE / "import_check.py"), "--no-walk", "--json",
                              str(out / "import_check.json")], env=run_env(), timeout=300).returncode
