@@ -251,3 +251,20 @@ def test_a_run_records_the_hosts_cpu_model_cores_and_vector_flags(tmp_path):
     assert run.host_cpu(str(info)) == {"model": "Intel(R) Xeon(R) Processor", "cores": 2,
                                        "flags": ["amx_tile", "avx512_bf16", "avx512f"]}
     assert run.host_cpu(str(tmp_path / "missing")) is None
+
+
+def test_compare_shows_two_runs_of_a_mode_each_labelled_and_judges_the_last_given(tmp_path, capsys):
+    # the criterion's common reference: online run in two leases, both beside off; each gets a row, the criteria
+    # are judged on the last one given
+    (tmp_path / "online" / "run").mkdir(parents=True)
+    (tmp_path / "online2" / "run").mkdir(parents=True)
+    first = _summary(tmp_path / "online" / "run" / "summary.json", "online", 9.0, 2.5, 0.70, 0.72, 400)
+    second = _summary(tmp_path / "online2" / "run" / "summary.json", "online", 6.0, 2.5, 0.70, 0.72, 400)
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    res = _compare(tmp_path, off, first, second)
+    assert list(res["modes"]) == ["off", "online@online", "online@online2"]
+    assert res["judged"]["online"] == "online@online2"
+    assert abs(res["criteria"]["gen_ratio_online_off"]["value"] - 0.5) < 1e-12
+    out = capsys.readouterr().out
+    assert "| online@online | 3-12 | 9.00 |" in out and "| online@online2 | 3-12 | 6.00 |" in out
+    assert run.labelled_runs([off, first])[0].keys() == {"off", "online"}  # one run of a mode: its bare name

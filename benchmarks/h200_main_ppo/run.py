@@ -591,7 +591,29 @@ def ratio_interval(num: list, den: list, rounds: int = BOOTSTRAP_ROUNDS, seed: i
     return rs[int(0.025 * rounds)], rs[int(0.975 * rounds) - 1]
 
 
-def compare(runs: dict[str, dict], last: int) -> dict:
+def labelled_runs(paths: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every run with metrics in these ``summary.json`` files, labelled: its mode, or ``mode@<folder>`` (the folder
+    holding the summary's ``run/``) when several summaries hold that mode; and, per mode, the label of the last one
+    given (the run :func:`compare` judges)."""
+    found = []
+    for path in paths:
+        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
+            if r.get("metrics"):
+                found.append((mode, path, r))
+    count: dict[str, int] = {}
+    for mode, _, _ in found:
+        count[mode] = count.get(mode, 0) + 1
+    runs, judged = {}, {}
+    for mode, path, r in found:
+        p = pathlib.Path(path).resolve()
+        label = mode if count[mode] == 1 else f"{mode}@{(p.parent.parent if p.parent.name == 'run' else p.parent).name}"
+        while label in runs:
+            label += "'"
+        runs[label], judged[mode] = r, label
+    return runs, judged
+
+
+def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None) -> dict:
     """The modes side by side over their last ``last`` steps, each criterion with its verdict (or why it was not
     judged), the windows' problems, and the generation-time ratio split in two estimated factors: ``gen_online /
     gen_off`` = (sequential verify steps, online / off: the tokens per verify step and the tail) x (seconds per
@@ -606,18 +628,20 @@ def compare(runs: dict[str, dict], last: int) -> dict:
     if len({(x["steps"][0], x["steps"][-1]) for x in w.values() if x["steps"]}) > 1:
         res["warnings"].append("the modes' windows differ: " + ", ".join(
             f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
-    on, off, fr = w.get("online"), w.get("off"), w.get("frozen")
+    judged = judged or {mode: mode for mode in w}
+    res["judged"] = judged
+    on, off, fr = (w.get(judged.get(m, m)) for m in ("online", "off", "frozen"))
     c, nj = res["criteria"], res["not_judged"]
     if off:
         for mode, x in w.items():
             for key, name in (("ref_s", "reference log-prob"), ("logp_s", "actor log-prob")):
-                if mode != "off" and x[key] and off[key] and abs(x[key] / off[key] - 1) > PACE_TOLERANCE:
+                if x is not off and x[key] and off[key] and abs(x[key] / off[key] - 1) > PACE_TOLERANCE:
                     res["warnings"].append(
                         f"{mode}: its {name} pass took {x[key]:.2f} s, off's {off[key]:.2f} s ({x[key] / off[key]:.2f}x; "
                         f"the same work at equal response lengths): another pace, its time ratios to off carry it")
 
     def missing(*names):
-        return "missing: " + ", ".join(n for n in names if n not in w)
+        return "missing: " + ", ".join(n for n in names if judged.get(n, n) not in w)
 
     if on and off and on["gen_s"] and off["gen_s"]:
         ratio = on["gen_s"] / off["gen_s"]
@@ -661,9 +685,11 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
 
 def cmd_compare(a) -> int:
     """The modes' runs over their last ``--last`` steps (``run.py compare SUMMARY [SUMMARY ...]``; a mode found in
-    several summaries: the last one given): a markdown table, each done-criterion with its verdict, the factors of
-    the generation-time ratio; ``--json`` writes it all."""
-    res = compare({mode: r for mode, (_, r) in runs_by_mode(a.summaries).items()}, a.last)
+    several summaries: a row for each, labelled ``mode@<folder>``, the criteria judged on the last one given): a
+    markdown table, each done-criterion with its verdict, the factors of the generation-time ratio; ``--json``
+    writes it all."""
+    runs, judged = labelled_runs(a.summaries)
+    res = compare(runs, a.last, judged)
 
     def f(v, fmt):
         return "-" if v is None else fmt.format(v)
@@ -692,8 +718,8 @@ def cmd_compare(a) -> int:
     print()
     for name, crit in res["criteria"].items():
         bound = f"<= {crit['max']}" if "max" in crit else f">= {crit['min']}"
-        judged = (f", {crit['steps_judged']} of {len(res['modes']['online']['steps'])} steps judged"
-                  if "steps_judged" in crit else "")
+        online = res["modes"][res["judged"]["online"]] if "steps_judged" in crit else None
+        judged = f", {crit['steps_judged']} of {len(online['steps'])} steps judged" if online else ""
         ci = (f"; 95 % interval over the steps {crit['interval'][0]:.3f}-{crit['interval'][1]:.3f}"
               if crit.get("interval") else "")
         print(f"- {name}: {crit['value']:.3f} ({bound}{judged}: {'met' if crit['met'] else 'NOT met'}{ci})")
