@@ -3,7 +3,7 @@ parts that fit one device call beside this checkout's tree.
 
 The device tool carries at most 64 MiB per call: the tracked tree, untracked files git does not ignore, and the
 carried paths. The shared tool cuts its stream into parts of ~52 MB, which stopped fitting once the tracked tree
-passed ~12 MB (2026-12-06: 13.6 MB tracked, every ``.te-stage/pK`` call refused).
+passed ~13.4 MB (2026-12-06: 13.6 MB tracked, every ``.te-stage/pK`` call refused).
 
 ``split [STAGE]`` (here): every file of ``STAGE/p*`` (in part order) packed into ``STAGE/tNN`` folders of at most
 ``--max-mib`` (default: 64 MiB less this tree less ``--margin-mib``); a file larger than that is cut into
