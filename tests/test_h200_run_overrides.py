@@ -268,3 +268,39 @@ def test_compare_shows_two_runs_of_a_mode_each_labelled_and_judges_the_last_give
     out = capsys.readouterr().out
     assert "| online@online | 3-12 | 9.00 |" in out and "| online@online2 | 3-12 | 6.00 |" in out
     assert run.labelled_runs([off, first])[0].keys() == {"off", "online"}  # one run of a mode: its bare name
+
+
+def test_the_per_token_model_recovers_a_fixed_plus_per_token_cost_and_reads_the_committed_runs(tmp_path, capsys):
+    # runs built from 10 ms per plain step, 11 ms per verify step and 20 us per token at 256 sequences of 400
+    # tokens: the exact fit gives them back, whatever the accept lengths (each step's own, around the mode's mean)
+    def mode_run(name, lens):
+        metrics = {}
+        for s, acc in enumerate(lens, start=1):
+            steps = 400 / acc
+            ms = (10.0 if name == "off" else 11.0) + 0.020 * 256 * acc
+            gen = steps * ms / 1000
+            m = {"timing_s/gen": gen, "response_length/max": 400, "response_length/mean": 400,
+                 "timing_per_token_ms/gen": gen * 1000 / (256 * 400)}
+            if name != "off":
+                m.update({"rollout/spec_accept_length": acc, "rollout/spec_accept_rate_pos_0": acc / 3})
+            metrics[str(s)] = m
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"runs": {name: {"metrics": metrics, "events": []}}}))
+        return str(p)
+
+    paths = [mode_run("off", [1.0] * 10), mode_run("frozen", [1.2, 1.3] * 5), mode_run("online", [2.5, 2.8] * 5)]
+    tm = _compare(tmp_path, *paths)["token_model"]
+    assert tm["us_per_token"] == pytest.approx(20.0, rel=0.03)
+    assert (tm["fixed_plain_ms"], tm["fixed_verify_ms"]) == pytest.approx((10.0, 11.0), abs=0.2)
+    assert tm["online_slope_us_per_token"] == pytest.approx(20.0, rel=1e-6) and tm["online_slope_r"] > 0.999
+    lo, hi = tm["us_per_token_interval"]
+    assert lo <= tm["us_per_token"] <= hi
+    # frozen and online at one accept length: no fit (the per-token cost is not identified)
+    paths[1] = mode_run("frozen", [2.5, 2.8] * 5)
+    assert "token_model" not in _compare(tmp_path, *paths)
+    # RESULTS.md, "mode online again": the committed runs' fit and its check inside the online run
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    assert run.main(["compare", *(str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2"))]) == 0
+    out = capsys.readouterr().out
+    assert "21.5 us per generated token (19.1-23.7 resampled), fixed ms per plain / verify step 10.31 / 10.81" in out
+    assert "within online: 26.0 us per token accepted (r 0.89)" in out

@@ -539,7 +539,15 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
     per_tok = [x * 1000.0 for x in col("timing_per_token_ms/gen") if x is not None]  # verl's: gen s / response token
     syncs = {e.get("update"): e for e in events if e.get("event") == "sync"}
     drafter = [((syncs.get(s) or {}).get("metrics") or {}).get("sync/bytes_drafter") for s in steps]
-    out = {"steps": steps, "speculating": speculating, "gen_s": _mean(gens), "gen_s_each": gens,
+    each = []  # the steps the per-token model reads: generation s, estimated engine steps, tokens per step, sequences
+    for m in ms:
+        acc = m.get("rollout/spec_accept_length") if speculating else 1.0
+        gen, rmax, rmean, tok_ms = (m.get(k) for k in ("timing_s/gen", "response_length/max",
+                                                        "response_length/mean", "timing_per_token_ms/gen"))
+        if gen and rmax and acc and rmean and tok_ms:
+            each.append({"gen_s": gen, "seq_steps": rmax / acc, "resp_max": rmax,
+                         "sequences": gen * 1000.0 / tok_ms / rmean})  # verl's ms per token: gen / (seqs x mean)
+    out = {"steps": steps, "speculating": speculating, "gen_s": _mean(gens), "gen_s_each": gens, "model_steps": each,
            "step_s": _mean(col("timing_s/step")),
            "sync_s": _mean(col("timing_s/update_weights")), "score": _mean(col("critic/score/mean")),
            "response_len_mean": _mean(col("response_length/mean")),
@@ -613,6 +621,52 @@ def labelled_runs(paths: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
     return runs, judged
 
 
+def _point(rows: list[dict]) -> tuple[float, float, float]:
+    """One mode's (tokens per engine step per sequence, ms per engine step, sequences) over its steps: the window's
+    estimates (:func:`window`), means over the steps."""
+    seq = sum(r["seq_steps"] for r in rows) / len(rows)
+    return (sum(r["resp_max"] for r in rows) / len(rows) / seq, sum(r["gen_s"] for r in rows) / len(rows) / seq * 1e3,
+            sum(r["sequences"] for r in rows) / len(rows))
+
+
+def _fit(points) -> dict | None:
+    (l0, s0, n0), (l1, s1, n1), (l2, s2, n2) = points
+    if abs(l2 - l1) < 0.05:
+        return None
+    t = (s2 - s1) / (l2 - l1)  # ms per engine step per token each sequence emits in it
+    n = (n0 + n1 + n2) / 3
+    return {"us_per_token": t / n * 1e3, "fixed_plain_ms": s0 - t * l0, "fixed_verify_ms": s1 - t * l1,
+            "fixed_diff_ms": (s1 - t * l1) - (s0 - t * l0), "floor": t / s0 * l0}
+
+
+def token_model(off: dict, fr: dict, on: dict, rounds: int = BOOTSTRAP_ROUNDS, seed: int = 0) -> dict | None:
+    """A fixed cost per engine step (one for a plain step, one for a verify step at the speculating modes' k) plus a
+    cost per emitted token, fitted exactly to off's, frozen's and online's (tokens per step, ms per step): three
+    points, three unknowns, so the fit is a model and not a test of it. With 95 % intervals from resampling each
+    mode's steps (seeded), and, as a check inside one run, the slope of online's ms per verify step over its tokens
+    per step, step by step (with the correlation)."""
+    rows = [x.get("model_steps") or [] for x in (off, fr, on)]
+    if min(map(len, rows)) < 2:
+        return None
+    res = _fit([_point(r) for r in rows])
+    if res is None:
+        return None
+    rng = random.Random(seed)
+    draws = [f for f in (_fit([_point(rng.choices(r, k=len(r))) for r in rows]) for _ in range(rounds)) if f]
+    for key in ("us_per_token", "fixed_diff_ms", "floor"):
+        v = sorted(d[key] for d in draws)
+        res[key + "_interval"] = (v[int(0.025 * len(v))], v[int(0.975 * len(v)) - 1])
+    xs = [r["resp_max"] / r["seq_steps"] for r in rows[2]]
+    ys = [r["gen_s"] / r["seq_steps"] * 1e3 for r in rows[2]]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    if sxx > 0 and syy > 0:
+        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        n = sum(r["sequences"] for r in rows[2]) / len(rows[2])
+        res["online_slope_us_per_token"], res["online_slope_r"] = sxy / sxx / n * 1e3, sxy / (sxx * syy) ** 0.5
+    return res
+
+
 def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None) -> dict:
     """The modes side by side over their last ``last`` steps, each criterion with its verdict (or why it was not
     judged), the windows' problems, and the generation-time ratio split in two estimated factors: ``gen_online /
@@ -655,6 +709,10 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         res["factors"]["frozen_off"] = {"gen_ratio": fr["gen_s"] / off["gen_s"]}
         if fr["seq_verify_steps"] and off["seq_verify_steps"]:
             res["factors"]["frozen_off"].update(_split(fr, off))
+    if on and off and fr:
+        model = token_model(off, fr, on)
+        if model:
+            res["token_model"] = model
     if on and fr and on["accept_pos0"] is not None and fr["accept_pos0"] is not None:
         gain = on["accept_pos0"] - fr["accept_pos0"]
         c["accept_gain_online_frozen"] = {"value": gain, "min": ACCEPT_GAIN_MIN, "met": gain >= ACCEPT_GAIN_MIN}
@@ -727,6 +785,15 @@ def cmd_compare(a) -> int:
         print(f"- {name}: not judged ({why})")
     for name, fac in res["factors"].items():
         print(f"- factors {name} (estimates): " + ", ".join(f"{k} {v:.3f}" for k, v in fac.items() if v is not None))
+    tm = res.get("token_model")
+    if tm:
+        print(f"- per-token model (off, frozen, online fitted exactly: a model): {tm['us_per_token']:.1f} us per "
+              f"generated token ({tm['us_per_token_interval'][0]:.1f}-{tm['us_per_token_interval'][1]:.1f} resampled), "
+              f"fixed ms per plain / verify step {tm['fixed_plain_ms']:.2f} / {tm['fixed_verify_ms']:.2f} (difference "
+              f"{tm['fixed_diff_ms_interval'][0]:+.2f} to {tm['fixed_diff_ms_interval'][1]:+.2f}), per-token share of "
+              f"off's step {tm['floor']:.2f} ({tm['floor_interval'][0]:.2f}-{tm['floor_interval'][1]:.2f})"
+              + (f"; within online: {tm['online_slope_us_per_token']:.1f} us per token accepted "
+                 f"(r {tm['online_slope_r']:.2f})" if "online_slope_us_per_token" in tm else ""))
     for line in res["warnings"]:
         print(f"- warning: {line}")
     if a.json:
