@@ -52,17 +52,8 @@ def _name(pid: str) -> str:
     return raw[:80]
 
 
-def _ppid(pid: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()[1]  # after "pid (comm) ": state, then ppid
-
-
-def cpu_ticks() -> dict[str, int]:
-    """Every process's user + system CPU ticks so far, by pid."""
+def _stats() -> dict[str, tuple[int, str]]:
+    """Every process's user + system CPU ticks so far and its parent's pid, by pid (one read of its stat file)."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -73,24 +64,29 @@ def cpu_ticks() -> dict[str, int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3 of stat(5)
-        out[pid] = int(fields[11]) + int(fields[12])  # utime, stime
+        out[pid] = (int(fields[11]) + int(fields[12]), fields[1])  # utime + stime, ppid
     return out
+
+
+def cpu_ticks() -> dict[str, int]:
+    """Every process's user + system CPU ticks so far, by pid."""
+    return {pid: ticks for pid, (ticks, _) in _stats().items()}
 
 
 def sample(out_path: str, interval: float, seconds: float | None) -> int:
     end = time.monotonic() + seconds if seconds is not None else float("inf")
-    prev, t_prev = cpu_ticks(), time.monotonic()
+    prev, t_prev = _stats(), time.monotonic()
     with open(out_path, "a") as out:
         while time.monotonic() < end:
             time.sleep(interval)
-            now, t = cpu_ticks(), time.monotonic()
+            now, t = _stats(), time.monotonic()
             dt = t - t_prev
             cpu, ppid = {}, {}
-            for pid, ticks in now.items():
-                used = ticks - prev.get(pid, ticks)
+            for pid, (ticks, parent) in now.items():
+                used = ticks - prev.get(pid, (ticks, parent))[0]
                 if used > 0:  # the name read again every time: a process renames itself after it starts
                     cpu[f"{pid} {_name(pid)}"] = round(100.0 * used / _TICKS / dt, 1)
-                    ppid[pid] = _ppid(pid)
+                    ppid[pid] = parent
             out.write(json.dumps({"t": round(time.time(), 2), "dt": round(dt, 3), "cpu": cpu, "ppid": ppid}) + "\n")
             out.flush()
             prev, t_prev = now, t
@@ -189,11 +185,12 @@ def main(argv=None) -> int:
     workers: set[str] = set()
     if a.events:
         with open(a.events) as f:
-            workers = sync_pids([json.loads(line) for line in f if line.strip()])
+            events = [json.loads(line) for line in f if line.strip()]
+        workers = sync_pids(events)
         if not workers:
             ap.error(f"--events {a.events}: no sync event with a pid")
-        with open(a.events) as f:  # the first sync precedes the first rollout: vLLM's start-up is left out
-            first = min(e["time"] for e in map(json.loads, filter(str.strip, f)) if e.get("event") == "sync")
+        # the first sync precedes the first rollout: vLLM's start-up is left out
+        first = min(e["time"] for e in events if e.get("event") == "sync")
         samples = [s for s in samples if s["t"] >= first]
     busy = a.busy or (WORKER if workers else "EngineCore")
     res = summarize(samples, busy, a.minimum, a.pinned, workers)

@@ -490,15 +490,16 @@ def cmd_table(a) -> int:
     return 0
 
 
+def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
+    """``(mode, summary path, run)`` of every run with metrics in these ``summary.json`` files, in order."""
+    return [(mode, path, r) for path in paths
+            for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items() if r.get("metrics")]
+
+
 def runs_by_mode(paths: list[str]) -> dict[str, tuple[str, dict]]:
     """``{mode: (summary path, run)}`` of the runs with metrics in these ``summary.json`` files (a mode found in
-    several: the last one given), what ``plot`` and ``compare`` read."""
-    runs = {}
-    for path in paths:
-        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
-            if r.get("metrics"):
-                runs[mode] = (path, r)
-    return runs
+    several: the last one given), what ``plot`` reads."""
+    return {mode: (path, r) for mode, path, r in _runs_in(paths)}
 
 
 #: the done-criteria of the modes' comparison over the last steps (``run.py compare``)
@@ -529,24 +530,22 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
 
     speculating = any(k.startswith("rollout/spec_") for m in ms for k in m)
     seq_steps = []
+    each = []  # the steps the per-token model reads: generation s, estimated engine steps, tokens per step, sequences
     for m in ms:
         acc = m.get("rollout/spec_accept_length") if speculating else 1.0
-        if m.get("response_length/max") and acc:
-            seq_steps.append(m["response_length/max"] / acc)
+        gen, rmax, rmean, tok_ms = (m.get(k) for k in ("timing_s/gen", "response_length/max",
+                                                        "response_length/mean", "timing_per_token_ms/gen"))
+        if rmax and acc:
+            seq_steps.append(rmax / acc)
+            if gen and rmean and tok_ms:
+                each.append({"gen_s": gen, "seq_steps": rmax / acc, "resp_max": rmax,
+                             "sequences": gen * 1000.0 / tok_ms / rmean})  # verl's ms per token: gen / (seqs x mean)
     est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get("actor/mtp_expected_accept_rate")) for m in ms]
     diffs = [abs(v - e) for v, e in est if v is not None and e is not None]
     gens = col("timing_s/gen")
     per_tok = [x * 1000.0 for x in col("timing_per_token_ms/gen") if x is not None]  # verl's: gen s / response token
     syncs = {e.get("update"): e for e in events if e.get("event") == "sync"}
     drafter = [((syncs.get(s) or {}).get("metrics") or {}).get("sync/bytes_drafter") for s in steps]
-    each = []  # the steps the per-token model reads: generation s, estimated engine steps, tokens per step, sequences
-    for m in ms:
-        acc = m.get("rollout/spec_accept_length") if speculating else 1.0
-        gen, rmax, rmean, tok_ms = (m.get(k) for k in ("timing_s/gen", "response_length/max",
-                                                        "response_length/mean", "timing_per_token_ms/gen"))
-        if gen and rmax and acc and rmean and tok_ms:
-            each.append({"gen_s": gen, "seq_steps": rmax / acc, "resp_max": rmax,
-                         "sequences": gen * 1000.0 / tok_ms / rmean})  # verl's ms per token: gen / (seqs x mean)
     out = {"steps": steps, "speculating": speculating, "gen_s": _mean(gens), "gen_s_each": gens, "model_steps": each,
            "step_s": _mean(col("timing_s/step")),
            "sync_s": _mean(col("timing_s/update_weights")), "score": _mean(col("critic/score/mean")),
@@ -603,11 +602,7 @@ def labelled_runs(paths: list[str]) -> tuple[dict[str, dict], dict[str, str]]:
     """Every run with metrics in these ``summary.json`` files, labelled: its mode, or ``mode@<folder>`` (the folder
     holding the summary's ``run/``) when several summaries hold that mode; and, per mode, the label of the last one
     given (the run :func:`compare` judges)."""
-    found = []
-    for path in paths:
-        for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items():
-            if r.get("metrics"):
-                found.append((mode, path, r))
+    found = _runs_in(paths)
     count: dict[str, int] = {}
     for mode, _, _ in found:
         count[mode] = count.get(mode, 0) + 1
