@@ -56,7 +56,7 @@ def split(stage: pathlib.Path, max_bytes: int) -> list[pathlib.Path]:
         raise SystemExit(f"te_parts: --max-mib leaves {max_bytes / 2**20:.2f} MiB per part: the tree is too large")
     for old in stage.glob("t[0-9][0-9]"):
         shutil.rmtree(old)
-    plan: list[tuple[int, pathlib.Path, pathlib.Path, list[tuple[int, int, int]]]] = []  # folder runs per file
+    plan: list[tuple[pathlib.Path, pathlib.Path, list[tuple[int, int, int]]]] = []  # (folder, offset, bytes) runs
     folder, used = 0, 0
     for f, rel in _files(stage):
         size, off, runs = f.stat().st_size, 0, []
@@ -68,11 +68,11 @@ def split(stage: pathlib.Path, max_bytes: int) -> list[pathlib.Path]:
             n = min(size - off, max_bytes - used)
             runs.append((folder, off, n))
             off, used = off + n, used + n
-        plan.append((len(plan), f, rel, runs))
-    if any(len(runs) > 99 for _, _, _, runs in plan):
+        plan.append((f, rel, runs))
+    if any(len(runs) > 99 for _, _, runs in plan):
         raise SystemExit(f"te_parts: a file would need more than 99 pieces of {max_bytes} bytes")
     folders = [stage / f"t{i + 1:02d}" for i in range(folder + 1)]
-    for _, f, rel, runs in plan:
+    for f, rel, runs in plan:
         with open(f, "rb") as src:
             for i, (k, off, n) in enumerate(runs):
                 name = rel.name if len(runs) == 1 else f"{rel.name}.piece-{i:02d}-of-{len(runs):02d}"
