@@ -49,6 +49,36 @@ def test_without_it_the_recipes_tokens_per_gpu_stand(tmp_path, monkeypatch):
     assert _composed(tmp_path, monkeypatch) == (18432, 36864, 18432)
 
 
+def _rollout_keys(tmp_path, monkeypatch, *extra):
+    """The composed online recipe's k, trained MTP depths and CUDA-graph ceiling under ``run --preflight`` args."""
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    assets = tmp_path / "assets"
+    assets.mkdir(exist_ok=True)
+    (assets / "assets.json").write_text(json.dumps({"answer_len": 400}))
+    seen = {}
+
+    def capture(a):
+        recipe, _, ovr = run.mode_overrides("online", a, tmp_path / "w")
+        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr).actor_rollout_ref
+        return 0
+
+    monkeypatch.setattr(run, "preflight", capture)
+    assert run.main(["run", "--preflight", "--stack", "te", "--assets", str(assets), "--out", str(tmp_path / "o"),
+                     "--modes", "online", "--prompts", "32", "--n", "8", *extra]) == 0
+    c = seen["cfg"]
+    return (c.model.mtp.num_speculative_tokens, c.actor.megatron.override_transformer_config.mtp_num_layers,
+            c.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size)
+
+
+def test_k_moves_vllms_drafts_the_trained_depths_and_the_graph_ceiling_together(tmp_path, monkeypatch):
+    # 256 sequences: a full decode step holds 256 x (k + 1) tokens
+    assert _rollout_keys(tmp_path, monkeypatch) == (2, 2, 768)  # the recipe's k
+    assert _rollout_keys(tmp_path, monkeypatch, "--k", "3") == (3, 3, 1024)
+    with pytest.raises(SystemExit):
+        run.main(["run", "--preflight", "--assets", str(tmp_path), "--out", str(tmp_path), "--k", "0"])
+
+
 def _summary(path, mode, gen, acc_len, pos0, est, resp_max, steps=12):
     """A mode's summary.json: steps 1..steps, int-like string keys as verl's file logger writes them; the gen time
     and accept length alternate around the given means (+-1 s, +-0.5) so a ratio of means and a mean of ratios
@@ -304,3 +334,22 @@ def test_the_per_token_model_recovers_a_fixed_plus_per_token_cost_and_reads_the_
     out = capsys.readouterr().out
     assert "21.5 us per generated token (19.1-23.7 resampled), fixed ms per plain / verify step 10.31 / 10.81" in out
     assert "within online: 26.0 us per token accepted (r 0.89)" in out
+
+
+def test_compare_shows_each_runs_k_and_fits_no_per_token_model_across_two_ks(tmp_path, capsys):
+    # online at k=3 (run --k 3 records it in the summary's args), frozen at the recipe's 2: one fixed verify cost
+    # cannot hold both, so no model, and a warning says why; k shows per speculating mode
+    on = _summary(tmp_path / "on.json", "online", 6.0, 3.2, 0.70, 0.72, 400)
+    data = json.loads(pathlib.Path(on).read_text())
+    data["args"] = {"k": 3}
+    for m in data["runs"]["online"]["metrics"].values():
+        m.update({"rollout/spec_accept_rate_pos_1": 0.6, "rollout/spec_accept_rate_pos_2": 0.5})
+    pathlib.Path(on).write_text(json.dumps(data))
+    fr = _summary(tmp_path / "fr.json", "frozen", 9.0, 1.2, 0.20, None, 400)
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    res = _compare(tmp_path, off, fr, on)
+    assert (res["modes"]["online"]["k"], res["modes"]["frozen"]["k"], res["modes"]["off"]["k"]) == (3, 2, None)
+    assert "token_model" not in res
+    assert any("no per-token model: frozen drafted k=2, online k=3" in w for w in res["warnings"])
+    out = capsys.readouterr().out
+    assert "| online | 3-12 | 6.00 |" in out and "| 3 | 0.600 / 0.500 |" in out and "| - | - / - |" in out

@@ -159,11 +159,14 @@ def build_assets(root: pathlib.Path, *, answer_len: int, warmup_steps: int, lr: 
 # -------------------------------------------------------------------------------------------- runs
 
 
+RECIPE_K = 2  # the recipe's num_speculative_tokens and mtp_num_layers (super_mtp_common.yaml)
+
+
 def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> list[str]:
     """Hydra overrides for one run: sizes, what the image forces, instruments (module docstring)."""
     info = json.loads((assets / "assets.json").read_text())
     resp = int(info["answer_len"])
-    k = 2  # the recipe's num_speculative_tokens
+    k = int(getattr(a, "k", None) or RECIPE_K)
     seqs = a.prompts * a.n
     ar = "actor_rollout_ref"
     otc = f"{ar}.actor.megatron.override_transformer_config"
@@ -238,6 +241,10 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
                 f"{ar}.ref.megatron.param_offload=false"]
     if not te:
         out += provider_overrides(otc)
+    if k != RECIPE_K:
+        # drafts past the trained depth come from an untrained head (the start-up check refuses that for online):
+        # vLLM's k and the MTP depths Megatron trains move together
+        out += [f"{ar}.model.mtp.num_speculative_tokens={k}", f"{otc}.mtp_num_layers={k}"]
     return out + list(a.override or [])
 
 
@@ -436,10 +443,12 @@ MD_COLS = [
     ("gen tok/s", "gen_tokens_per_s", "{:.0f}"),
     ("vLLM acc pos 0", "rollout/spec_accept_rate_pos_0", "{:.3f}"),
     ("vLLM acc pos 1", "rollout/spec_accept_rate_pos_1", "{:.3f}"),
+    ("vLLM acc pos 2", "rollout/spec_accept_rate_pos_2", "{:.3f}"),
     ("vLLM accept len", "rollout/spec_accept_length", "{:.2f}"),
     ("trainer est. (argmax draft)", "actor/mtp_argmax_draft_accept_rate", "{:.3f}"),
     ("trainer est. (overlap)", "actor/mtp_expected_accept_rate", "{:.3f}"),
     ("trainer E[len] k=2", "actor/mtp_expected_accept_length_k2", "{:.2f}"),
+    ("trainer E[len] k=3", "actor/mtp_expected_accept_length_k3", "{:.2f}"),
     ("guard", "mtp_guard/desync", "{:.0f}"),
     ("drafter bytes", "sync/bytes_drafter", "{:.0f}"), ("drafter load s", "sync/drafter_seconds", "{:.4f}"),
     ("vLLM update s", "sync/update_wall_s", "{:.3f}"),
@@ -491,9 +500,14 @@ def cmd_table(a) -> int:
 
 
 def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
-    """``(mode, summary path, run)`` of every run with metrics in these ``summary.json`` files, in order."""
-    return [(mode, path, r) for path in paths
-            for mode, r in json.loads(pathlib.Path(path).read_text()).get("runs", {}).items() if r.get("metrics")]
+    """``(mode, summary path, run)`` of every run with metrics in these ``summary.json`` files, in order; each run
+    with ``k``, the drafts per verify step it ran with (``run --k``; the recipe's before the option existed)."""
+    out = []
+    for path in paths:
+        summary = json.loads(pathlib.Path(path).read_text())
+        k = int((summary.get("args") or {}).get("k") or RECIPE_K)
+        out += [(mode, path, {**r, "k": k}) for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
+    return out
 
 
 def runs_by_mode(paths: list[str]) -> dict[str, tuple[str, dict]]:
@@ -554,6 +568,7 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
            "accept_len": _mean(col("rollout/spec_accept_length")),
            "accept_pos0": _mean(col("rollout/spec_accept_rate_pos_0")),
            "accept_pos1": _mean(col("rollout/spec_accept_rate_pos_1")),
+           "accept_pos2": _mean(col("rollout/spec_accept_rate_pos_2")),
            "estimate": _mean(col("actor/mtp_expected_accept_rate")),
            "estimate_diff_mean": _mean(diffs), "estimate_diff_max": max(diffs) if diffs else None,
            "estimate_steps_judged": len(diffs),
@@ -670,6 +685,8 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     the first factor's estimation error, :func:`window`); frozen's over off's alike, and for each both modes'
     seconds per generated token (verl's ``timing_per_token_ms/gen``)."""
     w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
+    for mode, x in w.items():
+        x["k"] = int(runs[mode].get("k") or RECIPE_K) if x["speculating"] else None
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -704,7 +721,10 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         res["factors"]["frozen_off"] = {"gen_ratio": fr["gen_s"] / off["gen_s"]}
         if fr["seq_verify_steps"] and off["seq_verify_steps"]:
             res["factors"]["frozen_off"].update(_split(fr, off))
-    if on and off and fr:
+    if on and off and fr and on["k"] != fr["k"]:
+        res["warnings"].append(f"no per-token model: frozen drafted k={fr['k']}, online k={on['k']} (the model has "
+                               "one fixed cost per verify step, at one k)")
+    elif on and off and fr:
         model = token_model(off, fr, on)
         if model:
             res["token_model"] = model
@@ -733,7 +753,7 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
                                                                         "{:.4f}"),
             ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
-            ("score", "score", "{:.3f}")]
+            ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None)]
 
 
 def cmd_compare(a) -> int:
@@ -756,6 +776,8 @@ def cmd_compare(a) -> int:
                 cells.append(f"{w['steps'][0]}-{w['steps'][-1]}" if w["steps"] else "-")
             elif h.startswith("response"):
                 cells.append(f"{f(w['response_len_mean'], '{:.0f}')} / {f(w['response_len_max'], '{:.0f}')}")
+            elif h.startswith("vLLM acc pos 1"):
+                cells.append(f"{f(w['accept_pos1'], '{:.3f}')} / {f(w['accept_pos2'], '{:.3f}')}")
             elif h.startswith("est. diff"):
                 cells.append(f"{f(w['estimate_diff_mean'], '{:.3f}')} / {f(w['estimate_diff_max'], '{:.3f}')}")
             elif h.startswith("gen us per token"):
@@ -886,6 +908,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all modes of this call")
     r.add_argument("--run-timeout", type=float, default=420.0, help="seconds for one mode")
     r.add_argument("--min-run-s", type=float, default=90.0, help="skip a mode with less time left")
+    r.add_argument("--k", type=_positive, default=RECIPE_K,
+                   help="drafts per verify step (mtp.num_speculative_tokens), the MTP depths trained with it "
+                        "(mtp_num_layers) and the CUDA-graph ceiling (max_seqs x (k+1)); the recipe's 2 by default")
     r.add_argument("--override", action="append", help="one more Hydra override (repeatable)")
     r.add_argument("--silence-s", type=float, default=200.0, help="stop a run that prints nothing this long")
     r.add_argument("--echo", action="store_true")
