@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -353,3 +356,43 @@ def test_compare_shows_each_runs_k_and_fits_no_per_token_model_across_two_ks(tmp
     assert any("no per-token model: frozen drafted k=2, online k=3" in w for w in res["warnings"])
     out = capsys.readouterr().out
     assert "| online | 3-12 | 6.00 |" in out and "| 3 | 0.600 / 0.500 |" in out and "| - | - / - |" in out
+
+
+def test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns(tmp_path, capsys):
+    # super_assets.py at tiny widths on CPU: a cap of 0 s ends both phases before their first step; the default cap
+    # lets them finish. The cut checkpoint says so (assets.json, a WARNING line), run.py reads it, compare warns.
+    def assets(name, *extra):
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'cpu_runtime'}", "VLLM_TARGET_DEVICE": "cpu"}
+        p = subprocess.run([sys.executable, str(ROOT / "benchmarks/h200_main_ppo/super_assets.py"), str(tmp_path / name),
+                            "--cpu-dry-run", "--steps", "2", "--mtp-steps", "1", "--train-rows", "64", *extra],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout, tmp_path / name / "assets.json"
+
+    out, cut = assets("cut", "--seconds", "0")
+    assert "WARNING: the time cap (--seconds 0) cut the pretraining: joint 0 of 2, MTP-only 0 of 1 steps" in out
+    assert run.pretraining(cut) == {"joint_steps": 0, "mtp_steps": 0, "asked": [2, 1], "complete": False}
+    out, full = assets("full")
+    assert "WARNING" not in out
+    assert run.pretraining(full) == {"joint_steps": 2, "mtp_steps": 1, "asked": [2, 1], "complete": True}
+    assert run.pretraining(tmp_path / "missing.json") is None
+    # the runs' summaries beside their checkpoints' assets.json, as the results keep them (<folder>/run/summary.json)
+    for name in ("cut", "full"):
+        (tmp_path / name / "run").mkdir()
+    off = _summary(tmp_path / "full" / "run" / "summary.json", "off", 12.0, None, None, None, 400)
+    on = _summary(tmp_path / "cut" / "run" / "summary.json", "online", 6.0, 2.5, 0.70, 0.72, 400)
+    res = _compare(tmp_path, off, on)
+    assert res["modes"]["online"]["pretraining"]["complete"] is False
+    (warning,) = [w for w in res["warnings"] if "pretrained" in w]
+    assert warning.startswith("online: its checkpoint was pretrained 0 joint + 0 MTP-only steps of the 2 + 1 asked")
+    # two complete checkpoints of different lengths: another checkpoint too
+    data = json.loads(cut.read_text())
+    data.update(joint_steps=1, mtp_steps=1, args={**data["args"], "steps": 1, "mtp_steps": 1})
+    cut.write_text(json.dumps(data))
+    (warning,) = [w for w in _compare(tmp_path, off, on)["warnings"] if "pretrained" in w]
+    assert warning == "online: its checkpoint was pretrained 1 joint + 1 MTP-only steps, off's 2 + 1: another checkpoint"
+    # the committed runs: only the k=3 lease's checkpoint was cut (10 of 40 MTP-only steps)
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    res = _compare(tmp_path, *(str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2", "online_k3")))
+    assert [w.split(":")[0] for w in res["warnings"] if "pretrained" in w] == ["online@online_k3"]
+    assert "160 joint + 10 MTP-only steps of the 160 + 40 asked" in " ".join(res["warnings"])

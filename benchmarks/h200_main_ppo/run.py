@@ -412,6 +412,7 @@ def cmd_run(a) -> int:
     except OSError:
         pass
     summary["host_cpu"] = host_cpu()
+    summary["pretraining"] = pretraining(pathlib.Path(a.assets) / "assets.json")
     if a.import_check:
         rc = subprocess.run([sys.executable, str(HERE / "import_check.py"), "--no-walk", "--json",
                              str(out / "import_check.json")], env=run_env(), timeout=300).returncode
@@ -499,14 +500,35 @@ def cmd_table(a) -> int:
     return 0
 
 
+def pretraining(assets_json: pathlib.Path) -> dict | None:
+    """The steps ``super_assets.py`` pretrained the checkpoint for, against the steps asked: its time cap
+    (``--seconds``) ends a phase early, and a checkpoint cut short is another checkpoint (``None`` without the file,
+    e.g. ``run.py assets``' tiny model, which writes no steps)."""
+    try:
+        info = json.loads(assets_json.read_text())
+    except (OSError, ValueError):
+        return None
+    if "joint_steps" not in info:
+        return None
+    args = info.get("args") or {}
+    asked = (args.get("steps"), args.get("mtp_steps"))
+    done = (info["joint_steps"], info.get("mtp_steps"))
+    return {"joint_steps": done[0], "mtp_steps": done[1], "asked": list(asked), "complete": tuple(asked) == done}
+
+
 def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
     """``(mode, summary path, run)`` of every run with metrics in these ``summary.json`` files, in order; each run
-    with ``k``, the drafts per verify step it ran with (``run --k``; the recipe's before the option existed)."""
+    with ``k``, the drafts per verify step it ran with (``run --k``; the recipe's before the option existed), and
+    ``pretraining``, its checkpoint's steps (:func:`pretraining`; summaries written before ``run`` recorded them:
+    the ``assets.json`` beside the summary's ``run/`` folder, as the results keep it)."""
     out = []
     for path in paths:
         summary = json.loads(pathlib.Path(path).read_text())
         k = int((summary.get("args") or {}).get("k") or RECIPE_K)
-        out += [(mode, path, {**r, "k": k}) for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
+        p = pathlib.Path(path).resolve().parent
+        pre = summary.get("pretraining") or pretraining((p.parent if p.name == "run" else p) / "assets.json")
+        out += [(mode, path, {**r, "k": k, "pretraining": pre})
+                for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
     return out
 
 
@@ -687,6 +709,7 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
     for mode, x in w.items():
         x["k"] = int(runs[mode].get("k") or RECIPE_K) if x["speculating"] else None
+        x["pretraining"] = runs[mode].get("pretraining")
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -696,6 +719,22 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
             f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
     judged = judged or {mode: mode for mode in w}
     res["judged"] = judged
+    # the same checkpoint for every mode: a time cap that ended a pretraining phase early made another one
+    ref_mode = judged.get("off", "off") if judged.get("off", "off") in w else next(iter(w), None)
+    ref = (w[ref_mode]["pretraining"] or {}) if ref_mode else {}
+    for mode, x in w.items():
+        pre = x["pretraining"]
+        if not pre:
+            continue
+        steps = f"{pre['joint_steps']} joint + {pre['mtp_steps']} MTP-only steps"
+        if not pre["complete"]:
+            res["warnings"].append(f"{mode}: its checkpoint was pretrained {steps} of the {pre['asked'][0]} + "
+                                   f"{pre['asked'][1]} asked (super_assets.py's time cap): another checkpoint than a "
+                                   "full pretraining gives; its acceptance is not the others' starting point")
+        elif ref and mode != ref_mode and (pre["joint_steps"], pre["mtp_steps"]) != (ref["joint_steps"],
+                                                                                    ref["mtp_steps"]):
+            res["warnings"].append(f"{mode}: its checkpoint was pretrained {steps}, {ref_mode}'s "
+                                   f"{ref['joint_steps']} + {ref['mtp_steps']}: another checkpoint")
     on, off, fr = (w.get(judged.get(m, m)) for m in ("online", "off", "frozen"))
     c, nj = res["criteria"], res["not_judged"]
     if off:

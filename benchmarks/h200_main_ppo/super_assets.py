@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp-steps", type=int, default=40, help="then MTP block alone on the pure repeat rule")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--seconds", type=float, default=420.0, help="time cap of the pretraining (both phases)")
+    ap.add_argument("--seconds", type=float, default=420.0,
+                    help="time cap of the pretraining (both phases); a phase it ends early gives another checkpoint "
+                         "(assets.json: complete false; run.py compare warns)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-rows", type=int, default=2048)
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny widths on CPU: checks the script, not a model")
@@ -185,11 +187,15 @@ def main(argv=None) -> int:
     pd.DataFrame(task_rows(16, "test", a.seed + 7)).to_parquet(root / "data" / "val.parquet")
     info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "params": n_params,
             "args": vars(a), "prompt_len": plen, "answer_len": a.max_len + 1, "joint_steps": joint_done,
-            "mtp_steps": mtp_done, "curve": curve, "write_s": round(time.time() - t_w, 1),
+            "mtp_steps": mtp_done, "complete": (joint_done, mtp_done) == (a.steps, a.mtp_steps), "curve": curve, "write_s": round(time.time() - t_w, 1),
             "seconds": round(time.time() - t_all, 1),
             "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None}
     (root / "assets.json").write_text(json.dumps(info, indent=1))
+    if not info["complete"]:
+        print(f"WARNING: the time cap (--seconds {a.seconds:g}) cut the pretraining: joint {joint_done} of {a.steps}, "
+              f"MTP-only {mtp_done} of {a.mtp_steps} steps; this checkpoint is not the one a full pretraining gives",
+              flush=True)
     print(json.dumps({k: v for k, v in info.items() if k != "curve"}, indent=1), flush=True)
     return 0
 
