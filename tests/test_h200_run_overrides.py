@@ -396,3 +396,29 @@ def test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns(tmp_path, 
     res = _compare(tmp_path, *(str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2", "online_k3")))
     assert [w.split(":")[0] for w in res["warnings"] if "pretrained" in w] == ["online@online_k3"]
     assert "160 joint + 10 MTP-only steps of the 160 + 40 asked" in " ".join(res["warnings"])
+
+
+def test_the_within_run_line_recovers_a_runs_fixed_and_per_token_cost_and_skips_a_run_without_spread(capsys):
+    # 256 sequences of 400 tokens, 12 ms per engine step plus 30 us per generated token: each step's accept length
+    # moves the ms per step along that line; vLLM-like noise-free rows give it back exactly
+    def rows(lens):
+        out = []
+        for acc in lens:
+            steps = 400 / acc
+            ms = 12.0 + 0.030 * 256 * acc
+            out.append({"gen_s": steps * ms / 1000, "seq_steps": steps, "resp_max": 400, "sequences": 256})
+        return out
+
+    fit = run.within_run(rows([2.0, 2.4, 2.8, 3.2, 3.6]))
+    assert fit["intercept_ms"] == pytest.approx(12.0) and fit["us_per_token"] == pytest.approx(30.0)
+    assert fit["r"] == pytest.approx(1.0)
+    assert run.within_run(rows([1.22, 1.24, 1.23, 1.22])) is None  # frozen's steps 11-20: no span to fit
+    assert run.within_run(rows([2.0, 3.0])) is None
+    # the committed runs (RESULTS, "k=3 in verl's trainer"): the k=3 run's line beside online's at k=2
+    modes = ROOT / "benchmarks/results/h100_super_modes"
+    paths = [str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2", "online_k3")]
+    assert run.main(["compare", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "- within online@online2 (k=2), step by step: ms per engine step 7.8 + 26.0 us per generated token (r 0.89)" in out
+    assert "- within online@online_k3 (k=3), step by step: ms per engine step 11.5 + 46.9 us per generated token (r 0.83)" in out
+    assert "- within frozen" not in out

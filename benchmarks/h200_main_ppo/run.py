@@ -619,6 +619,7 @@ def _split(x: dict, off: dict) -> dict:
             "response_len_max": x["response_len_max"] / off["response_len_max"], "s_per_token": per_tok}
 
 
+WITHIN_MIN_SPAN = 0.25  # tokens per verify step a run's steps must span for its within-run line (within_run)
 PACE_TOLERANCE = 0.10  # a mode's log-prob passes this much slower or faster than off's: another machine's pace
 BOOTSTRAP_ROUNDS = 2000
 
@@ -688,15 +689,30 @@ def token_model(off: dict, fr: dict, on: dict, rounds: int = BOOTSTRAP_ROUNDS, s
     for key in ("us_per_token", "fixed_diff_ms", "floor"):
         v = sorted(d[key] for d in draws)
         res[key + "_interval"] = (v[int(0.025 * len(v))], v[int(0.975 * len(v)) - 1])
-    xs = [r["resp_max"] / r["seq_steps"] for r in rows[2]]
-    ys = [r["gen_s"] / r["seq_steps"] * 1e3 for r in rows[2]]
+    within = within_run(rows[2])
+    if within:
+        res["online_slope_us_per_token"], res["online_slope_r"] = within["us_per_token"], within["r"]
+    return res
+
+
+def within_run(rows: list[dict]) -> dict | None:
+    """Inside one speculating run, step by step: the ms per estimated engine step against the tokens each sequence
+    emits per step (vLLM's accept length), a least-squares line: its intercept (ms per step at no token) and its
+    slope per generated token (over the mean running sequences), with the correlation. ``None`` below 3 steps or
+    where the accept lengths span less than ``WITHIN_MIN_SPAN`` tokens per step (a slope over noise)."""
+    if len(rows) < 3:
+        return None
+    xs = [r["resp_max"] / r["seq_steps"] for r in rows]
+    if max(xs) - min(xs) < WITHIN_MIN_SPAN:
+        return None
+    ys = [r["gen_s"] / r["seq_steps"] * 1e3 for r in rows]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    if sxx > 0 and syy > 0:
-        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-        n = sum(r["sequences"] for r in rows[2]) / len(rows[2])
-        res["online_slope_us_per_token"], res["online_slope_r"] = sxy / sxx / n * 1e3, sxy / (sxx * syy) ** 0.5
-    return res
+    if sxx <= 0 or syy <= 0:
+        return None
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    n = sum(r["sequences"] for r in rows) / len(rows)
+    return {"intercept_ms": my - sxy / sxx * mx, "us_per_token": sxy / sxx / n * 1e3, "r": sxy / (sxx * syy) ** 0.5}
 
 
 def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None) -> dict:
@@ -767,6 +783,8 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         model = token_model(off, fr, on)
         if model:
             res["token_model"] = model
+    res["within"] = {mode: fit for mode, x in w.items() if x["speculating"]
+                     for fit in [within_run(x["model_steps"])] if fit}
     if on and fr and on["accept_pos0"] is not None and fr["accept_pos0"] is not None:
         gain = on["accept_pos0"] - fr["accept_pos0"]
         c["accept_gain_online_frozen"] = {"value": gain, "min": ACCEPT_GAIN_MIN, "met": gain >= ACCEPT_GAIN_MIN}
@@ -850,6 +868,9 @@ def cmd_compare(a) -> int:
               f"off's step {tm['floor']:.2f} ({tm['floor_interval'][0]:.2f}-{tm['floor_interval'][1]:.2f})"
               + (f"; within online: {tm['online_slope_us_per_token']:.1f} us per token accepted "
                  f"(r {tm['online_slope_r']:.2f})" if "online_slope_us_per_token" in tm else ""))
+    for mode, fit in res["within"].items():
+        print(f"- within {mode} (k={res['modes'][mode]['k']}), step by step: ms per engine step "
+              f"{fit['intercept_ms']:.1f} + {fit['us_per_token']:.1f} us per generated token (r {fit['r']:.2f})")
     for line in res["warnings"]:
         print(f"- warning: {line}")
     if a.json:
