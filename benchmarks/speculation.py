@@ -26,7 +26,8 @@ the CPU seconds the driver process spent: with vLLM's engine core in its own pro
 ``frontend``: the same engines and variants behind vLLM's async front end (``AsyncLLM``, each request read to its
 last output by a coroutine, as verl's server does; :func:`frontend_call`), one engine per arm in turn, the variants
 interleaved in it, at one batch and ``--len-fixed`` length: the front end's CPU per generated token. Variant
-``verl-final`` is ``verl`` asking only for the final output. Output ``<out>/frontend_<tag>.json`` and a table.
+``verl-final`` is ``verl`` asking only for the final output; ``verl-nolp`` is ``verl`` with verl's
+``rollout.calculate_log_probs: false`` (no log-probability per token, still detokenized). Output ``<out>/frontend_<tag>.json`` and a table.
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
 acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions
@@ -785,7 +786,7 @@ class EngineTally:
 _CALLS = itertools.count()
 
 #: ``--sampling`` variants: the request every rollout call sends (:func:`rollout_sampling_params`)
-SAMPLING_VARIANTS = ("plain", "verl", "verl-final")
+SAMPLING_VARIANTS = ("plain", "verl", "verl-final", "verl-nolp")
 
 
 def rollout_sampling_params(variant: str, n: int, args):
@@ -800,27 +801,33 @@ def rollout_sampling_params(variant: str, n: int, args):
     ``ignore_eos=False`` and open length are not copied: ``min_tokens`` and ``ignore_eos`` keep every variant's
     responses the same length. Both leave vLLM's default ``output_kind`` (``CUMULATIVE``: every engine step builds
     each request's output so far, which verl's server reads only at the end).
-    ``verl-final``: ``verl``'s request with ``output_kind=FINAL_ONLY`` (one output per request, when it finishes)."""
+    ``verl-final``: ``verl``'s request with ``output_kind=FINAL_ONLY`` (one output per request, when it finishes).
+    ``verl-nolp``: ``verl``'s request as verl sends it with ``rollout.calculate_log_probs: false`` (``logprobs=None``;
+    still detokenized, vLLM's default output kind): what the log-probabilities cost, beside ``verl``."""
     from vllm import SamplingParams
 
     if variant == "plain":
         return SamplingParams(temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True,
                               detokenize=False)
-    if variant in ("verl", "verl-final"):
+    if variant in ("verl", "verl-final", "verl-nolp"):
         from vllm.sampling_params import RequestOutputKind
 
         kind = RequestOutputKind.FINAL_ONLY if variant == "verl-final" else RequestOutputKind.CUMULATIVE
-        return SamplingParams(temperature=args.temperature, top_k=-1, top_p=1.0, repetition_penalty=1.0, logprobs=0,
-                              max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=True, output_kind=kind)
+        return SamplingParams(temperature=args.temperature, top_k=-1, top_p=1.0, repetition_penalty=1.0,
+                              logprobs=None if variant == "verl-nolp" else 0, max_tokens=n, min_tokens=n,
+                              ignore_eos=True, detokenize=True, output_kind=kind)
     raise ValueError(f"unknown sampling variant {variant!r} ({', '.join(SAMPLING_VARIANTS)})")
 
 
 def check_batch(done: list, tokens: int, lengths: list[int], sampling: str) -> None:
-    """A timed batch decoded every token it asked for, and a request of ``verl``'s asked for and got one
-    log-probability per token (checked after the timing)."""
+    """A timed batch decoded every token it asked for, a request of ``verl``'s asked for and got one
+    log-probability per token, and one of ``verl-nolp`` got none (checked after the timing)."""
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
-    if sampling.startswith("verl"):
+    if sampling == "verl-nolp":
+        if any(o.outputs[0].logprobs for o in done):
+            raise RuntimeError("a request without log-probabilities (verl-nolp) came back with some")
+    elif sampling.startswith("verl"):
         short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
         if short:
             raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
@@ -1285,7 +1292,9 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
                     help="request variants, comma list, each timed in every visit at every batch size (interleaved): "
                     "'plain' (no log-probabilities, no detokenization) and 'verl' (what verl's vLLM server sends: "
                     "logprobs=0, detokenized, top_k=-1, top_p=1, repetition_penalty=1; with it every engine gets "
-                    "logprobs_mode=processed_logprobs and the tokenizer, as verl's); both decode the same lengths")
+                    "logprobs_mode=processed_logprobs and the tokenizer, as verl's); 'verl-final' (verl's asking "
+                    "for the final output only) and 'verl-nolp' (verl's with rollout.calculate_log_probs false: no "
+                    "log-probabilities); all decode the same lengths")
     ap.add_argument("--reps", type=int, default=1, help="timed calls per batch size and visit")
     ap.add_argument("--rounds", type=int, default=5,
                     help="visits per arm (arms interleaved: every arm once per round, every second round reversed; "

@@ -343,6 +343,9 @@ def test_each_sampling_variant_sends_exactly_its_request_in_vllms_own_sampling_p
     p, v = msgspec.structs.asdict(plain), msgspec.structs.asdict(verl)
     # top_p and repetition_penalty 1.0 are vLLM's defaults; top_k -1 and 0 both mean off in vLLM
     assert {x for x in p if p[x] != v[x]} == {"logprobs", "detokenize", "top_k"}
+    # verl with rollout.calculate_log_probs false: only the log-probability goes
+    nolp = msgspec.structs.asdict(spec_bench.rollout_sampling_params("verl-nolp", 7, args))
+    assert {x for x in v if v[x] != nolp[x]} == {"logprobs"} and nolp["logprobs"] is None
     with pytest.raises(ValueError, match="unknown sampling variant 'greedy'"):
         spec_bench.rollout_sampling_params("greedy", 7, args)
 
@@ -565,15 +568,24 @@ def test_the_frontend_call_reads_every_request_to_its_end_and_verl_final_asks_fo
 
     from vllm.sampling_params import RequestOutputKind
 
-    args = _args(spec_bench, "--sampling", "plain,verl,verl-final", "--len-fixed", "5")
+    args = _args(spec_bench, "--sampling", "plain,verl,verl-final,verl-nolp", "--len-fixed", "5")
     eng = _FakeAsyncEngine()
-    for v in ("plain", "verl", "verl-final"):
+    for v in ("plain", "verl", "verl-final", "verl-nolp"):
         c = asyncio.run(spec_bench.frontend_call(eng, [[1], [2, 3]], [5, 7], args, v))
         assert c["sampling"] == v and c["tokens"] == 12 and c["driver_cpu_s"] >= 0
         assert c["driver_cpu_us_per_token"] == pytest.approx(1e6 * c["driver_cpu_s"] / 12)
     kinds = [(p.logprobs, p.detokenize, p.output_kind) for p in eng.params[::2]]
     assert kinds == [(None, False, RequestOutputKind.CUMULATIVE), (0, True, RequestOutputKind.CUMULATIVE),
-                     (0, True, RequestOutputKind.FINAL_ONLY)]  # verl sends vLLM's default output kind
+                     (0, True, RequestOutputKind.FINAL_ONLY),  # verl sends vLLM's default output kind
+                     (None, True, RequestOutputKind.CUMULATIVE)]
+    # each variant's answer is checked: verl's needs a log-probability per token, verl-nolp's must have none
+    ok = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2], logprobs=None)])]
+    spec_bench.check_batch(ok, 2, [2], "verl-nolp")
+    with pytest.raises(RuntimeError, match="without a log-probability per token"):
+        spec_bench.check_batch(ok, 2, [2], "verl")
+    with pytest.raises(RuntimeError, match="came back with some"):
+        spec_bench.check_batch([SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=[{1: -0.1}])])], 1,
+                               [1], "verl-nolp")
     result = {"arms": {"k0": {"calls": [
         {"sampling": "plain", "wall_s": 1.0, "driver_cpu_share": 0.1, "driver_cpu_us_per_token": 10.0},
         {"sampling": "verl", "wall_s": 2.0, "driver_cpu_share": 0.4, "driver_cpu_us_per_token": 40.0},
