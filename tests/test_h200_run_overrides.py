@@ -411,7 +411,21 @@ def test_the_within_run_line_recovers_a_runs_fixed_and_per_token_cost_and_skips_
 
     fit = run.within_run(rows([2.0, 2.4, 2.8, 3.2, 3.6]))
     assert fit["intercept_ms"] == pytest.approx(12.0) and fit["us_per_token"] == pytest.approx(30.0)
-    assert fit["r"] == pytest.approx(1.0)
+    assert fit["r"] == pytest.approx(1.0) and fit["us_per_token_interval"] == pytest.approx((30.0, 30.0))
+    # noise widens the interval around the slope: Student's t at 3 degrees of freedom on the residuals
+    noisy = rows([2.0, 2.4, 2.8, 3.2, 3.6])
+    for r, d in zip(noisy, (0.3, -0.2, 0.0, 0.25, -0.35)):
+        r["gen_s"] += d * r["seq_steps"] / 1000  # +-d ms on each step's ms per engine step
+    fit = run.within_run(noisy)
+    lo, hi = fit["us_per_token_interval"]
+    import numpy as np
+
+    x = np.array([2.0, 2.4, 2.8, 3.2, 3.6])
+    y = 12.0 + 0.030 * 256 * x + np.array([0.3, -0.2, 0.0, 0.25, -0.35])
+    b, a = np.polyfit(x, y, 1)
+    se = (np.sum((y - a - b * x) ** 2) / 3 / np.sum((x - x.mean()) ** 2)) ** 0.5
+    assert (lo, hi) == pytest.approx(((b - 3.182 * se) / 256 * 1e3, (b + 3.182 * se) / 256 * 1e3))
+    assert lo < fit["us_per_token"] < hi
     assert run.within_run(rows([1.22, 1.24, 1.23, 1.22])) is None  # frozen's steps 11-20: no span to fit
     assert run.within_run(rows([2.0, 3.0])) is None
     # the committed runs (RESULTS, "k=3 in verl's trainer"): the k=3 run's line beside online's at k=2
@@ -419,6 +433,8 @@ def test_the_within_run_line_recovers_a_runs_fixed_and_per_token_cost_and_skips_
     paths = [str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2", "online_k3")]
     assert run.main(["compare", *paths]) == 0
     out = capsys.readouterr().out
-    assert "- within online@online2 (k=2), step by step: ms per engine step 7.8 + 26.0 us per generated token (r 0.89)" in out
-    assert "- within online@online_k3 (k=3), step by step: ms per engine step 11.5 + 46.9 us per generated token (r 0.83)" in out
+    assert ("- within online@online2 (k=2), step by step: ms per engine step 7.8 + 26.0 us per generated token (95 % "
+            "interval 15.4 to 36.6; r 0.89)") in out
+    assert ("- within online@online_k3 (k=3), step by step: ms per engine step 11.5 + 46.9 us per generated token (95 % "
+            "interval 21.5 to 72.3; r 0.83)") in out
     assert "- within frozen" not in out

@@ -712,7 +712,16 @@ def within_run(rows: list[dict]) -> dict | None:
         return None
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
     n = sum(r["sequences"] for r in rows) / len(rows)
-    return {"intercept_ms": my - sxy / sxx * mx, "us_per_token": sxy / sxx / n * 1e3, "r": sxy / (sxx * syy) ** 0.5}
+    slope = sxy / sxx
+    # the slope's 95 % interval (least squares, Student's t with len - 2 degrees of freedom)
+    half = T95[min(len(xs) - 2, len(T95) - 1)] * (max(syy - slope * sxy, 0.0) / (len(xs) - 2) / sxx) ** 0.5
+    return {"intercept_ms": my - slope * mx, "us_per_token": slope / n * 1e3, "r": sxy / (sxx * syy) ** 0.5,
+            "us_per_token_interval": ((slope - half) / n * 1e3, (slope + half) / n * 1e3)}
+
+
+#: Student's t at 97.5 % by degrees of freedom (index), 1..30; beyond 30 the last
+T95 = (float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+       2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None) -> dict:
@@ -869,8 +878,10 @@ def cmd_compare(a) -> int:
               + (f"; within online: {tm['online_slope_us_per_token']:.1f} us per token accepted "
                  f"(r {tm['online_slope_r']:.2f})" if "online_slope_us_per_token" in tm else ""))
     for mode, fit in res["within"].items():
+        lo, hi = fit["us_per_token_interval"]
         print(f"- within {mode} (k={res['modes'][mode]['k']}), step by step: ms per engine step "
-              f"{fit['intercept_ms']:.1f} + {fit['us_per_token']:.1f} us per generated token (r {fit['r']:.2f})")
+              f"{fit['intercept_ms']:.1f} + {fit['us_per_token']:.1f} us per generated token (95 % interval "
+              f"{lo:.1f} to {hi:.1f}; r {fit['r']:.2f})")
     for line in res["warnings"]:
         print(f"- warning: {line}")
     if a.json:
