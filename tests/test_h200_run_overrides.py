@@ -438,3 +438,25 @@ def test_the_within_run_line_recovers_a_runs_fixed_and_per_token_cost_and_skips_
     assert ("- within online@online_k3 (k=3), step by step: ms per engine step 11.5 + 46.9 us per generated token (95 % "
             "interval 21.5 to 72.3; r 0.83)") in out
     assert "- within frozen" not in out
+
+
+def test_a_run_records_its_hosts_pace_and_compare_warns_when_it_differs_from_offs(tmp_path, capsys):
+    pace = run.host_pace(calls=3, n=20_000)
+    assert pace["loop"] == 20_000 and len(pace["each"]) == 3 and pace["seconds"] > 0
+    assert pace["seconds"] <= min(pace["each"]) + 1e-4  # the least call (each rounded to 0.1 ms)
+    # a run on a host whose loop took 1.5x off's: warned and shown; within 10 %: shown, not warned
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400)
+    for path, secs in ((off, 0.200), (on, 0.300)):
+        data = json.loads(pathlib.Path(path).read_text())
+        data["host_pace"] = {"seconds": secs}
+        pathlib.Path(path).write_text(json.dumps(data))
+    res = _compare(tmp_path, off, on)
+    assert res["modes"]["online"]["host_pace_s"] == 0.3
+    (w,) = [w for w in res["warnings"] if "host's pure-Python loop" in w]
+    assert w.startswith("online: its host's pure-Python loop took 0.300 s, off's 0.200 s (1.50x)")
+    assert "| 0.300 |" in capsys.readouterr().out
+    data = json.loads(pathlib.Path(on).read_text())
+    data["host_pace"] = {"seconds": 0.210}
+    pathlib.Path(on).write_text(json.dumps(data))
+    assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "host's pure-Python loop" in w]

@@ -81,6 +81,39 @@ def test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not(tmp_path):
     assert proc_cpu.main(["summary", str(out), "--busy", "proc-cpu-test-busy", "--min", "0.1",
                           "--json", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["rollout_samples"] == res["rollout_samples"]
+    # the host's CPU by kind in every sample: the shares of all its CPUs add up, the busy process shows in them
+    hosts = [s["host"] for s in samples]
+    assert all(h["cores"] == os.cpu_count() for h in hosts)
+    assert all(h["busy"] + h["idle"] + h["steal"] == pytest.approx(100.0, abs=0.05) for h in hosts)
+    assert min(h["busy"] for h in hosts) > 0.5 * 100 / os.cpu_count()  # at least half of the busy one's core
+
+
+def test_the_hosts_shares_come_from_proc_stat_and_the_summary_averages_them_over_the_rollout(tmp_path, capsys):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\ncpu1 50 0 25 400 5 0 0 20 0 0\n"
+                    "intr 1\n")
+    before, cores = proc_cpu.host_ticks(str(stat))
+    assert cores == 2 and before == {"user": 100, "nice": 0, "system": 50, "idle": 800, "iowait": 10, "irq": 0,
+                                     "softirq": 0, "steal": 40}
+    after = {**before, "user": 160, "system": 70, "idle": 890, "steal": 70}  # +60 +20 +90 +30: 200 ticks
+    assert proc_cpu.host_shares(before, after) == {"busy": 40.0, "idle": 45.0, "steal": 15.0}
+    assert proc_cpu.host_shares(before, before) == {"busy": 0.0, "idle": 0.0, "steal": 0.0}
+    samples = [{"t": 1, "dt": 0.5, "cpu": {"7 VLLM::EngineCore": 99.0}, "host": {"busy": 40, "idle": 50, "steal": 10,
+                                                                               "cores": 2}},
+               {"t": 2, "dt": 0.5, "cpu": {"7 VLLM::EngineCore": 95.0}, "host": {"busy": 60, "idle": 40, "steal": 0,
+                                                                               "cores": 2}},
+               {"t": 3, "dt": 0.5, "cpu": {"8 ray::WorkerDict": 80.0}, "host": {"busy": 50, "idle": 0, "steal": 50,
+                                                                              "cores": 2}}]
+    res = proc_cpu.summarize(samples, "EngineCore", 50.0, 90.0)
+    assert res["host"] == {"cores": 2, "samples": 2, "busy": 50.0, "idle": 45.0, "steal": 5.0, "steal_max": 10}
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in samples))
+    assert proc_cpu.main(["summary", str(f)]) == 0
+    assert ("host over those samples (2 with it): 2 CPUs, busy 50.0 % of all, idle 45.0 %, stolen by the hypervisor "
+            "5.00 % (at most 10.00 %)") in capsys.readouterr().out
+    # samples from before the host was recorded: no host line
+    assert proc_cpu.summarize([{k: v for k, v in x.items() if k != "host"} for x in samples], "EngineCore", 50.0,
+                              90.0)["host"] is None
 
 
 def test_sampling_refuses_an_interval_that_is_not_positive(tmp_path):

