@@ -115,7 +115,8 @@ INTEGRATION_TESTS = {
     "test_layout.py": {"test_core_module_imports_neither_verl_nor_vllm", "test_each_edge_sub_package_imports_alone"},
     "test_objective.py": {"test_tensor_parallel_two_ranks_equal_one"},
     "test_policy.py": {"test_policy_module_and_package_import_pull_in_no_heavy_library"},
-    "test_private_tmp.py": {"test_runs_side_by_side_each_get_their_own_tmp_and_share_the_kept_folders"},
+    "test_private_tmp.py": {"test_runs_side_by_side_each_get_their_own_tmp_and_share_the_kept_folders",
+                            "test_an_entry_removed_while_the_run_starts_is_left_out_and_one_that_cannot_be_bound_stops_it"},
     "test_proc_cpu.py": {"test_sampling_sees_a_busy_process_use_the_cpu_and_an_idle_one_not"},  # two Python children
     "test_rl_loop.py": {"test_demo_two_steps_in_each_mode", "test_demo_break_sync_makes_the_guard_stop_the_run",
                         "test_demo_fails_loudly_when_the_drafter_would_miss_a_weight",

@@ -217,7 +217,9 @@ def runs_side_by_side(reserve_gib: float = 0.0, most: int = 4) -> int:
 # and each receiver may read the other run's weights, or wait forever. So a run started next to others gets a
 # mount namespace with a tmpfs on /tmp into which every folder, file and link that /tmp holds when the run starts
 # is bound back (the checkout, the venv, the run's folders, Ray's temp dir may all lie there): what the run
-# creates at the top of /tmp (the sockets) is its own.
+# creates at the top of /tmp (the sockets) is its own. An entry that another process removes between the folder's
+# listing and its bind (a library's temporary folder: a CI run lost two runs to one) is left out; an entry still
+# there that cannot be bound stops the run.
 _PRIVATE_TMP_SH = r"""
 set -e
 orig="$1"; shift
@@ -225,9 +227,9 @@ mount --bind /tmp "$orig"
 mount -t tmpfs -o mode=1777 verl-mtp-tmp /tmp
 for e in "$orig"/* "$orig"/.[!.]* "$orig"/..?*; do
   n="/tmp/${e##*/}"
-  if [ -L "$e" ]; then cp -P "$e" "$n"
-  elif [ -d "$e" ]; then mkdir "$n"; mount --bind "$e" "$n"
-  elif [ -f "$e" ]; then : > "$n"; mount --bind "$e" "$n"
+  if [ -L "$e" ]; then cp -P "$e" "$n" || { [ -L "$e" ] && exit 1; true; }
+  elif [ -d "$e" ]; then mkdir "$n"; mount --bind "$e" "$n" || { [ -e "$e" ] && exit 1; rmdir "$n"; }
+  elif [ -f "$e" ]; then : > "$n"; mount --bind "$e" "$n" || { [ -e "$e" ] && exit 1; rm -f "$n"; }
   fi
 done
 exec "$@"
