@@ -61,7 +61,7 @@ B=\$(( $END - \$(date +%s) - 200 ))
   --len-median 160 --len-sigma 0.6 --len-max 640 --rounds 5 --budget \$B --out $S/roll --tag ${CARD}_super_mtp0 \
   ${ROLLOUT_ARGS:-} > $S/rollout.log 2>&1
 # vLLM's async front end as verl runs it (FRONTEND_ARGS, e.g. "--arms 0,2 --batches 256 --len-fixed 400
-# --sampling plain,verl,verl-final"), if 500 s remain
+# --sampling plain,verl,verl-nolp,verl-final"), if 500 s remain
 [ -n "${FRONTEND_ARGS:-}" ] && [ \$(( $END - \$(date +%s) )) -gt 500 ] && python3 benchmarks/speculation.py frontend \
   --model /tmp/super/model --rounds 5 --out $S/roll --tag ${CARD}_frontend ${FRONTEND_ARGS:-} > $S/frontend.log 2>&1
 $(after_main)
