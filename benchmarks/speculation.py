@@ -27,7 +27,8 @@ the CPU seconds the driver process spent: with vLLM's engine core in its own pro
 last output by a coroutine, as verl's server does; :func:`frontend_call`), one engine per arm in turn, the variants
 interleaved in it, at one batch and ``--len-fixed`` length: the front end's CPU per generated token. Variant
 ``verl-final`` is ``verl`` asking only for the final output; ``verl-nolp`` is ``verl`` with verl's
-``rollout.calculate_log_probs: false`` (no log-probability per token, still detokenized). Output ``<out>/frontend_<tag>.json`` and a table.
+``rollout.calculate_log_probs: false`` (no log-probability per token, still detokenized). Output
+``<out>/frontend_<tag>.json`` and a table.
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
 acceptance per step) and from ``drift.py``. The harness that timed rollouts of a synthetic language's RL versions

@@ -363,7 +363,8 @@ def test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns(tmp_path, 
     # lets them finish. The cut checkpoint says so (assets.json, a WARNING line), run.py reads it, compare warns.
     def assets(name, *extra):
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'cpu_runtime'}", "VLLM_TARGET_DEVICE": "cpu"}
-        p = subprocess.run([sys.executable, str(ROOT / "benchmarks/h200_main_ppo/super_assets.py"), str(tmp_path / name),
+        script = ROOT / "benchmarks/h200_main_ppo/super_assets.py"
+        p = subprocess.run([sys.executable, str(script), str(tmp_path / name),
                             "--cpu-dry-run", "--steps", "2", "--mtp-steps", "1", "--train-rows", "64", *extra],
                            env=env, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
@@ -390,7 +391,8 @@ def test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns(tmp_path, 
     data.update(joint_steps=1, mtp_steps=1, args={**data["args"], "steps": 1, "mtp_steps": 1})
     cut.write_text(json.dumps(data))
     (warning,) = [w for w in _compare(tmp_path, off, on)["warnings"] if "pretrained" in w]
-    assert warning == "online: its checkpoint was pretrained 1 joint + 1 MTP-only steps, off's 2 + 1: another checkpoint"
+    assert warning == ("online: its checkpoint was pretrained 1 joint + 1 MTP-only steps, off's 2 + 1: another "
+                       "checkpoint")
     # the committed runs: only the k=3 lease's checkpoint was cut (10 of 40 MTP-only steps)
     modes = ROOT / "benchmarks/results/h100_super_modes"
     res = _compare(tmp_path, *(str(modes / m / "run/summary.json") for m in ("off", "frozen", "online2", "online_k3")))

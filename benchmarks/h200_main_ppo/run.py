@@ -643,6 +643,14 @@ def _split(x: dict, off: dict) -> dict:
 
 WITHIN_MIN_SPAN = 0.25  # tokens per verify step a run's steps must span for its within-run line (within_run)
 PACE_TOLERANCE = 0.10  # a mode's log-prob passes this much slower or faster than off's: another machine's pace
+#: what :func:`compare` checks against off's for a run's pace: (window key, what it is, format, the warning's end)
+PACE_CHECKS = (
+    ("host_pace_s", "host's pure-Python loop", "{:.3f}", "): another host pace, its host-bound phases carry it"),
+    ("ref_s", "reference log-prob pass", "{:.2f}",
+     "; the same work at equal response lengths): another pace, its time ratios to off carry it"),
+    ("logp_s", "actor log-prob pass", "{:.2f}",
+     "; the same work at equal response lengths): another pace, its time ratios to off carry it"),
+)
 BOOTSTRAP_ROUNDS = 2000
 
 
@@ -787,16 +795,10 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     c, nj = res["criteria"], res["not_judged"]
     if off:
         for mode, x in w.items():
-            if x is not off and x["host_pace_s"] and off["host_pace_s"] and abs(
-                    x["host_pace_s"] / off["host_pace_s"] - 1) > PACE_TOLERANCE:
-                res["warnings"].append(
-                    f"{mode}: its host's pure-Python loop took {x['host_pace_s']:.3f} s, off's {off['host_pace_s']:.3f} s "
-                    f"({x['host_pace_s'] / off['host_pace_s']:.2f}x): another host pace, its host-bound phases carry it")
-            for key, name in (("ref_s", "reference log-prob"), ("logp_s", "actor log-prob")):
+            for key, what, fmt, why in PACE_CHECKS:
                 if x is not off and x[key] and off[key] and abs(x[key] / off[key] - 1) > PACE_TOLERANCE:
-                    res["warnings"].append(
-                        f"{mode}: its {name} pass took {x[key]:.2f} s, off's {off[key]:.2f} s ({x[key] / off[key]:.2f}x; "
-                        f"the same work at equal response lengths): another pace, its time ratios to off carry it")
+                    res["warnings"].append(f"{mode}: its {what} took {fmt.format(x[key])} s, off's "
+                                           f"{fmt.format(off[key])} s ({x[key] / off[key]:.2f}x{why}")
 
     def missing(*names):
         return "missing: " + ", ".join(n for n in names if judged.get(n, n) not in w)

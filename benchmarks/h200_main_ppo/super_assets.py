@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     pd.DataFrame(task_rows(16, "test", a.seed + 7)).to_parquet(root / "data" / "val.parquet")
     info = {"spec": {k: str(v) for k, v in dataclasses.asdict(spec).items()}, "params": n_params,
             "args": vars(a), "prompt_len": plen, "answer_len": a.max_len + 1, "joint_steps": joint_done,
-            "mtp_steps": mtp_done, "complete": (joint_done, mtp_done) == (a.steps, a.mtp_steps), "curve": curve, "write_s": round(time.time() - t_w, 1),
+            "mtp_steps": mtp_done, "complete": (joint_done, mtp_done) == (a.steps, a.mtp_steps), "curve": curve,
+            "write_s": round(time.time() - t_w, 1),
             "seconds": round(time.time() - t_all, 1),
             "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else None}
