@@ -170,3 +170,80 @@ def test_the_committed_second_online_run_has_three_processes_near_a_core_through
     assert out.startswith("222 of 1004 samples with vLLM worker (sync events) at >= 50 %")
     assert "| vLLM worker (sync events) | 1 | 96.3 |" in out and "| ray::vLLMHttpServer | 1 | 60.1 |" in out
     assert "| python3 -B -c | 1 | 56.6 |" in out
+
+
+def _phase_samples(spawn: str) -> list[dict]:
+    """One rollout after a sync at t=10: the engine core busy 10.5-12.0, the front end until 13.0, the agent loops
+    until 13.5; vLLM's GPU worker spinning throughout (left out); the trainer's log-prob pass after."""
+    def s(t, **cpu):
+        names = {"ec": f"6 {spawn}", "w": f"7 {spawn}", "fe": "2 ray::vLLMHttpServer.generate",
+                 "ag1": "3 ray::AgentLoopWorkerTQ", "ag2": "4 ray::AgentLoopWorkerTQ", "tr": "5 ray::WorkerDict"}
+        return {"t": t, "dt": 0.5, "cpu": {names[k]: v for k, v in cpu.items()}}
+    return [
+        s(9.5, ec=100.0, fe=100.0, w=100.0),  # the step before (ends at the sync): not this step's
+        s(10.5, ec=60.0, w=100.0, ag1=100.0),
+        s(11.0, ec=100.0, fe=100.0, w=100.0),
+        s(11.5, ec=100.0, fe=100.0, w=100.0, ag2=30.0),
+        s(12.0, ec=100.0, fe=100.0, w=100.0),
+        s(12.5, ec=10.0, fe=100.0, w=100.0),
+        s(13.0, fe=100.0, w=100.0, ag1=20.0),
+        s(13.5, w=100.0, ag1=100.0, ag2=100.0),
+        s(14.0, w=100.0, tr=100.0),
+        s(20.5, ec=100.0, fe=100.0),  # after the next sync: the next step's
+    ]
+
+
+def test_phases_split_each_rollout_into_the_engine_core_the_front_end_after_it_and_the_agent_loops():
+    spawn = "python3 -B -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
+    log = "(EngineCore pid=6) INFO ...\n(Worker pid=7) INFO ...\n(EngineCore pid=6) INFO ..."
+    assert proc_cpu.engine_core_pids(log) == {"6"}
+    events = [{"event": "sync", "pid": 7, "time": 10.0, "update": 1}, {"event": "sync", "pid": 7, "time": 20.0,
+                                                                         "update": 2}]
+    metrics = {1: {"timing_s/gen": 4.0, "timing_per_token_ms/gen": 4.0},
+               3: {"timing_s/gen": 1.0}}  # step 3: no sync event for its update, left out
+    (row,) = proc_cpu.step_phases(_phase_samples(spawn), events, metrics, {"6"})
+    assert row["step"] == 1 and row["tokens"] == pytest.approx(1000.0)
+    assert row["engine_core_busy_s"] == pytest.approx(2.0)  # 10.0-12.0: its samples at >= 50 %
+    assert row["front_end_after_s"] == pytest.approx(1.0)  # busy until 13.0
+    assert row["agent_loops_after_s"] == pytest.approx(0.5)  # until 13.5
+    # CPU seconds: the sync's window only (not the samples at 9.5 and 20.5); the spinning worker not counted
+    assert row["engine_core_cpu_s"] == pytest.approx((60 + 100 * 3 + 10) / 100 * 0.5)
+    assert row["front_end_cpu_s"] == pytest.approx(5 * 0.5)
+    assert row["agent_loops_cpu_s"] == pytest.approx((100 + 30 + 20 + 200) / 100 * 0.5)
+    assert row["front_end_us_per_token"] == pytest.approx(2.5 / 1000 * 1e6)
+
+
+def test_the_committed_online_runs_front_end_outlasts_the_engine_core_more_on_the_slower_host(capsys, tmp_path):
+    # RESULTS.md, "verl's rollout by process": the second online run and the k=3 run (a slower host), steps 11-20
+    base = ROOT / "benchmarks/results/h100_super_modes"
+    means = {}
+    for run in ("online2", "online_k3"):
+        d = base / run
+        out = tmp_path / f"{run}.json"
+        assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                              "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
+                              "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert [r["step"] for r in res["steps"]] == list(range(1, 21))
+        means[run] = res["means"]
+    assert "| mean, steps 11-20 | 6.47 | 3.91 | 1.72 | 0.71 | 5.59 | 54.5 |" in capsys.readouterr().out
+    fast, slow = means["online2"], means["online_k3"]
+    assert round(fast["front_end_us_per_token"], 1) == 30.8 and round(fast["engine_core_busy_s"], 2) == 2.62
+    # the front end's CPU per rollout exceeds the engine core's busy span: the rollout ends when the front end does
+    for m in (fast, slow):
+        assert m["front_end_cpu_s"] > m["engine_core_busy_s"] and m["front_end_after_s"] > 0
+    assert slow["front_end_after_s"] > 3 * fast["front_end_after_s"]
+
+
+def test_phases_refuse_a_log_without_the_engine_cores_pid(tmp_path):
+    (tmp_path / "s.jsonl").write_text(json.dumps({"t": 1.0, "dt": 0.5, "cpu": {}}) + "\n")
+    (tmp_path / "ev.jsonl").write_text(json.dumps({"event": "sync", "pid": 7, "time": 0.5, "update": 1}) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"step": 1, "data": {"timing_s/gen": 1.0}}) + "\n")
+    (tmp_path / "run.log").write_text("(Worker pid=7) INFO\n")
+    args = ["phases", str(tmp_path / "s.jsonl"), "--events", str(tmp_path / "ev.jsonl"), "--metrics",
+            str(tmp_path / "m.jsonl"), "--log", str(tmp_path / "run.log")]
+    with pytest.raises(SystemExit):
+        proc_cpu.main(args)
+    (tmp_path / "run.log").write_text("(EngineCore pid=6) INFO\n")  # named, but never busy: no step to split
+    with pytest.raises(SystemExit):
+        proc_cpu.main(args)

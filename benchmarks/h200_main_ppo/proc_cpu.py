@@ -25,6 +25,16 @@ all its CPUs, from ``/proc/stat``; samples since 2026-12-06's fifth lease): ``su
 rollout's samples. Steal is time the hypervisor ran another guest while this one wanted the CPU: a lease whose
 host-bound phases ran slower with steal above zero was sharing its CPUs.
 
+``phases SAMPLES --events EVENTS --metrics METRICS --log RUN_LOG``: each step's rollout split by process, between
+the sync that precedes it (the plugin's sync event, after the weights landed) and the next: how long vLLM's engine
+core was busy (its first to its last sample at ``--min`` percent or more; its pid from the run log's
+``(EngineCore pid=N)`` lines), how long vLLM's front end (``ray::vLLMHttpServer``) and then verl's agent loops
+(``ray::AgentLoopWorker*``) stayed busy after it, and each one's CPU seconds; with verl's ``timing_s/gen`` and the
+step's generated tokens (``timing_s/gen`` over ``timing_per_token_ms/gen``), the front end's CPU per generated token.
+vLLM's GPU worker is left out on purpose: it waits for work spinning at ~100 % of a core, also while the engine core
+sits idle and while vLLM sleeps, so its CPU use does not mark a rollout. The spans come from the samples' grid
+(``--interval``, 0.5 s): each step's carries that much, their means over the last ``--last`` steps less.
+
 Linux only (``/proc``).
 """
 
@@ -195,6 +205,90 @@ def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
             "processes": rows}
 
 
+ENGINE_CORE, FRONT_END, AGENT_LOOPS, TRAINER = "engine core", "front end", "agent loops", "trainer"
+
+
+def engine_core_pids(log_text: str) -> set[str]:
+    """vLLM's engine core processes, from a run log's Ray-prefixed lines ``(EngineCore pid=N)`` (on the GPU host
+    their command line stays python's spawn line, so the samples cannot name them)."""
+    return set(re.findall(r"\(EngineCore pid=(\d+)\)", log_text))
+
+
+def role(key: str, engine_cores: set[str]) -> str | None:
+    """The part of verl's rollout a sample key's process plays, or None."""
+    pid, _, name = key.partition(" ")
+    if pid in engine_cores or "EngineCore" in name:
+        return ENGINE_CORE
+    if name.startswith("ray::vLLMHttpServer"):
+        return FRONT_END
+    if name.startswith("ray::AgentLoopWorker"):
+        return AGENT_LOOPS
+    if name.startswith("ray::WorkerDict"):
+        return TRAINER
+    return None
+
+
+def step_phases(samples: list[dict], events: list[dict], metrics: dict[int, dict], engine_cores: set[str],
+                minimum: float = 50.0) -> list[dict]:
+    """Per step (its rollout runs on the weights of update ``step``, the sync event with that ``update``), from
+    the samples after that sync up to the next one (the last step: ``timing_s/step`` + 5 s): each role's CPU
+    seconds, the engine core's busy span, and how long the front end and then the agent loops stayed busy after
+    it (a role is busy in a sample when one of its processes used ``minimum`` percent of a core or more)."""
+    syncs = {int(e["update"]): float(e["time"]) for e in events if e.get("event") == "sync" and "update" in e}
+    rows = []
+    for step in sorted(metrics):
+        m = metrics[step]
+        if step not in syncs or "timing_s/gen" not in m:
+            continue
+        t0 = syncs[step]
+        t1 = syncs.get(step + 1, t0 + float(m.get("timing_s/step", 0.0)) + 5.0)
+        cpu = {r: 0.0 for r in (ENGINE_CORE, FRONT_END, AGENT_LOOPS)}
+        busy: dict[str, list[tuple[float, float]]] = {r: [] for r in cpu}
+        for s in samples:
+            if not t0 < s["t"] <= t1:
+                continue
+            peak: dict[str, float] = {}
+            for k, v in s["cpu"].items():
+                r = role(k, engine_cores)
+                if r in cpu:
+                    cpu[r] += v / 100.0 * s["dt"]
+                    peak[r] = max(peak.get(r, 0.0), v)
+            for r, v in peak.items():
+                if v >= minimum:
+                    busy[r].append((s["t"] - s["dt"], s["t"]))
+        if not busy[ENGINE_CORE]:
+            continue
+        ec_end = busy[ENGINE_CORE][-1][1]
+        fe_end = max([b for _, b in busy[FRONT_END]], default=ec_end)
+        ag_end = max([b for _, b in busy[AGENT_LOOPS]], default=fe_end)
+        gen = float(m["timing_s/gen"])
+        per_token_ms = m.get("timing_per_token_ms/gen")
+        tokens = gen * 1000.0 / per_token_ms if per_token_ms else None
+        rows.append({
+            "step": step, "gen_s": gen, "tokens": tokens,
+            "engine_core_busy_s": ec_end - busy[ENGINE_CORE][0][0],
+            "front_end_after_s": fe_end - ec_end,
+            "agent_loops_after_s": max(0.0, ag_end - max(fe_end, ec_end)),
+            **{f"{r.replace(' ', '_')}_cpu_s": v for r, v in cpu.items()},
+            "front_end_us_per_token": cpu[FRONT_END] / tokens * 1e6 if tokens else None,
+        })
+    return rows
+
+
+PHASE_COLUMNS = (("gen s", "gen_s", "{:.2f}"), ("engine core busy s", "engine_core_busy_s", "{:.2f}"),
+                 ("front end busy after it s", "front_end_after_s", "{:.2f}"),
+                 ("agent loops busy after that s", "agent_loops_after_s", "{:.2f}"),
+                 ("front end CPU s", "front_end_cpu_s", "{:.2f}"),
+                 ("front end us per token", "front_end_us_per_token", "{:.1f}"),
+                 ("engine core CPU s", "engine_core_cpu_s", "{:.2f}"),
+                 ("agent loops CPU s", "agent_loops_cpu_s", "{:.2f}"))
+
+
+def phase_means(rows: list[dict]) -> dict[str, float]:
+    return {key: statistics.mean(r[key] for r in rows) for _, key, _ in PHASE_COLUMNS
+            if rows and all(r.get(key) is not None for r in rows)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -212,7 +306,17 @@ def main(argv=None) -> int:
     m.add_argument("--pinned", type=float, default=90.0)
     m.add_argument("--top", type=int, default=12)
     m.add_argument("--json", default=None)
+    ph = sub.add_parser("phases", help="each step's rollout split by process (engine core, front end, agent loops)")
+    ph.add_argument("samples")
+    ph.add_argument("--events", required=True, help="the plugin's sync events (pack/<mode>_events.jsonl)")
+    ph.add_argument("--metrics", required=True, help="verl's per-step metrics (pack/<mode>_metrics.jsonl)")
+    ph.add_argument("--log", required=True, help="the run's log (run/<mode>.log): the engine core's pid")
+    ph.add_argument("--min", type=float, default=50.0, dest="minimum")
+    ph.add_argument("--last", type=int, default=10, help="the means over the last N steps")
+    ph.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.cmd == "phases":
+        return _phases_cli(ap, a)
     if a.cmd == "sample":
         if a.interval <= 0:
             ap.error(f"--interval must be > 0, got {a.interval}")
@@ -244,6 +348,40 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+    return 0
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
+    samples, events = _read_jsonl(a.samples), _read_jsonl(a.events)
+    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(a.metrics) if "step" in r}
+    with open(a.log, errors="replace") as f:
+        cores = engine_core_pids(f.read())
+    if not cores:
+        ap.error(f"--log {a.log}: no '(EngineCore pid=N)' line names vLLM's engine core")
+    rows = step_phases(samples, events, metrics, cores, a.minimum)
+    if not rows:
+        ap.error("no step has a sync event, verl's timing_s/gen and engine core samples at "
+                 f">= {a.minimum:g} % between its sync and the next")
+    print(f"engine core pid(s) {', '.join(sorted(cores))}; busy: a process at >= {a.minimum:g} % of a core in a sample "
+          f"(interval {statistics.median(s['dt'] for s in samples)} s)")
+    print("| step | " + " | ".join(label for label, _, _ in PHASE_COLUMNS) + " |")
+    print("|---" * (len(PHASE_COLUMNS) + 1) + "|")
+    last = rows[-a.last:]
+    for r in rows:
+        print(f"| {r['step']} | " + " | ".join("-" if r.get(k) is None else f.format(r[k]) for _, k, f in PHASE_COLUMNS)
+              + " |")
+    means = phase_means(last)
+    print(f"| mean, steps {last[0]['step']}-{last[-1]['step']} | "
+          + " | ".join(f.format(means[k]) if k in means else "-" for _, k, f in PHASE_COLUMNS) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"min_pct": a.minimum, "engine_core_pids": sorted(cores), "steps": rows,
+                       "last": a.last, "means": means}, f, indent=1)
     return 0
 
 
