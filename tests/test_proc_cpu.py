@@ -247,3 +247,15 @@ def test_phases_refuse_a_log_without_the_engine_cores_pid(tmp_path):
     (tmp_path / "run.log").write_text("(EngineCore pid=6) INFO\n")  # named, but never busy: no step to split
     with pytest.raises(SystemExit):
         proc_cpu.main(args)
+
+
+def test_the_summary_marks_the_rollout_by_the_engine_core_the_run_log_names(capsys):
+    # the worker spins (~100 % also while vLLM sleeps): marked by the engine core, the committed second online run's
+    # front end is near a core through its rollouts, not at the 60 % the worker's marking gave
+    d = ROOT / "benchmarks/results/h100_super_modes/online2"
+    assert proc_cpu.main(["summary", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                          "--log", str(d / "run/online.log")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("119 of 1004 samples with vLLM engine core (run log) at >= 50 %")
+    assert "| ray::vLLMHttpServer | 1 | 89.3 |" in out and "| vLLM engine core (run log) | 1 | 93.3 |" in out
+    assert "| vLLM worker (sync events) | 1 | 103.0 |" in out

