@@ -462,3 +462,21 @@ def test_a_run_records_its_hosts_pace_and_compare_warns_when_it_differs_from_off
     data["host_pace"] = {"seconds": 0.210}
     pathlib.Path(on).write_text(json.dumps(data))
     assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "host's pure-Python loop" in w]
+
+
+def test_compare_shows_each_runs_extra_overrides_and_warns_when_the_judged_modes_differ(tmp_path, capsys):
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400)
+    data = json.loads(pathlib.Path(on).read_text())
+    data["args"] = {"override": ["actor_rollout_ref.rollout.calculate_log_probs=false"]}
+    pathlib.Path(on).write_text(json.dumps(data))
+    res = _compare(tmp_path, off, on)
+    assert res["modes"]["online"]["overrides"] == ["actor_rollout_ref.rollout.calculate_log_probs=false"]
+    assert res["modes"]["off"]["overrides"] == []
+    (w,) = [w for w in res["warnings"] if "--override" in w]
+    assert "online: actor_rollout_ref.rollout.calculate_log_probs=false" in w and "off: none" in w
+    assert "| `actor_rollout_ref.rollout.calculate_log_probs=false` |" in capsys.readouterr().out
+    data = json.loads(pathlib.Path(off).read_text())
+    data["args"] = {"override": ["actor_rollout_ref.rollout.calculate_log_probs=false"]}
+    pathlib.Path(off).write_text(json.dumps(data))
+    assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "--override" in w]

@@ -549,7 +549,8 @@ def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
         p = pathlib.Path(path).resolve().parent
         pre = summary.get("pretraining") or pretraining((p.parent if p.name == "run" else p) / "assets.json")
         pace = (summary.get("host_pace") or {}).get("seconds")
-        out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace})
+        extra = list((summary.get("args") or {}).get("override") or [])
+        out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace, "overrides": extra})
                 for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
     return out
 
@@ -766,6 +767,7 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         x["k"] = int(runs[mode].get("k") or RECIPE_K) if x["speculating"] else None
         x["pretraining"] = runs[mode].get("pretraining")
         x["host_pace_s"] = runs[mode].get("host_pace_s")
+        x["overrides"] = list(runs[mode].get("overrides") or [])
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -775,6 +777,11 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
             f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
     judged = judged or {mode: mode for mode in w}
     res["judged"] = judged
+    # run.py run --override: a ratio between two modes run with different extra settings compares two settings too
+    sets = {m: sorted(w[m]["overrides"]) for m in judged.values() if m in w}
+    if len({tuple(v) for v in sets.values()}) > 1:
+        res["warnings"].append("the judged modes ran with different --override settings (" + "; ".join(
+            f"{m}: {', '.join(v) or 'none'}" for m, v in sets.items()) + "): their ratios compare those settings too")
     # the same checkpoint for every mode: a time cap that ended a pretraining phase early made another one
     ref_mode = judged.get("off", "off") if judged.get("off", "off") in w else next(iter(w), None)
     ref = (w[ref_mode]["pretraining"] or {}) if ref_mode else {}
@@ -850,7 +857,7 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
             ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
             ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None),
-            ("host loop s", "host_pace_s", "{:.3f}")]
+            ("host loop s", "host_pace_s", "{:.3f}"), ("more overrides", None, None)]
 
 
 def cmd_compare(a) -> int:
@@ -884,6 +891,8 @@ def cmd_compare(a) -> int:
                 cells.append(f"{f(w['ref_s'], '{:.2f}')} / {f(w['logp_s'], '{:.2f}')}")
             elif h.startswith("peak"):
                 cells.append(f"{f(w['peak_alloc_gib'], '{:.1f}')} / {f(w['peak_reserved_gib'], '{:.1f}')}")
+            elif h == "more overrides":
+                cells.append(", ".join(f"`{o}`" for o in w.get("overrides") or []) or "-")
             else:
                 cells.append(f(w[key], fmt))
         print(f"| {mode} | " + " | ".join(cells) + " |")
