@@ -324,6 +324,7 @@ def main(argv=None) -> int:
     ph.add_argument("--log", required=True, help="the run's log (run/<mode>.log): the engine core's pid")
     ph.add_argument("--min", type=float, default=50.0, dest="minimum")
     ph.add_argument("--last", type=int, default=10, help="the means over the last N steps")
+    ph.add_argument("--steps", default=None, help="FIRST-LAST: the means over these steps instead")
     ph.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "phases":
@@ -389,6 +390,14 @@ def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
     print("| step | " + " | ".join(label for label, _, _ in PHASE_COLUMNS) + " |")
     print("|---" * (len(PHASE_COLUMNS) + 1) + "|")
     last = rows[-a.last:]
+    if a.steps:
+        try:
+            first, final = (int(x) for x in a.steps.split("-"))
+        except ValueError:
+            ap.error(f"--steps {a.steps!r}: FIRST-LAST, two step numbers")
+        last = [r for r in rows if first <= r["step"] <= final]
+        if not last:
+            ap.error(f"--steps {a.steps}: no step of the run in it")
     for r in rows:
         print(f"| {r['step']} | " + " | ".join("-" if r.get(k) is None else f.format(r[k]) for _, k, f in PHASE_COLUMNS)
               + " |")
@@ -398,7 +407,7 @@ def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"min_pct": a.minimum, "engine_core_pids": sorted(cores), "steps": rows,
-                       "last": a.last, "means": means}, f, indent=1)
+                       "means_over": [last[0]["step"], last[-1]["step"]], "means": means}, f, indent=1)
     return 0
 
 

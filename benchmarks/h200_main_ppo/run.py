@@ -572,7 +572,7 @@ def _mean(xs: list) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def window(metrics: dict, events: list[dict], last: int) -> dict:
+def window(metrics: dict, events: list[dict], last: int, steps_range: tuple[int, int] | None = None) -> dict:
     """One mode's last ``last`` logged steps, from verl's own metrics (and the worker extension's sync events):
     the means the comparison reads, and an estimate of the rollout's sequential verify steps,
     ``response_length/max`` over ``rollout/spec_accept_length`` (1 token per step in a mode without any
@@ -580,8 +580,9 @@ def window(metrics: dict, events: list[dict], last: int) -> dict:
     seconds each took (the verify step, the host between). vLLM's accept length is the mean over every request's
     verify steps; the longest response may accept less, so the estimate can undercount its steps and the seconds per
     step, ``timing_s/gen`` over the estimate, carry that error. A speculating mode's step without the key is left
-    out of the estimate."""
-    steps = sorted(int(k) for k in metrics)[-last:]
+    out of the estimate. ``steps_range`` (first, last): those logged steps instead of the last ``last``."""
+    steps = sorted(int(k) for k in metrics)
+    steps = [s for s in steps if steps_range[0] <= s <= steps_range[1]] if steps_range else steps[-last:]
     ms = [metrics.get(s, metrics.get(str(s))) for s in steps]
 
     def col(key):
@@ -755,14 +756,17 @@ T95 = (float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.
        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None) -> dict:
+def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = None,
+            steps_range: tuple[int, int] | None = None) -> dict:
     """The modes side by side over their last ``last`` steps, each criterion with its verdict (or why it was not
     judged), the windows' problems, and the generation-time ratio split in two estimated factors: ``gen_online /
     gen_off`` = (sequential verify steps, online / off: the tokens per verify step and the tail) x (seconds per
     sequential step, online / off: the verify step's cost with k drafts and the host between steps; it takes up
     the first factor's estimation error, :func:`window`); frozen's over off's alike, and for each both modes'
     seconds per generated token (verl's ``timing_per_token_ms/gen``)."""
-    w = {mode: window(r["metrics"], r.get("events", []), last) for mode, r in runs.items()}
+    w = {mode: window(r["metrics"], r.get("events", []), last, steps_range) for mode, r in runs.items()}
+    if steps_range:  # every mode over the same steps: "last" is the window's length
+        last = steps_range[1] - steps_range[0] + 1
     for mode, x in w.items():
         x["k"] = int(runs[mode].get("k") or RECIPE_K) if x["speculating"] else None
         x["pretraining"] = runs[mode].get("pretraining")
@@ -771,7 +775,8 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
-            res["warnings"].append(f"{mode}: {len(x['steps'])} steps logged, fewer than --last {last}")
+            asked = f"--steps {steps_range[0]}-{steps_range[1]}" if steps_range else f"--last {last}"
+            res["warnings"].append(f"{mode}: {len(x['steps'])} steps logged, fewer than {asked}")
     if len({(x["steps"][0], x["steps"][-1]) for x in w.values() if x["steps"]}) > 1:
         res["warnings"].append("the modes' windows differ: " + ", ".join(
             f"{m} {x['steps'][0]}-{x['steps'][-1]}" for m, x in w.items() if x["steps"]))
@@ -866,7 +871,7 @@ def cmd_compare(a) -> int:
     markdown table, each done-criterion with its verdict, the factors of the generation-time ratio; ``--json``
     writes it all."""
     runs, judged = labelled_runs(a.summaries)
-    res = compare(runs, a.last, judged)
+    res = compare(runs, a.last, judged, a.steps)
 
     def f(v, fmt):
         return "-" if v is None else fmt.format(v)
@@ -979,6 +984,17 @@ def cmd_plot(a) -> int:
     return 0
 
 
+def _step_range(text: str) -> tuple[int, int]:
+    """``FIRST-LAST`` (``compare --steps``): two step numbers, 1 <= FIRST <= LAST."""
+    try:
+        first, last = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: FIRST-LAST, two step numbers") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 1 <= FIRST <= LAST")
+    return first, last
+
+
 def _positive(v: str) -> int:
     n = int(v)
     if n < 1:
@@ -1044,6 +1060,8 @@ def main(argv=None) -> int:
     t = sub.add_parser("compare", help="the modes over their last steps: table, done-criteria, gen-time factors")
     t.add_argument("summaries", nargs="+")
     t.add_argument("--last", type=_positive, default=10, help="the last N logged steps of each mode")
+    t.add_argument("--steps", type=_step_range, default=None,
+                   help="FIRST-LAST: these steps of every mode instead of the last N (runs of unequal length)")
     t.add_argument("--json", help="write the comparison here")
     a = ap.parse_args(argv)
     if a.cmd == "compare":
