@@ -480,3 +480,33 @@ def test_compare_shows_each_runs_extra_overrides_and_warns_when_the_judged_modes
     data["args"] = {"override": ["actor_rollout_ref.rollout.calculate_log_probs=false"]}
     pathlib.Path(off).write_text(json.dumps(data))
     assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "--override" in w]
+
+
+def test_compare_steps_reads_the_same_steps_of_every_mode_and_refuses_a_bad_range(tmp_path, capsys):
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400, steps=6)
+    res = _compare(tmp_path, off, on, "--steps", "3-6")
+    assert res["last"] == 4 and [res["modes"][m]["steps"] for m in ("off", "online")] == [[3, 4, 5, 6]] * 2
+    assert res["modes"]["off"]["gen_s"] == 12.0  # steps 3-6: 13, 11, 13, 11
+    assert not [w for w in res["warnings"] if "fewer than" in w]
+    res = _compare(tmp_path, off, on, "--steps", "5-8")  # online logged 6 steps: 5-6 of the 4 asked
+    assert any(w.startswith("online: 2 steps logged, fewer than --steps 5-8") for w in res["warnings"])
+    for bad in ("6-3", "0-2", "3", "a-b"):
+        with pytest.raises(SystemExit):
+            run.main(["compare", off, on, "--steps", bad])
+
+
+def test_the_committed_run_without_log_probabilities_gives_the_quoted_figures(capsys, tmp_path):
+    # RESULTS.md, "mode online without verl's rollout log-probabilities": steps 3-6 against online again and off
+    m = ROOT / "benchmarks/results/h100_super_modes"
+    res = _compare(tmp_path, *(str(m / r / "run/summary.json") for r in ("off", "frozen", "online2", "online_nolp")),
+                   "--steps", "3-6")
+    w = res["modes"]
+    nolp, lp, off = w["online@online_nolp"], w["online@online2"], w["off"]
+    assert (round(nolp["gen_s"], 2), round(lp["gen_s"], 2), round(off["gen_s"], 2)) == (3.76, 4.84, 5.55)
+    assert (round(nolp["gen_s_per_seq_step"], 4), round(lp["gen_s_per_seq_step"], 4),
+            round(off["gen_s_per_seq_step"], 4)) == (0.0172, 0.0261, 0.0139)
+    assert (round(nolp["accept_len"], 2), round(lp["accept_len"], 2)) == (1.83, 2.17)
+    assert nolp["overrides"] == ["actor_rollout_ref.rollout.calculate_log_probs=false"] and lp["overrides"] == []
+    assert nolp["host_pace_s"] == pytest.approx(0.2755, abs=1e-4)
+    assert any("different --override settings" in x for x in res["warnings"])

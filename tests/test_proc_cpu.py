@@ -259,3 +259,31 @@ def test_the_summary_marks_the_rollout_by_the_engine_core_the_run_log_names(caps
     assert out.startswith("119 of 1004 samples with vLLM engine core (run log) at >= 50 %")
     assert "| ray::vLLMHttpServer | 1 | 89.3 |" in out and "| vLLM engine core (run log) | 1 | 93.3 |" in out
     assert "| vLLM worker (sync events) | 1 | 103.0 |" in out
+
+
+def test_without_log_probabilities_the_committed_runs_front_end_halves_and_never_outlasts_the_engine(tmp_path, capsys):
+    # RESULTS.md, "mode online without verl's rollout log-probabilities": steps 3-6 of it and of online again
+    base = ROOT / "benchmarks/results/h100_super_modes"
+    means = {}
+    for run in ("online2", "online_nolp"):
+        d = base / run
+        out = tmp_path / f"{run}.json"
+        assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                              "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
+                              "--steps", "3-6", "--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["means_over"] == [3, 6]
+        means[run] = res
+    lp, nolp = means["online2"]["means"], means["online_nolp"]["means"]
+    assert (round(lp["front_end_us_per_token"], 1), round(nolp["front_end_us_per_token"], 1)) == (37.1, 18.3)
+    assert round(lp["front_end_after_s"], 2) == 0.38
+    assert all(r["front_end_after_s"] == 0.0 for r in means["online_nolp"]["steps"] if r["step"] >= 2)
+    capsys.readouterr()
+    d = base / "online_nolp"
+    assert proc_cpu.main(["summary", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                          "--log", str(d / "run/online.log")]) == 0
+    assert "| ray::vLLMHttpServer | 1 | 54.1 | 85.0 | 0.00 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no step of the run in the range
+        proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                       "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
+                       "--steps", "30-40"])
