@@ -213,17 +213,23 @@ def test_phases_split_each_rollout_into_the_engine_core_the_front_end_after_it_a
     assert row["front_end_us_per_token"] == pytest.approx(2.5 / 1000 * 1e6)
 
 
+MODES_DIR = ROOT / "benchmarks/results/h100_super_modes"
+
+
+def _committed_phases(run: str, tmp_path, *extra: str) -> dict:
+    """``proc_cpu.py phases`` on a committed online run of the H100 leases: its JSON."""
+    d, out = MODES_DIR / run, tmp_path / f"{run}.json"
+    assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
+                          "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
+                          "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
 def test_the_committed_online_runs_front_end_outlasts_the_engine_core_more_on_the_slower_host(capsys, tmp_path):
     # RESULTS.md, "verl's rollout by process": the second online run and the k=3 run (a slower host), steps 11-20
-    base = ROOT / "benchmarks/results/h100_super_modes"
     means = {}
     for run in ("online2", "online_k3"):
-        d = base / run
-        out = tmp_path / f"{run}.json"
-        assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
-                              "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
-                              "--json", str(out)]) == 0
-        res = json.loads(out.read_text())
+        res = _committed_phases(run, tmp_path)
         assert [r["step"] for r in res["steps"]] == list(range(1, 21))
         means[run] = res["means"]
     assert "| mean, steps 11-20 | 6.47 | 3.91 | 1.72 | 0.71 | 5.59 | 54.5 |" in capsys.readouterr().out
@@ -263,15 +269,9 @@ def test_the_summary_marks_the_rollout_by_the_engine_core_the_run_log_names(caps
 
 def test_without_log_probabilities_the_committed_runs_front_end_halves_and_never_outlasts_the_engine(tmp_path, capsys):
     # RESULTS.md, "mode online without verl's rollout log-probabilities": steps 3-6 of it and of online again
-    base = ROOT / "benchmarks/results/h100_super_modes"
     means = {}
     for run in ("online2", "online_nolp"):
-        d = base / run
-        out = tmp_path / f"{run}.json"
-        assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
-                              "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
-                              "--steps", "3-6", "--json", str(out)]) == 0
-        res = json.loads(out.read_text())
+        res = _committed_phases(run, tmp_path, "--steps", "3-6")
         assert res["means_over"] == [3, 6]
         means[run] = res
     lp, nolp = means["online2"]["means"], means["online_nolp"]["means"]
@@ -279,7 +279,7 @@ def test_without_log_probabilities_the_committed_runs_front_end_halves_and_never
     assert round(lp["front_end_after_s"], 2) == 0.38
     assert all(r["front_end_after_s"] == 0.0 for r in means["online_nolp"]["steps"] if r["step"] >= 2)
     capsys.readouterr()
-    d = base / "online_nolp"
+    d = MODES_DIR / "online_nolp"
     assert proc_cpu.main(["summary", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
                           "--log", str(d / "run/online.log")]) == 0
     assert "| ray::vLLMHttpServer | 1 | 54.1 | 85.0 | 0.00 |" in capsys.readouterr().out
