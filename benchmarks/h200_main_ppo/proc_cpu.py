@@ -38,7 +38,8 @@ core was busy (its first to its last sample at ``--min`` percent or more; its pi
 step's generated tokens (``timing_s/gen`` over ``timing_per_token_ms/gen``), the front end's CPU per generated token.
 vLLM's GPU worker is left out on purpose: it waits for work spinning at ~100 % of a core, also while the engine core
 sits idle and while vLLM sleeps, so its CPU use does not mark a rollout. The spans come from the samples' grid
-(``--interval``, 0.5 s): each step's carries that much, their means over the last ``--last`` steps less.
+(``--interval``, 0.5 s): each step's carries that much, their means over the last ``--last`` steps (or
+``--steps FIRST-LAST``) less.
 
 Linux only (``/proc``).
 """
@@ -213,7 +214,7 @@ def summarize(samples: list[dict], busy: str, minimum: float, pinned: float,
             "processes": rows}
 
 
-ENGINE_CORE, FRONT_END, AGENT_LOOPS, TRAINER = "engine core", "front end", "agent loops", "trainer"
+ENGINE_CORE, FRONT_END, AGENT_LOOPS = "engine core", "front end", "agent loops"
 
 
 def engine_core_pids(log_text: str) -> set[str]:
@@ -231,8 +232,6 @@ def role(key: str, engine_cores: set[str]) -> str | None:
         return FRONT_END
     if name.startswith("ray::AgentLoopWorker"):
         return AGENT_LOOPS
-    if name.startswith("ray::WorkerDict"):
-        return TRAINER
     return None
 
 
@@ -241,7 +240,8 @@ def step_phases(samples: list[dict], events: list[dict], metrics: dict[int, dict
     """Per step (its rollout runs on the weights of update ``step``, the sync event with that ``update``), from
     the samples after that sync up to the next one (the last step: ``timing_s/step`` + 5 s): each role's CPU
     seconds, the engine core's busy span, and how long the front end and then the agent loops stayed busy after
-    it (a role is busy in a sample when one of its processes used ``minimum`` percent of a core or more)."""
+    it (a role is busy in a sample when one of its processes used ``minimum`` percent of a core or more; the front
+    end's span after the engine core is negative when its last busy sample came first)."""
     syncs = {int(e["update"]): float(e["time"]) for e in events if e.get("event") == "sync" and "update" in e}
     rows = []
     for step in sorted(metrics):
