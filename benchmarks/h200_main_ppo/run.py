@@ -866,7 +866,8 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
 
 
 def cmd_compare(a) -> int:
-    """The modes' runs over their last ``--last`` steps (``run.py compare SUMMARY [SUMMARY ...]``; a mode found in
+    """The modes' runs over their last ``--last`` steps, or the same steps of each (``--steps FIRST-LAST``, for runs
+    of unequal length) (``run.py compare SUMMARY [SUMMARY ...]``; a mode found in
     several summaries: a row for each, labelled ``mode@<folder>``, the criteria judged on the last one given): a
     markdown table, each done-criterion with its verdict, the factors of the generation-time ratio; ``--json``
     writes it all."""
