@@ -243,7 +243,7 @@ def test_the_committed_online_runs_front_end_outlasts_the_engine_core_more_on_th
     # the front end's CPU per rollout exceeds the engine core's busy span: the rollout ends when the front end does
     for m in (fast, slow):
         assert m["front_end_cpu_s"] > m["engine_core_busy_s"] and m["front_end_after_s"] > 0
-    assert slow["front_end_after_s"] > 3 * fast["front_end_after_s"]
+    assert slow["front_end_after_s"] > 2.5 * fast["front_end_after_s"]
 
 
 def test_phases_refuse_a_log_without_the_engine_cores_pid(tmp_path):
