@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     ph.add_argument("--log", required=True, help="the run's log (run/<mode>.log): the engine core's pid")
     ph.add_argument("--min", type=float, default=50.0, dest="minimum")
     ph.add_argument("--last", type=int, default=10, help="the means over the last N steps")
-    ph.add_argument("--steps", default=None, help="FIRST-LAST: the means over these steps instead")
+    ph.add_argument("--steps", type=step_range, default=None, help="FIRST-LAST: the means over these steps instead")
     ph.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "phases":
@@ -333,24 +333,17 @@ def main(argv=None) -> int:
         if a.interval <= 0:
             ap.error(f"--interval must be > 0, got {a.interval}")
         return sample(a.out, a.interval, a.seconds)
-    with (gzip.open if a.samples.endswith(".gz") else open)(a.samples, "rt") as f:
-        samples = [json.loads(line) for line in f if line.strip()]
+    samples = _read_jsonl(a.samples)
     workers: set[str] = set()
     if a.events:
-        with open(a.events) as f:
-            events = [json.loads(line) for line in f if line.strip()]
+        events = _read_jsonl(a.events)
         workers = sync_pids(events)
         if not workers:
             ap.error(f"--events {a.events}: no sync event with a pid")
         # the first sync precedes the first rollout: vLLM's start-up is left out
         first = min(e["time"] for e in events if e.get("event") == "sync")
         samples = [s for s in samples if s["t"] >= first]
-    cores: set[str] = set()
-    if a.log:
-        with open(a.log, errors="replace") as f:
-            cores = engine_core_pids(f.read())
-        if not cores:
-            ap.error(f"--log {a.log}: no '(EngineCore pid=N)' line names vLLM's engine core")
+    cores = _engine_cores(ap, a.log) if a.log else set()
     busy = a.busy or (ENGINE_CORE_LOG if cores else WORKER if workers else "EngineCore")
     res = summarize(samples, busy, a.minimum, a.pinned, workers, cores)
     print(f"{res['rollout_samples']} of {res['samples']} samples with {busy} at >= {a.minimum:g} % "
@@ -369,6 +362,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def step_range(text: str) -> tuple[int, int]:
+    """``FIRST-LAST`` (``phases --steps``, ``run.py compare --steps``): two step numbers, 1 <= FIRST <= LAST."""
+    try:
+        first, last = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: FIRST-LAST, two step numbers") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 1 <= FIRST <= LAST")
+    return first, last
+
+
+def _engine_cores(ap: argparse.ArgumentParser, log_path: str) -> set[str]:
+    """:func:`engine_core_pids` of a run log, or a usage error naming ``--log``."""
+    with open(log_path, errors="replace") as f:
+        cores = engine_core_pids(f.read())
+    if not cores:
+        ap.error(f"--log {log_path}: no '(EngineCore pid=N)' line names vLLM's engine core")
+    return cores
+
+
 def _read_jsonl(path: str) -> list[dict]:
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -377,10 +390,7 @@ def _read_jsonl(path: str) -> list[dict]:
 def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
     samples, events = _read_jsonl(a.samples), _read_jsonl(a.events)
     metrics = {int(r["step"]): r["data"] for r in _read_jsonl(a.metrics) if "step" in r}
-    with open(a.log, errors="replace") as f:
-        cores = engine_core_pids(f.read())
-    if not cores:
-        ap.error(f"--log {a.log}: no '(EngineCore pid=N)' line names vLLM's engine core")
+    cores = _engine_cores(ap, a.log)
     rows = step_phases(samples, events, metrics, cores, a.minimum)
     if not rows:
         ap.error("no step has a sync event, verl's timing_s/gen and engine core samples at "
@@ -389,15 +399,9 @@ def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
           f"(interval {statistics.median(s['dt'] for s in samples)} s)")
     print("| step | " + " | ".join(label for label, _, _ in PHASE_COLUMNS) + " |")
     print("|---" * (len(PHASE_COLUMNS) + 1) + "|")
-    last = rows[-a.last:]
-    if a.steps:
-        try:
-            first, final = (int(x) for x in a.steps.split("-"))
-        except ValueError:
-            ap.error(f"--steps {a.steps!r}: FIRST-LAST, two step numbers")
-        last = [r for r in rows if first <= r["step"] <= final]
-        if not last:
-            ap.error(f"--steps {a.steps}: no step of the run in it")
+    last = [r for r in rows if a.steps[0] <= r["step"] <= a.steps[1]] if a.steps else rows[-a.last:]
+    if not last:
+        ap.error(f"--steps {a.steps[0]}-{a.steps[1]}: no step of the run in it")
     for r in rows:
         print(f"| {r['step']} | " + " | ".join("-" if r.get(k) is None else f.format(r[k]) for _, k, f in PHASE_COLUMNS)
               + " |")

@@ -53,10 +53,11 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-# the product, its CPU runtime (verl_mtp_cpu) and the benchmarks' shared task module (task.py)
-for _p in (str(REPO), str(REPO / "cpu_runtime"), str(REPO / "benchmarks")):
+# the product, its CPU runtime (verl_mtp_cpu), the benchmarks' shared task module (task.py) and proc_cpu.py
+for _p in (str(REPO), str(REPO / "cpu_runtime"), str(REPO / "benchmarks"), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from proc_cpu import step_range  # noqa: E402
 from task import task_rows  # noqa: E402
 from verl_mtp_cpu.events import ENV_BREAK_SYNC  # noqa: E402
 from verl_mtp_cpu.harness import RECIPE_DIR, provider_overrides, run_trainer  # noqa: E402
@@ -985,17 +986,6 @@ def cmd_plot(a) -> int:
     return 0
 
 
-def _step_range(text: str) -> tuple[int, int]:
-    """``FIRST-LAST`` (``compare --steps``): two step numbers, 1 <= FIRST <= LAST."""
-    try:
-        first, last = (int(x) for x in text.split("-"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: FIRST-LAST, two step numbers") from None
-    if not 1 <= first <= last:
-        raise argparse.ArgumentTypeError(f"{text!r}: needs 1 <= FIRST <= LAST")
-    return first, last
-
-
 def _positive(v: str) -> int:
     n = int(v)
     if n < 1:
@@ -1061,7 +1051,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("compare", help="the modes over their last steps: table, done-criteria, gen-time factors")
     t.add_argument("summaries", nargs="+")
     t.add_argument("--last", type=_positive, default=10, help="the last N logged steps of each mode")
-    t.add_argument("--steps", type=_step_range, default=None,
+    t.add_argument("--steps", type=step_range, default=None,
                    help="FIRST-LAST: these steps of every mode instead of the last N (runs of unequal length)")
     t.add_argument("--json", help="write the comparison here")
     a = ap.parse_args(argv)
