@@ -27,7 +27,9 @@ the CPU seconds the driver process spent: with vLLM's engine core in its own pro
 last output by a coroutine, as verl's server does; :func:`frontend_call`), one engine per arm in turn, the variants
 interleaved in it, at one batch and ``--len-fixed`` length: the front end's CPU per generated token. Variant
 ``verl-final`` is ``verl`` asking only for the final output; ``verl-nolp`` is ``verl`` with verl's
-``rollout.calculate_log_probs: false`` (no log-probability per token, still detokenized). Output
+``rollout.calculate_log_probs: false`` (no log-probability per token, still detokenized); ``verl-notext`` is
+``verl`` with ``detokenize=False`` (the log-probabilities kept, no text), ``verl-flat`` with vLLM's flat
+log-probability lists (``flat_logprobs=True``), ``verl-lean`` with both. Output
 ``<out>/frontend_<tag>.json`` and a table.
 
 Tokens per verify step after RL moved the policy also come from verl's own trainer (``h200_main_ppo/``: vLLM's
@@ -787,7 +789,7 @@ class EngineTally:
 _CALLS = itertools.count()
 
 #: ``--sampling`` variants: the request every rollout call sends (:func:`rollout_sampling_params`)
-SAMPLING_VARIANTS = ("plain", "verl", "verl-final", "verl-nolp")
+SAMPLING_VARIANTS = ("plain", "verl", "verl-final", "verl-nolp", "verl-notext", "verl-flat", "verl-lean")
 
 
 def rollout_sampling_params(variant: str, n: int, args):
@@ -804,34 +806,46 @@ def rollout_sampling_params(variant: str, n: int, args):
     each request's output so far, which verl's server reads only at the end).
     ``verl-final``: ``verl``'s request with ``output_kind=FINAL_ONLY`` (one output per request, when it finishes).
     ``verl-nolp``: ``verl``'s request as verl sends it with ``rollout.calculate_log_probs: false`` (``logprobs=None``;
-    still detokenized, vLLM's default output kind): what the log-probabilities cost, beside ``verl``."""
+    still detokenized, vLLM's default output kind): what the log-probabilities cost, beside ``verl``.
+    ``verl-notext``: ``verl``'s request with ``detokenize=False`` (the log-probabilities kept, no text and no
+    decoded token beside each log-probability; verl's server reads only the token ids and log-probabilities).
+    ``verl-flat``: ``verl``'s request with ``flat_logprobs=True`` (vLLM's ``FlatLogprobs``: a few flat lists per
+    request instead of one dict and ``Logprob`` object per token, which verl's server reads the same way).
+    ``verl-lean``: both (``detokenize=False``, ``flat_logprobs=True``)."""
     from vllm import SamplingParams
 
     if variant == "plain":
         return SamplingParams(temperature=args.temperature, max_tokens=n, min_tokens=n, ignore_eos=True,
                               detokenize=False)
-    if variant in ("verl", "verl-final", "verl-nolp"):
+    if variant in SAMPLING_VARIANTS[1:]:
         from vllm.sampling_params import RequestOutputKind
 
         kind = RequestOutputKind.FINAL_ONLY if variant == "verl-final" else RequestOutputKind.CUMULATIVE
         return SamplingParams(temperature=args.temperature, top_k=-1, top_p=1.0, repetition_penalty=1.0,
                               logprobs=None if variant == "verl-nolp" else 0, max_tokens=n, min_tokens=n,
-                              ignore_eos=True, detokenize=True, output_kind=kind)
+                              ignore_eos=True, detokenize=variant not in ("verl-notext", "verl-lean"),
+                              flat_logprobs=variant in ("verl-flat", "verl-lean"), output_kind=kind)
     raise ValueError(f"unknown sampling variant {variant!r} ({', '.join(SAMPLING_VARIANTS)})")
 
 
 def check_batch(done: list, tokens: int, lengths: list[int], sampling: str) -> None:
     """A timed batch decoded every token it asked for, a request of ``verl``'s asked for and got one
-    log-probability per token, and one of ``verl-nolp`` got none (checked after the timing)."""
+    log-probability per token, one of ``verl-nolp`` got none, and one of ``verl-notext`` no text (checked after the
+    timing)."""
     if tokens != sum(lengths):
         raise RuntimeError(f"the batch decoded {tokens} tokens, its lengths sum to {sum(lengths)}")
     if sampling == "verl-nolp":
         if any(o.outputs[0].logprobs for o in done):
             raise RuntimeError("a request without log-probabilities (verl-nolp) came back with some")
     elif sampling.startswith("verl"):
+        if sampling in ("verl-notext", "verl-lean") and any(o.outputs[0].text for o in done):
+            raise RuntimeError(f"a request without detokenization ({sampling}) came back with text")
         short = sum(len(o.outputs[0].logprobs or ()) != len(o.outputs[0].token_ids) for o in done)
         if short:
             raise RuntimeError(f"{short} of {len(done)} requests came back without a log-probability per token")
+        for o in done:  # read as verl 0.9.1's vLLMHttpServer.generate reads them (flat lists or dicts alike)
+            ids = o.outputs[0].token_ids
+            [lp[ids[i]].logprob for i, lp in enumerate(o.outputs[0].logprobs)]
 
 
 def rollout_call(llm, tally: EngineTally, prompts: list[list[int]], lengths: list[int], args, depths,
@@ -1294,8 +1308,10 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
                     "'plain' (no log-probabilities, no detokenization) and 'verl' (what verl's vLLM server sends: "
                     "logprobs=0, detokenized, top_k=-1, top_p=1, repetition_penalty=1; with it every engine gets "
                     "logprobs_mode=processed_logprobs and the tokenizer, as verl's); 'verl-final' (verl's asking "
-                    "for the final output only) and 'verl-nolp' (verl's with rollout.calculate_log_probs false: no "
-                    "log-probabilities); all decode the same lengths")
+                    "for the final output only), 'verl-nolp' (verl's with rollout.calculate_log_probs false: no "
+                    "log-probabilities), 'verl-notext' (verl's with detokenize=False: log-probabilities, no text), "
+                    "'verl-flat' (verl's with flat_logprobs=True) and 'verl-lean' (both); "
+                    "all decode the same lengths")
     ap.add_argument("--reps", type=int, default=1, help="timed calls per batch size and visit")
     ap.add_argument("--rounds", type=int, default=5,
                     help="visits per arm (arms interleaved: every arm once per round, every second round reversed; "

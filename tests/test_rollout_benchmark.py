@@ -346,6 +346,13 @@ def test_each_sampling_variant_sends_exactly_its_request_in_vllms_own_sampling_p
     # verl with rollout.calculate_log_probs false: only the log-probability goes
     nolp = msgspec.structs.asdict(spec_bench.rollout_sampling_params("verl-nolp", 7, args))
     assert {x for x in v if v[x] != nolp[x]} == {"logprobs"} and nolp["logprobs"] is None
+    # verl's request without detokenization: only the text goes, the log-probability stays
+    notext = msgspec.structs.asdict(spec_bench.rollout_sampling_params("verl-notext", 7, args))
+    assert {x for x in v if v[x] != notext[x]} == {"detokenize"} and notext["logprobs"] == 0
+    flat = msgspec.structs.asdict(spec_bench.rollout_sampling_params("verl-flat", 7, args))
+    assert {x for x in v if v[x] != flat[x]} == {"flat_logprobs"} and flat["flat_logprobs"] is True
+    lean = msgspec.structs.asdict(spec_bench.rollout_sampling_params("verl-lean", 7, args))
+    assert {x for x in v if v[x] != lean[x]} == {"flat_logprobs", "detokenize"} and lean["logprobs"] == 0
     with pytest.raises(ValueError, match="unknown sampling variant 'greedy'"):
         spec_bench.rollout_sampling_params("greedy", 7, args)
 
@@ -472,10 +479,12 @@ class _FakeEngine:
         return bool(self.requests)
 
     def step(self):
+        from vllm.logprobs import Logprob
+
         outs = []
         for rid, _, sp in self.requests:
             ids = list(range(sp.max_tokens))
-            lps = None if sp.logprobs is None else [{t: -0.1} for t in ids][: len(ids) - (rid.endswith(self.short or "~"))]
+            lps = None if sp.logprobs is None else [{t: Logprob(-0.1)} for t in ids][: len(ids) - rid.endswith(self.short or "~")]
             text = "x" * len(ids) if sp.detokenize else ""
             outs.append(SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, text=text)]))
         self.requests = []
@@ -552,6 +561,7 @@ class _FakeAsyncEngine:
         self.params = []
 
     async def generate(self, prompt, params, request_id):
+        from vllm.logprobs import Logprob
         from vllm.sampling_params import RequestOutputKind
 
         self.params.append(params)
@@ -559,7 +569,7 @@ class _FakeAsyncEngine:
             if params.output_kind == RequestOutputKind.FINAL_ONLY and t < params.max_tokens:
                 continue
             ids = list(range(t))
-            lps = None if params.logprobs is None else [{i: -0.1} for i in ids]
+            lps = None if params.logprobs is None else [{i: Logprob(-0.1)} for i in ids]
             yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps)])
 
 
@@ -586,6 +596,11 @@ def test_the_frontend_call_reads_every_request_to_its_end_and_verl_final_asks_fo
     with pytest.raises(RuntimeError, match="came back with some"):
         spec_bench.check_batch([SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=[{1: -0.1}])])], 1,
                                [1], "verl-nolp")
+    lp = SimpleNamespace(token_ids=[1], logprobs=[{1: SimpleNamespace(logprob=-0.1)}])
+    spec_bench.check_batch([SimpleNamespace(outputs=[SimpleNamespace(text="", **vars(lp))])], 1, [1], "verl-notext")
+    with pytest.raises(RuntimeError, match="verl-notext.*came back with text"):
+        spec_bench.check_batch([SimpleNamespace(outputs=[SimpleNamespace(text="a", **vars(lp))])], 1, [1],
+                               "verl-notext")
     result = {"arms": {"k0": {"calls": [
         {"sampling": "plain", "wall_s": 1.0, "driver_cpu_share": 0.1, "driver_cpu_us_per_token": 10.0},
         {"sampling": "verl", "wall_s": 2.0, "driver_cpu_share": 0.4, "driver_cpu_us_per_token": 40.0},
