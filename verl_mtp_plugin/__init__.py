@@ -83,6 +83,10 @@ if "verl" in _sys.modules:
     from verl_mtp_plugin.engine.registry import register as _register_with_verl
 
     _register_with_verl()
+    # verl's rollout registry: its `vllm` replica starts the plugin's server (requests without detokenization)
+    from verl_mtp_plugin.rollout.replica import install as _install_rollout_server
+
+    _install_rollout_server()
     if "verl.trainer.ppo.v1.trainer_base" in _sys.modules or "verl.trainer.ppo.ray_trainer" in _sys.modules:
         # verl's task runner (python -m verl.trainer.main_ppo, v1 or legacy trainer): it imports external_lib while
         # it builds the tokenizer, before any worker; the plugin's start-up check runs next (compat/verl_entry.py)
