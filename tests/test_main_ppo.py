@@ -197,6 +197,18 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
     _assert_rollout_speculation(online)
     syncs = _syncs(online)
     assert len(syncs) == n + 1 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync
+    _assert_lean_rollout_requests(online)
+
+
+def _assert_lean_rollout_requests(result):
+    """The plugin's vLLM server ran (its line in the run's log) and verl still got vLLM's log-probability of every
+    generated token: verl compares them with the actor's each step (verl's debug metrics)."""
+    from verl_mtp_plugin.rollout.request import LEAN_LINE
+
+    assert LEAN_LINE.format(flat=True) in result.log_path.read_text(errors="replace"), result.describe_failure()
+    for step, m in sorted(result.metrics.items()):
+        assert m["training/rollout_probs_diff_valid"] == 1.0, step
+        assert m["training/rollout_actor_probs_pearson_corr"] > 0.9, (step, m["training/rollout_actor_probs_pearson_corr"])
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S)
@@ -229,6 +241,7 @@ def test_online_resume_through_verl_entry_keeps_the_trunk_out_of_the_mtp_loss(on
     assert m["mtp_guard/desync"] == 0.0  # the healthy step of the run: the guard stayed quiet
     # verl's entry point ran the plugin's mtp_sync trainer: vLLM's counters reached its step metrics
     assert m.get("rollout/spec_num_drafts", 0) > 0 and 0.0 < m["rollout/spec_accept_rate"] <= 1.0
+    _assert_lean_rollout_requests(online_resumed)  # verl's entry point starts the plugin's vLLM server too
 
 
 # --------------------------------------------------------------------------------------------------

@@ -96,6 +96,24 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_the_plugins_task_runner_registers_its_replica_where_the_plugin_came_before_verl():
+    """The plugin's entry point: its task runner imports the package before verl (the package ``__init__`` then
+    registers nothing) and its trainers module next, which registers the replica."""
+    pytest.importorskip("verl")
+    pytest.importorskip("vllm")
+    code = """
+import sys
+import verl_mtp_plugin
+assert "verl" not in sys.modules
+import verl_mtp_plugin.trainer.v1
+from verl.workers.rollout.replica import get_rollout_replica_class
+assert get_rollout_replica_class("vllm").__name__ == "MTPvLLMReplica"
+print("ok")
+"""
+    r = _in_fresh_process(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_another_packages_vllm_replica_is_left_in_place_with_a_warning():
     pytest.importorskip("verl")
     code = """

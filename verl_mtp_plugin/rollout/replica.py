@@ -8,9 +8,10 @@ through :func:`verl_mtp_plugin.rollout.request.lean_request` (``detokenize=False
 verl's ``generate`` builds it: verl's server returns the same token ids and log-probabilities, and vLLM's front end
 does not detokenize them. Everything else is verl's (:mod:`verl_mtp_plugin.rollout.server`).
 
-Installed in every process that imports the plugin after verl (the package ``__init__``): verl's trainer resolves
-the replica class in its task runner, which imports the plugin (``actor_rollout_ref.model.external_lib``) before it
-builds the rollout. Idempotent. Not covered: verl's PD-disaggregated replicas (``rollout.disaggregation``), which
+Installed where verl's trainer resolves the replica class, its task runner, before the trainer builds the rollout:
+by :mod:`verl_mtp_plugin.trainer.v1` on import (the plugin's entry point imports it there, verl's entry point with
+``VERL_USE_EXTERNAL_MODULES``) and by the package ``__init__`` in a process that imported verl first (verl's entry
+point with ``actor_rollout_ref.model.external_lib``). Idempotent. Not covered: verl's PD-disaggregated replicas (``rollout.disaggregation``), which
 verl resolves outside the registry.
 
 Private joints (listed in :mod:`verl_mtp_plugin.compat.probes`, as the engine registry's are): ``RolloutReplicaRegistry._registry`` (read, to

@@ -54,6 +54,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from verl_mtp_plugin.rollout.monitor.desync_guard import guard_from_verl_config
 from verl_mtp_plugin.rollout.monitor.spec_monitor import RolloutSpecMonitor
+from verl_mtp_plugin.rollout.replica import install as install_rollout_server
 from verl_mtp_plugin.compat.verl_entry import install as install_startup_check
 from verl_mtp_plugin.compat.verl_replay_buffer import sample_poll_s, set_sample_poll
 from verl_mtp_plugin.config_keys import TRAINER_MODES
@@ -72,6 +73,10 @@ logger = logging.getLogger(__name__)
 # verl's entry point with VERL_USE_EXTERNAL_MODULES=verl_mtp_plugin.trainer.v1: the start-up check runs in the task
 # runner before the trainer builds any worker (the same check as python -m verl_mtp_plugin.main_ppo)
 install_startup_check(startup_check)
+# every task runner of the plugin imports this module before its trainer builds the rollout (the plugin's entry point,
+# verl's with VERL_USE_EXTERNAL_MODULES; verl's with external_lib installs it from the package __init__): verl's
+# rollout registry then starts the plugin's vLLM server (rollout/replica.py)
+install_rollout_server()
 
 
 def build_rollout_monitor(config, addresses, *, exclude_validation: bool = True) -> RolloutSpecMonitor:
