@@ -483,6 +483,32 @@ def test_compare_shows_each_runs_extra_overrides_and_warns_when_the_judged_modes
     assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "--override" in w]
 
 
+def test_compare_shows_each_runs_rollout_requests_and_warns_when_the_judged_modes_differ(tmp_path, capsys):
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
+    on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400)
+    data = json.loads(pathlib.Path(on).read_text())
+    data["runs"]["online"]["rollout_requests"] = "lean"  # run_mode found the plugin's server's line in the log
+    pathlib.Path(on).write_text(json.dumps(data))
+    res = _compare(tmp_path, off, on)
+    # a summary written before the plugin's server existed: verl's requests
+    assert (res["modes"]["off"]["requests"], res["modes"]["online"]["requests"]) == ("verl", "lean")
+    (w,) = [w for w in res["warnings"] if "different requests" in w]
+    assert "off: verl; online: lean" in w
+    assert "| lean |" in capsys.readouterr().out
+    data = json.loads(pathlib.Path(off).read_text())
+    data["runs"]["off"]["rollout_requests"] = "lean"
+    pathlib.Path(off).write_text(json.dumps(data))
+    assert not [w for w in _compare(tmp_path, off, on)["warnings"] if "different requests" in w]
+
+
+def test_the_lean_mark_is_the_start_of_the_plugins_server_line():
+    from verl_mtp_plugin.rollout.request import LEAN_LINE
+
+    line = f"(MTPvLLMHttpServer pid=7) {LEAN_LINE.format(flat=True)}"
+    assert run.LEAN_MARK in line and run.LEAN_MARK.startswith("verl_mtp_plugin: vLLM rollout requests")
+    assert run.LEAN_MARK not in "(vLLMHttpServer pid=7) INFO vLLM rollout requests"
+
+
 def test_compare_steps_reads_the_same_steps_of_every_mode_and_refuses_a_bad_range(tmp_path, capsys):
     off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 400)
     on = _summary(tmp_path / "on.json", "online", 6.0, 2.5, 0.70, 0.72, 400, steps=6)

@@ -616,3 +616,24 @@ def test_the_frontend_command_refuses_a_run_without_a_fixed_length_before_it_sta
     with pytest.raises(SystemExit, match="--len-fixed N"):
         spec_bench.cmd_frontend(_args(spec_bench, "--batches", "64"))
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in __import__("os").environ  # refused before any engine setting
+
+
+def test_the_committed_lean_request_runs_give_the_quoted_figures(spec_bench):
+    """RESULTS.md, "The plugin's lean rollout requests": the H100 rollout and front-end JSONs."""
+    import json
+    import pathlib
+
+    res = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/h100_super_lean"
+    ro = json.loads((res / "rollout_h100_super_lean.json").read_text())
+    med = {(arm, v): ro["arms"][arm]["by_sampling"][v]["256"]["wall_s"]["median"]
+           for arm in ("k0", "k2") for v in ("plain", "verl", "verl-lean", "verl-nolp")}
+    assert [round(med["k2", v], 2) for v in ("plain", "verl", "verl-lean", "verl-nolp")] == [1.74, 4.97, 2.28, 1.84]
+    assert [round(med["k0", v], 2) for v in ("plain", "verl", "verl-lean", "verl-nolp")] == [3.32, 6.74, 6.33, 4.06]
+    assert round(med["k2", "verl-lean"] / med["k0", "verl-lean"], 2) == 0.36
+    assert round(med["k2", "verl"] / med["k0", "verl"], 2) == 0.74
+    rows = spec_bench.rollout_table(ro).splitlines()
+    assert "| k2 verl-lean | 256 | 2.31, 2.10, 2.30, 2.28, 2.06 | 2.28 | 2.78 |" in "\n".join(rows)
+    for arm, want in (("k2", "| k2 | verl-lean | 2.35, 2.35, 2.02 | 2.35 | 0.74 | 14.7 (13.1-17.3) |"),
+                      ("k0", "| k0 | verl-lean | 5.12, 4.14, 4.34 | 4.34 | 0.77 | 36.4 (32.7-37.3) |")):
+        fe = json.loads((res / f"frontend_h100_{arm}.json").read_text())
+        assert want in spec_bench.frontend_table(fe).splitlines()

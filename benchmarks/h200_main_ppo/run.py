@@ -61,6 +61,10 @@ from proc_cpu import step_range  # noqa: E402
 from task import task_rows  # noqa: E402
 from verl_mtp_cpu.events import ENV_BREAK_SYNC  # noqa: E402
 from verl_mtp_cpu.harness import RECIPE_DIR, provider_overrides, run_trainer  # noqa: E402
+from verl_mtp_plugin.rollout.request import LEAN_LINE  # noqa: E402
+
+#: the start of the line the plugin's vLLM server prints once (its requests without detokenization)
+LEAN_MARK = LEAN_LINE.split(" (")[0]
 
 PYTHONPATH_DIR = HERE / "pythonpath"
 EXTENSION = "verl_h200_ext.H200MTPColocateWorkerExtension"
@@ -313,6 +317,8 @@ def run_mode(mode: str, a, out: pathlib.Path, timeout_s: float) -> dict:
     res = {"mode": mode, "recipe": recipe, "rc": rc, "stopped": stopped, "wall_s": round(wall, 1),
            "steps_logged": sorted(metrics), "metrics": metrics, "events": events, "cmd": cmd,
            "desync_error": bool(re.search(r"MTPDesyncError", text)),
+           # the plugin's vLLM server (token ids and log-probabilities only) or verl's (every run before it existed)
+           "rollout_requests": "lean" if LEAN_MARK in text else "verl",
            "guard_lines": [ln[:600] for ln in text.splitlines() if "desync guard" in ln or "MTPDesyncError" in ln][:6],
            "table": step_table(metrics, events, a.prompts * a.n)}
     if rc != 0 or stopped:
@@ -551,7 +557,8 @@ def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
         pre = summary.get("pretraining") or pretraining((p.parent if p.name == "run" else p) / "assets.json")
         pace = (summary.get("host_pace") or {}).get("seconds")
         extra = list((summary.get("args") or {}).get("override") or [])
-        out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace, "overrides": extra})
+        out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace, "overrides": extra,
+                              "requests": r.get("rollout_requests") or "verl"})
                 for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
     return out
 
@@ -773,6 +780,7 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         x["pretraining"] = runs[mode].get("pretraining")
         x["host_pace_s"] = runs[mode].get("host_pace_s")
         x["overrides"] = list(runs[mode].get("overrides") or [])
+        x["requests"] = runs[mode].get("requests") or "verl"
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -788,6 +796,11 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
     if len({tuple(v) for v in sets.values()}) > 1:
         res["warnings"].append("the judged modes ran with different --override settings (" + "; ".join(
             f"{m}: {', '.join(v) or 'none'}" for m, v in sets.items()) + "): their ratios compare those settings too")
+    reqs = {m: w[m]["requests"] for m in judged.values() if m in w}
+    if len(set(reqs.values())) > 1:
+        res["warnings"].append("the judged modes' vLLM servers built different requests (" + "; ".join(
+            f"{m}: {v}" for m, v in reqs.items()) + "; 'lean': the plugin's, without detokenization): their ratios "
+            "compare those requests too")
     # the same checkpoint for every mode: a time cap that ended a pretraining phase early made another one
     ref_mode = judged.get("off", "off") if judged.get("off", "off") in w else next(iter(w), None)
     ref = (w[ref_mode]["pretraining"] or {}) if ref_mode else {}
@@ -863,7 +876,7 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
             ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
             ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None),
-            ("host loop s", "host_pace_s", "{:.3f}"), ("more overrides", None, None)]
+            ("host loop s", "host_pace_s", "{:.3f}"), ("requests", "requests", "{}"), ("more overrides", None, None)]
 
 
 def cmd_compare(a) -> int:
