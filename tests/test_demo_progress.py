@@ -167,7 +167,10 @@ def test_output_it_cannot_read_shows_the_elapsed_time_and_never_stops_the_demo(t
     (("[  45.7s] \x1b[36m(MTPTaskRunner pid=31505)\x1b[0m INFO:2026-12-04 18:01:52,665:create worker group "
       "dict_keys(['actor_rollout_ref'])"), "workers"),
     ("[  82.6s] \x1b[36m(vLLMHttpServer pid=32158)\x1b[0m INFO:2026-12-04 18:02:29,506:Platform override", "vllm"),
-], ids=["verl-create-worker-group", "ray-vLLMHttpServer-prefix"])
+    # the plugin's vLLM server (a run of 2026-12-06 with it)
+    ("[ 184.7s] \x1b[36m(MTPvLLMHttpServer pid=11585)\x1b[0m verl_mtp_plugin: vLLM rollout requests ask for token "
+     "ids and log-probabilities only (detokenize=False, flat_logprobs=True)", "vllm"),
+], ids=["verl-create-worker-group", "ray-vLLMHttpServer-prefix", "ray-MTPvLLMHttpServer-prefix"])
 def test_markers_match_through_rays_colour_codes(line, key):
     P = _P()
     t = P.RunTracker(STEPS)

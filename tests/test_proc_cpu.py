@@ -20,6 +20,9 @@ _spec.loader.exec_module(proc_cpu)
 
 def test_names_group_ray_actors_vllms_engine_core_and_python_processes():
     assert proc_cpu.group("12 ray::vLLMHttpServer.generate") == "ray::vLLMHttpServer"
+    # verl's front end and the plugin's subclass of it play the same part
+    assert proc_cpu.role("12 ray::vLLMHttpServer.generate", set()) == proc_cpu.role("3 ray::MTPvLLMHttpServer", set())
+    assert proc_cpu.role("3 ray::MTPvLLMHttpServer", set()) == proc_cpu.FRONT_END
     assert proc_cpu.group("13 ray::AgentLoopWorker") == "ray::AgentLoopWorker"
     assert proc_cpu.group("14 VLLM::EngineCore") == "VLLM::EngineCore"
     assert proc_cpu.group("15 /opt/venv/bin/python3 -m verl_mtp_plugin.main_ppo --x y") == "python3 -m verl_mtp_plugin.main_ppo"

@@ -33,8 +33,8 @@ host-bound phases ran slower with steal above zero was sharing its CPUs.
 ``phases SAMPLES --events EVENTS --metrics METRICS --log RUN_LOG``: each step's rollout split by process, between
 the sync that precedes it (the plugin's sync event, after the weights landed) and the next: how long vLLM's engine
 core was busy (its first to its last sample at ``--min`` percent or more; its pid from the run log's
-``(EngineCore pid=N)`` lines), how long vLLM's front end (``ray::vLLMHttpServer``) and then verl's agent loops
-(``ray::AgentLoopWorker*``) stayed busy after it, and each one's CPU seconds; with verl's ``timing_s/gen`` and the
+``(EngineCore pid=N)`` lines), how long vLLM's front end (``ray::vLLMHttpServer``, or the plugin's
+``ray::MTPvLLMHttpServer``) and then verl's agent loops (``ray::AgentLoopWorker*``) stayed busy after it, and each one's CPU seconds; with verl's ``timing_s/gen`` and the
 step's generated tokens (``timing_s/gen`` over ``timing_per_token_ms/gen``), the front end's CPU per generated token.
 vLLM's GPU worker is left out on purpose: it stays near 100 % of a core through the engine core's busy span and for
 0.5-1 s after it, waiting for work, so its CPU use shows no work. The spans come from the samples' grid
@@ -228,7 +228,7 @@ def role(key: str, engine_cores: set[str]) -> str | None:
     pid, _, name = key.partition(" ")
     if pid in engine_cores or "EngineCore" in name:
         return ENGINE_CORE
-    if name.startswith("ray::vLLMHttpServer"):
+    if name.startswith(("ray::vLLMHttpServer", "ray::MTPvLLMHttpServer")):  # verl's server, or the plugin's
         return FRONT_END
     if name.startswith("ray::AgentLoopWorker"):
         return AGENT_LOOPS

@@ -55,8 +55,10 @@ PHASES: tuple[Phase, ...] = (
     Phase("vllm", "actor/ref models loaded; starting vLLM's server",
           log=(
               "actor and ref model engine initialized",  # verl/trainer/ppo/v1/trainer_base.py:330 (logger.info)
-              # verl's vLLM server actor (verl/workers/rollout/vllm_rollout/vllm_async_server.py:87), Ray's prefix
+              # verl's vLLM server actor (verl/workers/rollout/vllm_rollout/vllm_async_server.py:87), Ray's prefix,
+              # or the plugin's subclass of it (verl_mtp_plugin/rollout/server.py), which verl's rollout starts
               "(vLLMHttpServer pid=",
+              "(MTPvLLMHttpServer pid=",
           )),
     Phase("vllm_engine", "vLLM's worker loaded the plugin's worker extension; building the engine with the MTP drafter",
           events=("vllm_worker",)),  # cpu/vllm_extension.py, at import in vLLM's worker process
