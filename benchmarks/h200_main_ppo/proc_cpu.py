@@ -34,8 +34,9 @@ host-bound phases ran slower with steal above zero was sharing its CPUs.
 the sync that precedes it (the plugin's sync event, after the weights landed) and the next: how long vLLM's engine
 core was busy (its first to its last sample at ``--min`` percent or more; its pid from the run log's
 ``(EngineCore pid=N)`` lines), how long vLLM's front end (``ray::vLLMHttpServer``, or the plugin's
-``ray::MTPvLLMHttpServer``) and then verl's agent loops (``ray::AgentLoopWorker*``) stayed busy after it, and each one's CPU seconds; with verl's ``timing_s/gen`` and the
-step's generated tokens (``timing_s/gen`` over ``timing_per_token_ms/gen``), the front end's CPU per generated token.
+``ray::MTPvLLMHttpServer``) and then verl's agent loops (``ray::AgentLoopWorker*``) stayed busy after it, and each
+one's CPU seconds; with verl's ``timing_s/gen`` and the step's generated tokens (``timing_s/gen`` over
+``timing_per_token_ms/gen``), the front end's CPU per generated token.
 vLLM's GPU worker is left out on purpose: it stays near 100 % of a core through the engine core's busy span and for
 0.5-1 s after it, waiting for work, so its CPU use shows no work. The spans come from the samples' grid
 (``--interval``, 0.5 s): each step's carries that much, their means over the last ``--last`` steps (or
