@@ -5,9 +5,9 @@ verl 0.9.1's vLLM server (``vLLMHttpServer.generate``) builds each request's ``S
 loop's dict and returns only the token ids and the sampled tokens' log-probabilities (``TokenOutput``); vLLM's
 defaults make its front end, one Python process per replica, also detokenize every generated token (the text, and
 one ``tokenizer.decode`` per log-probability for the decoded token beside it) and keep one ``dict`` and one
-``Logprob`` object per token. Measured on the CPU (``benchmarks/RESULTS.md``, "verl's log-probabilities in vLLM's
-front end without detokenization"), that was most of what the log-probabilities cost the front end; on the GPU the
-front end outlasted vLLM's engine core while the rollout's tokens flowed.
+``Logprob`` object per token. Measured in vLLM's engine alone (``benchmarks/RESULTS.md``, "The plugin's lean rollout
+requests"), that was most of what the log-probabilities cost the front end; in verl's trainer on the GPU the front
+end outlasted vLLM's engine core while the rollout's tokens flowed.
 
 :func:`lean_request` is the rule (pure, no vLLM import): ``detokenize=False`` and ``flat_logprobs=True`` (vLLM's
 ``FlatLogprobs``: a few flat lists per request, read the same way) unless the request set either itself or needs
