@@ -111,6 +111,8 @@ JOINTS = (
           ("self", "partition_id", "last_debug_time"), "sleeps poll_interval (compat/verl_replay_buffer.py)"),
     Joint("verl", "verl.workers.rollout.replica.RolloutReplicaRegistry._registry", None,
           "rollout/replica.py registers the plugin's replica under 'vllm' in place of verl's loader"),
+    Joint("verl", "verl.workers.rollout.replica._load_vllm", (),
+          "rollout/replica.py replaces only verl's own loader under 'vllm'"),
     Joint("verl", "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMReplica.__init__",
           ("self", "replica_rank", "config", "model_config"),
           "rollout/server.py subclasses it and replaces the server_class it sets"),

@@ -11,12 +11,13 @@ does not detokenize them. Everything else is verl's (:mod:`verl_mtp_plugin.rollo
 Installed where verl's trainer resolves the replica class, its task runner, before the trainer builds the rollout:
 by :mod:`verl_mtp_plugin.trainer.v1` on import (the plugin's entry point imports it there, verl's entry point with
 ``VERL_USE_EXTERNAL_MODULES``) and by the package ``__init__`` in a process that imported verl first (verl's entry
-point with ``actor_rollout_ref.model.external_lib``). Idempotent. Not covered: verl's PD-disaggregated replicas (``rollout.disaggregation``), which
-verl resolves outside the registry.
+point with ``actor_rollout_ref.model.external_lib``). Idempotent. Not covered: verl's PD-disaggregated replicas
+(``rollout.disaggregation``), which verl resolves outside the registry.
 
-Private joints (listed in :mod:`verl_mtp_plugin.compat.probes`, as the engine registry's are): ``RolloutReplicaRegistry._registry`` (read, to
-leave a replica another package registered under ``vllm`` in place), ``vLLMReplica.server_class``,
-``vLLMHttpServer.generate``'s parameters, and vLLM's ``SamplingParams.flat_logprobs`` (feature-detected).
+Private joints (listed in :mod:`verl_mtp_plugin.compat.probes`, as the engine registry's are):
+``RolloutReplicaRegistry._registry`` and verl's own loader ``_load_vllm`` (read, to leave a loader another package
+registered under ``vllm`` in place), ``vLLMReplica.server_class``, ``vLLMHttpServer.generate``'s parameters, and
+vLLM's ``SamplingParams.flat_logprobs`` (feature-detected).
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ def install() -> bool:
     loader. Returns True when registered (now or before); False, with a warning, when another package put its own
     loader there (left in place), or when verl's rollout registry is not importable."""
     try:
-        from verl.workers.rollout.replica import RolloutReplicaRegistry
+        from verl.workers.rollout import replica as verl_replica
     except ImportError:
         return False
-    have = RolloutReplicaRegistry._registry.get(ROLLOUT_NAME)
+    registry = verl_replica.RolloutReplicaRegistry
+    have = registry._registry.get(ROLLOUT_NAME)
     if have is _plugin_loader:
         return True
-    if have is not None and getattr(have, "__name__", "") != _BUILTIN_LOADER:
+    if have is not None and have is not getattr(verl_replica, _BUILTIN_LOADER, None):
         logger.warning("verl_mtp_plugin: verl's rollout registry holds %s.%s under %r, not verl's own loader: "
                        "left in place, so rollout requests keep vLLM's defaults (detokenized, per-token dicts)",
                        getattr(have, "__module__", "?"), getattr(have, "__qualname__", have), ROLLOUT_NAME)
         return False
-    RolloutReplicaRegistry.register(ROLLOUT_NAME, _plugin_loader)
+    registry.register(ROLLOUT_NAME, _plugin_loader)
     return True
