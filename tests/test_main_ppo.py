@@ -372,17 +372,24 @@ def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_accepta
     expected = sum(m[estimate] * d for m, d in zip(metrics, drafts) if d) / total
     bound = TRACKING + 3 * math.sqrt(max(measured * (1 - measured), 1e-4) / total)
     assert abs(measured - expected) <= bound, (measured, expected, bound, drafts)
-    # the drafter followed the MTP training: the stale frozen drafter's acceptance (step N+1, rollouts of the
-    # checkpoint's weights) against the last LATE_STEPS steps pooled (rollouts of weights >= 2 trained updates on):
-    # a rise beyond 3 binomial standard errors of the difference. How far it rises depends on how far the frozen run
-    # moved the policy from the checkpoint's MTP block (measured 0.14 -> 0.62 on one CPU, 0.49 -> 0.52 after one
-    # update on another), hence a noise bound and more than one trained update, not a fixed margin
-    late = [(m["rollout/spec_accept_rate_pos_0"], d) for m, d in zip(metrics[-LATE_STEPS:], drafts[-LATE_STEPS:]) if d]
-    n_first, n_late = drafts[0], sum(d for _, d in late)
-    first = metrics[0]["rollout/spec_accept_rate_pos_0"]
-    last = sum(r * d for r, d in late) / n_late
+    # the drafter followed the MTP training: from the stale frozen drafter (step N+1, rollouts of the checkpoint's
+    # weights) to the last LATE_STEPS steps pooled (rollouts of weights >= 2 trained updates on), vLLM's acceptance
+    # moved as the trainer's estimate for the synced weights moved, within TRACKING plus 3 binomial standard errors of
+    # the difference; a stale drafter keeps the checkpoint's acceptance while the estimate rises. How far it rises
+    # depends on how far the frozen run moved the policy from the checkpoint's MTP block (measured 0.14 -> 0.62 on one
+    # CPU, 0.42 -> 0.47 on another whose frozen run had moved it less), hence the trainer's rise as the reference, not a
+    # fixed margin; where the trainer's estimate rose beyond the bound, vLLM's acceptance must rise too
+    late = [(m["rollout/spec_accept_rate_pos_0"], m[estimate], d)
+            for m, d in zip(metrics[-LATE_STEPS:], drafts[-LATE_STEPS:]) if d]
+    n_first, n_late = drafts[0], sum(d for *_, d in late)
+    first, est_first = metrics[0]["rollout/spec_accept_rate_pos_0"], metrics[0][estimate]
+    last = sum(r * d for r, _, d in late) / n_late
+    est_last = sum(e * d for _, e, d in late) / n_late
     noise = 3 * math.sqrt(max(first * (1 - first), 1e-4) / n_first + max(last * (1 - last), 1e-4) / n_late)
-    assert last - first > noise, (first, last, noise, drafts)
+    rise, est_rise = last - first, est_last - est_first
+    assert abs(rise - est_rise) <= TRACKING + noise, (first, last, est_first, est_last, noise, drafts)
+    if est_rise > TRACKING + noise:
+        assert rise > noise, (first, last, est_first, est_last, noise, drafts)
     # the guard judged every step that drafted (a step whose window held no generation has no rate: verl sampled
     # rollouts already finished and aborted the rest at once) and found no desync
     judged = [m["mtp_guard/desync"] for m, d in zip(metrics, drafts) if d]
