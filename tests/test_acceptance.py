@@ -25,6 +25,13 @@ from verl_mtp_plugin.acceptance import (
     select_positions,
     speculative_overlap,
 )
+from verl_mtp_plugin.acceptance.estimate import (
+    DRAFTED_ARGMAX_KEY,
+    DRAFTED_EXPECTED_KEY,
+    DRAFTED_POSITIONS_KEY,
+    draft_schedule,
+    response_runs,
+)
 
 NEG = float("-inf")
 
@@ -650,3 +657,109 @@ def test_probe_rejects_model_without_mtp(megatron_env):
         AcceptanceProbe(model)
     with pytest.raises(ValueError, match="temperature"):
         AcceptanceProbe(build_tiny_hybrid(pattern="*-/*-"), temperature=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the drafted estimate: acceptance over the positions vLLM drafts at
+# --------------------------------------------------------------------------------------------------
+
+
+def _replay(accepted: list[list[bool]], k: int) -> list[int]:
+    """vLLM's schedule on one response with known outcomes: the starts it verifies from."""
+    starts, j = [], 0
+    while j < len(accepted):
+        starts.append(j)
+        m = 0
+        while m < k and accepted[j][m]:
+            m += 1
+        j += m + 1
+    return starts
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_draft_schedule_replays_known_outcomes(k):
+    """With 0/1 acceptance the schedule is a replay: a start where vLLM starts a verify step, 0 elsewhere; the
+    accepted drafts are those of the starts."""
+    g = torch.Generator().manual_seed(k)
+    outcome = torch.rand(3, 40, k, generator=g) < 0.6
+    lengths = torch.tensor([40, 33, 7])
+    starts, accepted = draft_schedule(outcome.float(), lengths)
+    for r in range(3):
+        n = int(lengths[r])
+        want = _replay(outcome[r, :n].tolist(), k)
+        assert starts[r].nonzero().flatten().tolist() == want
+        assert torch.equal(starts[r, want], torch.ones(len(want)))
+        got = accepted[r, want]
+        assert torch.equal(got, torch.cumprod(outcome[r, want].float(), dim=-1))
+        assert float(accepted[r, n:].abs().sum()) == 0.0
+
+
+def test_draft_schedule_matches_sampled_schedules():
+    """Random per-start probabilities (k=2): the expected starts and accepted drafts equal the means of 4000
+    sampled schedules within 5 standard errors; vLLM's rate (accepted at the first draft over starts) then differs
+    from the mean over positions where hard positions cluster."""
+    g = torch.Generator().manual_seed(0)
+    n, k, reps = 24, 2, 4000
+    hard = (torch.arange(n) // 6) % 2 == 1  # blocks of hard positions
+    accept = torch.where(hard.unsqueeze(-1), torch.full((n, k), 0.2), torch.full((n, k), 0.95)).unsqueeze(0)
+    starts, accepted = draft_schedule(accept, torch.tensor([n]))
+    s_sum, a_sum = torch.zeros(n), torch.zeros(n, k)
+    for _ in range(reps):
+        out = (torch.rand(n, k, generator=g) < accept[0]).tolist()
+        for j in _replay(out, k):
+            s_sum[j] += 1
+            m = 0
+            while m < k and out[j][m]:
+                a_sum[j, m] += 1
+                m += 1
+    se = torch.sqrt(torch.clamp(starts[0] * (1 - starts[0]), min=1e-4) / reps)
+    assert bool(((s_sum / reps - starts[0]).abs() <= 5 * se).all()), (s_sum / reps, starts[0])
+    rate = float(accepted[0, :, 0].sum() / starts[0].sum())
+    sampled = float(a_sum[:, 0].sum() / s_sum.sum())
+    assert rate == pytest.approx(sampled, abs=0.01)
+    assert float(accept[0, :, 0].mean()) - rate > 0.1  # the mean over positions overstates vLLM's rate
+
+
+def test_draft_schedule_edges():
+    ones, zeros = torch.ones(1, 12, 2), torch.zeros(1, 12, 2)
+    starts, _ = draft_schedule(ones, torch.tensor([12]))
+    assert starts[0].nonzero().flatten().tolist() == [0, 3, 6, 9]  # k + 1 tokens per verify step
+    starts, accepted = draft_schedule(zeros, torch.tensor([12]))
+    assert torch.equal(starts[0], torch.ones(12)) and float(accepted.sum()) == 0.0
+    with pytest.raises(ValueError, match="responses, positions, k"):
+        draft_schedule(torch.ones(3, 4), torch.tensor([4, 4, 4]))
+
+
+def test_response_runs():
+    valid = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert response_runs(valid) == [(0, 1, 2), (0, 5, 3), (1, 0, 2), (1, 7, 1)]
+    assert response_runs(torch.zeros(2, 5, dtype=torch.bool)) == []
+
+
+def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
+    """The probe's drafted keys: every depth's acceptance at every drafting position of whole responses (a model
+    with two MTP depths, so k = 2), weighted by the expected verify steps; a budget below the batch takes whole
+    responses, evenly spaced."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
+
+    torch.manual_seed(1)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
+    with torch.no_grad():
+        model.output_layer.weight.mul_(6.0)
+    batch = make_batch(batch=4, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=2)
+    mask = batch["response_mask"]
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch)
+        dense = [per_position_acceptance(out, probe.mtp_logits(d), mask, depth=d) for d in (1, 2)]
+        full = probe.estimate(out, mask, release=False)
+        one = probe.estimate(out, mask, max_drafted_positions=10, release=False)
+    first, n = PROMPT - 1, SEQ - PROMPT - 1  # drafting positions: the last prompt token's onwards
+    for key, name in ((DRAFTED_EXPECTED_KEY, "alpha"), (DRAFTED_ARGMAX_KEY, "argmax_draft")):
+        acc = torch.stack([x[name][:, first : first + n] for x in dense], dim=-1)
+        starts, accepted = draft_schedule(acc, torch.full((4,), n))
+        assert full[key] == pytest.approx(float(accepted[..., 0].sum() / starts.sum()), abs=1e-5)
+        s1, a1 = draft_schedule(acc[2:3], torch.tensor([n]))  # budget 10 < 9 x 4: one response, the middle one
+        assert one[key] == pytest.approx(float(a1[..., 0].sum() / s1.sum()), abs=1e-5)
+    assert full[DRAFTED_POSITIONS_KEY] == 4 * n and one[DRAFTED_POSITIONS_KEY] == n
+    assert 0.0 < full[DRAFTED_EXPECTED_KEY] < 1.0

@@ -30,6 +30,11 @@ __all__ = [
     "argmax_draft_acceptance",
     "check_temperature",
     "chunk_rows",
+    "draft_schedule",
+    "DRAFTED_ARGMAX_KEY",
+    "DRAFTED_EXPECTED_KEY",
+    "DRAFTED_POSITIONS_KEY",
+    "response_runs",
     "expected_accept_length",
     "expected_speedup",
     "greedy_agreement",
@@ -54,6 +59,13 @@ POSITIONS_KEY = "mtp_accept_num_positions"
 #: Per-depth rates for models with more than one MTP depth (``d >= 2``).
 DEPTH_EXPECTED_KEY = "mtp_expected_accept_rate_depth{d}"
 DEPTH_GREEDY_KEY = "mtp_greedy_accept_rate_depth{d}"
+
+#: The first-draft acceptance over the positions vLLM drafts at (:func:`draft_schedule` on whole responses): what
+#: vLLM's ``spec_accept_rate_pos_0`` measures, for probabilistic (overlap) and greedy (``p[argmax q]``) drafting.
+DRAFTED_EXPECTED_KEY = "mtp_drafted_expected_accept_rate"
+DRAFTED_ARGMAX_KEY = "mtp_drafted_argmax_draft_accept_rate"
+#: Number of response positions the drafted estimate used (whole responses).
+DRAFTED_POSITIONS_KEY = "mtp_drafted_num_positions"
 
 #: The ``k`` values :data:`ACCEPT_LENGTH_KEY` is logged for.
 ACCEPT_LENGTH_KS = (1, 2, 3)
@@ -445,3 +457,62 @@ def rows_at(chunk: torch.Tensor, bi: torch.Tensor, ti: torch.Tensor, seq_group=N
     owned = (local >= 0) & (local < s_local)
     rows = chunk[local.clamp(0, s_local - 1), bi] * owned.unsqueeze(-1).to(chunk.dtype)
     return _all_reduce(rows.contiguous(), torch.distributed.ReduceOp.SUM, seq_group)
+
+
+def draft_schedule(accept: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected verify steps of speculative decoding along responses, and the drafts they accept.
+
+    vLLM drafts ``k`` tokens from each verify step's start: a response's first start is the position after the
+    prefill produced its first token; from a start ``j`` the ``d``-th draft is accepted (the ones before it
+    accepted) with probability ``accept[j, d-1]``; ``m < k`` accepted drafts move the next start ``m + 1``
+    positions on (the target's own token follows the first rejection), all ``k`` accepted move it ``k + 1``
+    (the bonus token). So a position where drafts fail is a start more often than one where they pass, and
+    vLLM's per-draft rates average over starts, not over positions: the mean of ``accept`` over all positions
+    overstates them wherever hard positions cluster. Exact in expectation given the per-start probabilities.
+
+    Args:
+        accept (Tensor): ``[R, L, k]`` in ``[0, 1]``: response ``r``'s draft ``d`` from start ``j`` accepted given
+            the drafts before it were (the trainer's depth-``d`` acceptance at that start, on the response's own
+            tokens, which are the drafts wherever they were accepted); 0 where the draft cannot be verified.
+        lengths (Tensor): ``[R]`` starts each response has (drafting positions, :func:`response_runs`); positions
+            ``>= lengths[r]`` are padding.
+
+    Returns:
+        tuple[Tensor, Tensor]: ``starts [R, L]`` (expected verify steps starting at each position, float32) and
+        ``accepted [R, L, k]`` (expected accepted drafts of index ``d`` from each start). vLLM's rate at draft
+        index ``d``: ``accepted[..., d].sum() / starts.sum()``.
+    """
+    if accept.dim() != 3:
+        raise ValueError(f"accept must be [responses, positions, k], got shape {tuple(accept.shape)}")
+    a = accept.float().clamp(0.0, 1.0)
+    r, n, k = a.shape
+    live = torch.arange(n, device=a.device).unsqueeze(0) < lengths.to(a.device).unsqueeze(1)
+    passed = torch.cumprod(a, dim=-1) * live.unsqueeze(-1)  # [R, L, k]: drafts 1..d all accepted
+    # P(advance m): m = 1..k after the (m)-th draft fails (the earlier ones passed), k + 1 after all pass
+    before = torch.cat([torch.ones_like(passed[..., :1]), passed[..., :-1]], dim=-1)
+    advance = torch.cat([before - passed, passed[..., -1:]], dim=-1)  # [R, L, k + 1]
+    v = torch.zeros(r, n + k + 1, dtype=torch.float32, device=a.device)
+    v[:, 0] = 1.0
+    for j in range(n):
+        vj = v[:, j] * live[:, j]
+        v[:, j] = vj
+        v[:, j + 1 : j + k + 2] += vj.unsqueeze(-1) * advance[:, j]
+    starts = v[:, :n]
+    return starts, starts.unsqueeze(-1) * passed
+
+
+def response_runs(valid: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The responses of a ``[b, s]`` layout as runs of drafting positions: ``(row, first, length)`` per maximal
+    run of ``valid`` (:func:`acceptance_positions` at depth 1), in row-major order. A packed (THD) row holds one
+    run per sequence (every sequence begins with a prompt token, so runs never join)."""
+    if valid.dim() != 2:
+        raise ValueError(f"valid must be [b, s], got shape {tuple(valid.shape)}")
+    m = valid.bool().cpu()
+    edges = torch.diff(m.to(torch.int8), dim=1, prepend=torch.zeros(m.shape[0], 1, dtype=torch.int8))
+    out = []
+    for row in range(m.shape[0]):
+        firsts = (edges[row] == 1).nonzero().flatten().tolist()
+        lasts = (edges[row] == -1).nonzero().flatten().tolist()
+        ends = [e for e in lasts] + ([m.shape[1]] if len(lasts) < len(firsts) else [])
+        out += [(row, f, e - f) for f, e in zip(firsts, ends)]
+    return out

@@ -7,6 +7,7 @@ of one forward; :meth:`AcceptanceProbe.estimate` turns them and the main logits 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ from verl_mtp_plugin.acceptance.estimate import (
     ARGMAX_DRAFT_KEY,
     DEPTH_EXPECTED_KEY,
     DEPTH_GREEDY_KEY,
+    DRAFTED_ARGMAX_KEY,
+    DRAFTED_EXPECTED_KEY,
+    DRAFTED_POSITIONS_KEY,
     EXPECTED_KEY,
     GREEDY_KEY,
     POSITIONS_KEY,
@@ -23,8 +27,10 @@ from verl_mtp_plugin.acceptance.estimate import (
     acceptance_positions,
     acceptance_stats,
     check_temperature,
+    draft_schedule,
     expected_accept_length,
     group_size,
+    response_runs,
     rows_at,
     select_positions,
 )
@@ -32,6 +38,15 @@ from verl_mtp_plugin.control import model_has_mtp, unwrap_model
 from verl_mtp_plugin.policy import MTPConfigError
 
 __all__ = ["AcceptanceProbe"]
+
+#: The drafted estimate's default budget: drafting positions of whole responses per forward. The engine probes the
+#: first micro-batch of a pass; this covers all of one at the recipes' ``ppo_max_token_len_per_gpu`` (18,432 tokens),
+#: so the estimate varies with that micro-batch's responses only, not with a subsample of them (responses differ:
+#: on the CPU a third of 256 responses gave 0.913 where all gave 0.929). Cost: per depth, this many rows of MTP and
+#: main logits (at Super's widths, ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per depth)
+DRAFTED_POSITIONS = 16384
+#: Rows (positions) whose main and MTP logits are computed at once
+DRAFTED_CHUNK = 256
 
 
 class AcceptanceProbe:
@@ -201,6 +216,65 @@ class AcceptanceProbe:
             f"({v_local}) nor the full vocabulary ({v_local * tp})"
         )
 
+    def _stats(self, chunks, main_logits, d: int, bi: torch.Tensor, ti: torch.Tensor, t: float):
+        """(overlap, greedy agreement, argmax-draft acceptance) ``[n]`` for MTP depth ``d`` at positions ``(bi, ti)``
+        against the main logits at ``ti + d``, :data:`DRAFTED_CHUNK` rows at a time (bounded logits memory)."""
+        out: list[list[torch.Tensor]] = [[], [], []]
+        for i in range(0, bi.numel(), DRAFTED_CHUNK):
+            b, s = bi[i : i + DRAFTED_CHUNK], ti[i : i + DRAFTED_CHUNK]
+            dev = chunks[d].device
+            b, s = b.to(dev), s.to(dev)
+            q = self._logits(self._rows(chunks[d], b, s))
+            if main_logits is None:
+                p, group = self._logits(self._rows(chunks[0], b, s + d)), self._tp_group
+            else:
+                mdev = main_logits.device
+                p, group = self._main_rows(main_logits, b.to(mdev), (s + d).to(mdev), q.shape[-1])
+                p = p.to(q.device)
+            if group_size(group) == 1:
+                group = None
+            for o, x in zip(out, acceptance_stats(p, q, t, group)):
+                o.append(x.float())
+        return tuple(torch.cat(o) for o in out)
+
+    def _drafted(self, chunks, main_logits, response_mask, t: float, budget: int) -> dict[str, float]:
+        """The first-draft acceptance over the positions vLLM drafts at: whole responses (evenly spaced, about
+        ``budget`` drafting positions), every depth's acceptance at each of their positions, the expected verify
+        steps along each (:func:`~verl_mtp_plugin.acceptance.estimate.draft_schedule`, ``k`` = the model's MTP
+        depths, as the recipes draft), for probabilistic and greedy drafting."""
+        runs = response_runs(acceptance_positions(response_mask, 1))
+        if not runs:
+            return {}
+        total = sum(n for *_, n in runs)
+        if total > budget:
+            stride = math.ceil(total / max(int(budget), 1))
+            runs = runs[stride // 2 :: stride] or runs[:1]
+        depths, longest = self._num_depths(), max(n for *_, n in runs)
+        alpha = torch.zeros(len(runs), longest, depths)
+        argmax = torch.zeros(len(runs), longest, depths)
+        for d in range(1, depths + 1):
+            valid = acceptance_positions(response_mask, d).cpu()
+            bi, ti, ri, rj = [], [], [], []
+            for i, (row, first, n) in enumerate(runs):
+                pos = torch.arange(first, first + n)
+                ok = valid[row, pos]
+                bi.append(torch.full((int(ok.sum()),), row, dtype=torch.int64))
+                ti.append(pos[ok])
+                ri.append(torch.full((int(ok.sum()),), i, dtype=torch.int64))
+                rj.append(torch.arange(n)[ok])
+            bi, ti, ri, rj = (torch.cat(x) for x in (bi, ti, ri, rj))
+            if bi.numel() == 0:
+                continue
+            over, _, draft = self._stats(chunks, main_logits, d, bi, ti, t)
+            alpha[ri, rj, d - 1] = over.cpu()
+            argmax[ri, rj, d - 1] = draft.cpu()
+        lengths = torch.tensor([n for *_, n in runs])
+        out = {DRAFTED_POSITIONS_KEY: float(lengths.sum())}
+        for key, acc in ((DRAFTED_EXPECTED_KEY, alpha), (DRAFTED_ARGMAX_KEY, argmax)):
+            starts, accepted = draft_schedule(acc, lengths)
+            out[key] = float(accepted[..., 0].sum() / starts.sum())
+        return out
+
     # public ---------------------------------------------------------------------------------------
     def mtp_logits(self, depth: int = 1) -> torch.Tensor:
         """Dense MTP logits of the captured forward (for checks; costs a full output-layer product).
@@ -230,6 +304,7 @@ class AcceptanceProbe:
         *,
         temperature: float | None = None,
         release: bool = True,
+        max_drafted_positions: int = DRAFTED_POSITIONS,
     ) -> dict[str, float]:
         """Estimate acceptance for the forward just run, on a subsample of counted positions.
 
@@ -242,13 +317,16 @@ class AcceptanceProbe:
             max_positions (int): at most this many positions per depth (see :func:`select_positions`).
             generator (torch.Generator | None): random subsample; ``None`` = evenly spaced.
             temperature (float | None): overrides the probe's temperature for this call.
+            max_drafted_positions (int): the drafted estimate's budget: whole responses, evenly spaced, of about
+                this many drafting positions in all (at least one response; :meth:`_drafted`).
             release (bool): drop the capture afterwards (default). ``False`` keeps it for another
                 call on the same forward (e.g. another temperature); the next forward drops it anyway.
 
         Returns:
             dict[str, float]: :data:`EXPECTED_KEY`, :data:`GREEDY_KEY`, :data:`ARGMAX_DRAFT_KEY`,
-            ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY`, and per-depth rates for
-            depths ``>= 2``. ``{}`` when nothing can be estimated: this rank owns no MTP block, the
+            ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY`, per-depth rates for
+            depths ``>= 2``, and the first-draft rates over the positions vLLM drafts at
+            (:data:`DRAFTED_EXPECTED_KEY`, :data:`DRAFTED_ARGMAX_KEY`, :data:`DRAFTED_POSITIONS_KEY`). ``{}`` when nothing can be estimated: this rank owns no MTP block, the
             last forward skipped MTP (or the capture was already used/released), or no position
             counts (no two consecutive response tokens).
 
@@ -281,18 +359,7 @@ class AcceptanceProbe:
                         if d == 1:
                             return {}
                         continue
-                    dev = chunks[d].device
-                    bi, ti = bi.to(dev), ti.to(dev)
-                    q = self._logits(self._rows(chunks[d], bi, ti))
-                    if main_logits is None:
-                        p, group = self._logits(self._rows(chunks[0], bi, ti + d)), self._tp_group
-                    else:
-                        mdev = main_logits.device
-                        p, group = self._main_rows(main_logits, bi.to(mdev), (ti + d).to(mdev), q.shape[-1])
-                        p = p.to(q.device)
-                    if group_size(group) == 1:
-                        group = None
-                    stats = torch.stack([x.mean() for x in acceptance_stats(p, q, t, group)]).tolist()
+                    stats = torch.stack([x.mean() for x in self._stats(chunks, main_logits, d, bi, ti, t)]).tolist()
                     alpha, greedy, argmax_draft = min(max(stats[0], 0.0), 1.0), stats[1], stats[2]
                     if d == 1:
                         out[EXPECTED_KEY] = alpha
@@ -304,6 +371,7 @@ class AcceptanceProbe:
                     else:
                         out[DEPTH_EXPECTED_KEY.format(d=d)] = alpha
                         out[DEPTH_GREEDY_KEY.format(d=d)] = greedy
+                out.update(self._drafted(chunks, main_logits, response_mask, t, max_drafted_positions))
             return out
         finally:
             if release:

@@ -86,6 +86,8 @@ ACCEPTANCE_METRICS = (
     "mtp_expected_accept_length_k1",
     "mtp_expected_accept_length_k2",
     "mtp_expected_accept_length_k3",
+    "mtp_drafted_expected_accept_rate",
+    "mtp_drafted_argmax_draft_accept_rate",
 )
 
 
