@@ -209,6 +209,21 @@ def test_auto_estimate_matches_greedy_drafting():
     assert len(of(rec, MTPDesyncWarning)) == 1  # probabilistic drafting: overlap is the right estimate
 
 
+def test_auto_estimate_prefers_the_drafted_form():
+    """Where the trainer logs the rate over the positions vLLM drafts at, auto compares with it, per drafting
+    method, and falls back to the means over positions where it does not."""
+    from verl_mtp_plugin.config_keys import DRAFTED_ARGMAX_METRIC, DRAFTED_EXPECTED_METRIC
+
+    measured = step([0.6, 0.4], expected=0.9, argmax=0.8)
+    both = {**measured, DRAFTED_EXPECTED_METRIC: 0.62, DRAFTED_ARGMAX_METRIC: 0.58}
+    for method, drafted, mean in (("probabilistic", 0.62, 0.9), ("greedy", 0.58, 0.8)):
+        guard = dict(num_speculative_tokens=2, draft_sample_method=method)
+        outs, _ = run(MTPDesyncGuard(**guard), [both])
+        assert outs[0]["mtp_guard/expected_accept_rate"] == pytest.approx(drafted)
+        outs, _ = run(MTPDesyncGuard(**guard), [measured])
+        assert outs[0]["mtp_guard/expected_accept_rate"] == pytest.approx(mean)
+
+
 DRAFT_METHOD_KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.draft_sample_method"
 
 

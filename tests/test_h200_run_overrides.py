@@ -193,7 +193,7 @@ def test_compare_on_the_committed_online_run_gives_its_quoted_estimate_gap(capsy
     assert run.main(["compare", str(ROOT / "benchmarks/results/h200_super_s2/summary.json")]) == 0
     out = capsys.readouterr().out
     assert "| online | 11-20 | 8.55 |" in out and "0.011 / 0.028" in out
-    assert "(<= 0.03, 10 of 10 steps judged: met)" in out
+    assert "(<= 0.03, 10 of 10 steps judged; against actor/mtp_expected_accept_rate: met)" in out
 
 
 def test_compare_of_the_committed_h100_modes_gives_the_quoted_ratio_and_factors(capsys):
@@ -537,3 +537,24 @@ def test_the_committed_run_without_log_probabilities_gives_the_quoted_figures(ca
     assert nolp["overrides"] == ["actor_rollout_ref.rollout.calculate_log_probs=false"] and lp["overrides"] == []
     assert nolp["host_pace_s"] == pytest.approx(0.2755, abs=1e-4)
     assert any("different --override settings" in x for x in res["warnings"])
+
+
+def test_compare_judges_the_estimate_in_its_drafted_form_where_every_step_logs_it(tmp_path, capsys):
+    """The criterion's estimate: the trainer's rate over the positions vLLM drafts at where every step of the window
+    logs it, else the mean over positions (the runs before it), named in the verdict."""
+    on = tmp_path / "on.json"
+    _summary(on, "online", 6.0, 2.5, 0.70, 0.76, 400)
+    off = _summary(tmp_path / "off.json", "off", 12.0, None, None, None, 380)
+    res = _compare(tmp_path, str(on), off)
+    assert res["modes"]["online"]["estimate_key"] == "actor/mtp_expected_accept_rate"
+    assert not res["criteria"]["estimate_diff_online"]["met"]  # 0.06 from vLLM's 0.70
+    data = json.loads(on.read_text())
+    for s, m in data["runs"]["online"]["metrics"].items():
+        m["actor/mtp_drafted_expected_accept_rate"] = 0.71
+    on.write_text(json.dumps(data))
+    res = _compare(tmp_path, str(on), off)
+    w = res["modes"]["online"]
+    assert w["estimate_key"] == run.DRAFTED_ESTIMATE and w["estimate"] == pytest.approx(0.71)
+    assert w["estimate_mean_over_positions"] == pytest.approx(0.76)
+    assert res["criteria"]["estimate_diff_online"]["met"]
+    assert f"against {run.DRAFTED_ESTIMATE}: met" in capsys.readouterr().out

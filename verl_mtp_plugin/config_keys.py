@@ -16,6 +16,8 @@ __all__ = [
     "CRITIC",
     "CRITIC_MEGATRON",
     "DRAFT_METHOD_ESTIMATE_METRIC",
+    "DRAFTED_ARGMAX_METRIC",
+    "DRAFTED_EXPECTED_METRIC",
     "DRAFT_SAMPLE_METHOD_KEY",
     "ENV_DRAFTER_SYNC",
     "ENV_SYNC_CHECKSUM",
@@ -56,6 +58,11 @@ GUARD_CONFIG_PATH = "verl_mtp_plugin.mtp_guard"
 #: The engine's in-trainer acceptance estimates as verl logs them (``actor/`` + the probe's keys).
 EXPECTED_METRIC = "actor/mtp_expected_accept_rate"
 ARGMAX_DRAFT_METRIC = "actor/mtp_argmax_draft_accept_rate"
+#: The same two over the positions vLLM drafts at (expected verify steps along whole responses): what vLLM's
+#: ``rollout/spec_accept_rate_pos_0`` measures (the means over positions above overstate it where hard positions
+#: cluster)
+DRAFTED_EXPECTED_METRIC = "actor/mtp_drafted_expected_accept_rate"
+DRAFTED_ARGMAX_METRIC = "actor/mtp_drafted_argmax_draft_accept_rate"
 #: vLLM ``draft_sample_method`` -> the estimate of what it accepts (greedy: ``p[argmax q]``; probabilistic:
 #: the overlap ``sum min(p, q)``).
 DRAFT_METHOD_ESTIMATE_METRIC = {"greedy": ARGMAX_DRAFT_METRIC, "probabilistic": EXPECTED_METRIC}

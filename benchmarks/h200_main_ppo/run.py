@@ -572,6 +572,8 @@ def runs_by_mode(paths: list[str]) -> dict[str, tuple[str, dict]]:
 #: the done-criteria of the modes' comparison over the last steps (``run.py compare``)
 GEN_RATIO_MAX = 0.6  # online's generation time per step at most this share of mode off's
 ACCEPT_GAIN_MIN = 0.15  # online's first-draft acceptance at least frozen's plus this
+#: the trainer's estimate over the positions vLLM drafts at (the plugin logs it since 2026-12-07)
+DRAFTED_ESTIMATE = "actor/mtp_drafted_expected_accept_rate"
 ESTIMATE_DIFF_MAX = 0.03  # vLLM's first-draft acceptance within this of the trainer's estimate, every step
 
 
@@ -608,7 +610,11 @@ def window(metrics: dict, events: list[dict], last: int, steps_range: tuple[int,
             if gen and rmean and tok_ms:
                 each.append({"gen_s": gen, "seq_steps": rmax / acc, "resp_max": rmax,
                              "sequences": gen * 1000.0 / tok_ms / rmean})  # verl's ms per token: gen / (seqs x mean)
-    est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get("actor/mtp_expected_accept_rate")) for m in ms]
+    # the trainer's estimate of vLLM's first-draft rate: its drafted form where logged (over the positions vLLM
+    # drafts at), else the mean over positions (runs before it), which overstates vLLM's rate where hard positions
+    # cluster
+    est_key = DRAFTED_ESTIMATE if ms and all(DRAFTED_ESTIMATE in m for m in ms) else "actor/mtp_expected_accept_rate"
+    est = [(m.get("rollout/spec_accept_rate_pos_0"), m.get(est_key)) for m in ms]
     diffs = [abs(v - e) for v, e in est if v is not None and e is not None]
     gens = col("timing_s/gen")
     per_tok = [x * 1000.0 for x in col("timing_per_token_ms/gen") if x is not None]  # verl's: gen s / response token
@@ -623,7 +629,8 @@ def window(metrics: dict, events: list[dict], last: int, steps_range: tuple[int,
            "accept_pos0": _mean(col("rollout/spec_accept_rate_pos_0")),
            "accept_pos1": _mean(col("rollout/spec_accept_rate_pos_1")),
            "accept_pos2": _mean(col("rollout/spec_accept_rate_pos_2")),
-           "estimate": _mean(col("actor/mtp_expected_accept_rate")),
+           "estimate": _mean(col(est_key)), "estimate_key": est_key,
+           "estimate_mean_over_positions": _mean(col("actor/mtp_expected_accept_rate")),
            "estimate_diff_mean": _mean(diffs), "estimate_diff_max": max(diffs) if diffs else None,
            "estimate_steps_judged": len(diffs),
            "seq_verify_steps": _mean(seq_steps),
@@ -860,7 +867,8 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         judged, steps = on["estimate_steps_judged"], len(on["steps"])
         c["estimate_diff_online"] = {"value": on["estimate_diff_max"], "mean": on["estimate_diff_mean"],
                                      "max": ESTIMATE_DIFF_MAX, "steps_judged": judged,
-                                     "met": on["estimate_diff_max"] <= ESTIMATE_DIFF_MAX and judged == steps}
+                                     "met": on["estimate_diff_max"] <= ESTIMATE_DIFF_MAX and judged == steps,
+                                     "estimate_key": on["estimate_key"]}
     else:
         nj["estimate_diff_online"] = missing("online") if not on else "no step with both acceptance and estimate"
     return res
@@ -923,7 +931,8 @@ def cmd_compare(a) -> int:
         judged = f", {crit['steps_judged']} of {len(online['steps'])} steps judged" if online else ""
         ci = (f"; 95 % interval over the steps {crit['interval'][0]:.3f}-{crit['interval'][1]:.3f}"
               if crit.get("interval") else "")
-        print(f"- {name}: {crit['value']:.3f} ({bound}{judged}: {'met' if crit['met'] else 'NOT met'}{ci})")
+        key = f"; against {crit['estimate_key']}" if crit.get("estimate_key") else ""
+        print(f"- {name}: {crit['value']:.3f} ({bound}{judged}{key}: {'met' if crit['met'] else 'NOT met'}{ci})")
     for name, why in res["not_judged"].items():
         print(f"- {name}: not judged ({why})")
     for name, fac in res["factors"].items():

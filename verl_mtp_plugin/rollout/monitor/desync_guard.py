@@ -66,7 +66,9 @@ draft relative to a target step) still works: set, it makes ``c_k = 1 + k c`` at
 the speculative-sampling overlap ``mtp_expected_accept_rate`` (uniform p = q over 10 tokens: overlap
 1.0, greedy draft 0.1). ``expected_key=None`` (default) therefore compares with
 ``actor/mtp_argmax_draft_accept_rate`` for greedy drafting when the metrics have it, and with
-``actor/mtp_expected_accept_rate`` otherwise. The estimate is the depth-1 rate, compared with
+``actor/mtp_expected_accept_rate`` otherwise, each in its drafted form where the metrics have it
+(``actor/mtp_drafted_argmax_draft_accept_rate``, ``actor/mtp_drafted_expected_accept_rate``: the rate over the
+positions vLLM drafts at, which the means over positions overstate where hard positions cluster). The estimate is the depth-1 rate, compared with
 ``rollout/spec_accept_rate_pos_0`` (first draft position); without per-position data it is turned into
 the all-position rate ``(E(alpha, k) - 1) / k`` first.
 
@@ -128,6 +130,8 @@ from verl_mtp_plugin.config_keys import ROLLOUT as _RO
 from verl_mtp_plugin.config_keys import (
     ARGMAX_DRAFT_METRIC,
     DRAFT_METHOD_ESTIMATE_METRIC,
+    DRAFTED_ARGMAX_METRIC,
+    DRAFTED_EXPECTED_METRIC,
     EXPECTED_METRIC,
     GUARD_CONFIG_PATH,
 )
@@ -566,9 +570,9 @@ class MTPDesyncGuard:
     def _expected(self, metrics: Mapping[str, Any]) -> tuple[float | None, str | None]:
         if self.config.expected_key is not None:
             return scalar_metric(metrics, self.config.expected_key), self.config.expected_key
-        keys = [EXPECTED_METRIC]
+        keys = [DRAFTED_EXPECTED_METRIC, EXPECTED_METRIC]
         if self.draft_sample_method == "greedy":
-            keys = [ARGMAX_DRAFT_METRIC, EXPECTED_METRIC]
+            keys = [DRAFTED_ARGMAX_METRIC, ARGMAX_DRAFT_METRIC, EXPECTED_METRIC]
         for key in keys:
             v = scalar_metric(metrics, key)
             if v is not None:
