@@ -365,6 +365,9 @@ def _estimate_arguments(ap):
     ap.add_argument("--max-positions", type=int, default=256)
     ap.add_argument("--sweep", type=int, nargs="*", default=[64, 128, 256, 512])
     ap.add_argument("--sweep-rounds", type=int, default=5)
+    ap.add_argument("--drafted", type=int, default=0,
+                    help="the drafted estimate's budget (max_drafted_positions) in the step and beside each sweep size; "
+                         "0: not computed (the mean over positions alone, as the committed figures)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: CPU time is not inflated by spinning threads on a busy machine)")
 
@@ -426,7 +429,8 @@ def estimate(args) -> dict:
         est, t_est = {}, None
         if probe is not None:
             te = now()
-            est = probe.estimate(logits, mask, max_positions=args.max_positions)
+            est = probe.estimate(logits, mask, max_positions=args.max_positions,
+                                 max_drafted_positions=args.drafted)
             t_est = since(te)
             probe.close()
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -445,20 +449,20 @@ def estimate(args) -> dict:
         probed.append(t)
         est_times.append(te)
 
-    # estimate() alone for other subsample sizes, on no-grad forwards of the same batch.
+    # estimate() alone for other subsample sizes, on no-grad forwards of the same batch; with --drafted also with the
+    # drafted form at that budget, the two interleaved in each round
     sweep = {}
-    for n in args.sweep:
-        times = []
-        for _ in range(args.sweep_rounds):
+    variants = [(n, d) for n in args.sweep for d in sorted({0, args.drafted})]
+    for _ in range(args.sweep_rounds):
+        for n, d in variants:
             with AcceptanceProbe(model) as probe, torch.no_grad():
                 logits = hybrid_forward(
                     model, batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                     run_mtp_forward=True, loss_mask=mask,
                 )
                 te = now()
-                probe.estimate(logits, mask, max_positions=n)
-                times.append(since(te))
-        sweep[n] = times
+                probe.estimate(logits, mask, max_positions=n, max_drafted_positions=d)
+                sweep.setdefault((n, d), []).append(since(te))
 
     def stat(rows, clock, fn=statistics.median):
         return fn([r[clock] for r in rows])
@@ -467,7 +471,8 @@ def estimate(args) -> dict:
           f"threads {torch.get_num_threads()}, device cpu, load average at end {os.getloadavg()[0]:.1f}")
     print(f"model: HybridModel pattern {model.hybrid_layer_pattern!r}, hidden {h}, vocab {args.vocab}, "
           f"{n_params / 1e6:.2f}M params; batch {args.batch} x seq {args.seq} (prompt {args.prompt}); "
-          f"max_positions {args.max_positions}; {args.rounds} interleaved rounds after {args.warmup} warm-up")
+          f"max_positions {args.max_positions}, drafted {args.drafted}; {args.rounds} interleaved rounds after "
+          f"{args.warmup} warm-up")
     print("(wall = perf_counter; cpu = process CPU time, robust to other processes on a shared machine)")
     res = {}
     for clock in ("cpu", "wall"):
@@ -481,11 +486,13 @@ def estimate(args) -> dict:
     counted = int(acceptance_positions(mask, 1).sum())
     print(f"estimate() alone by max_positions (no-grad forwards, {counted} counted positions in the batch), "
           "median cpu / wall, % of the step's median:")
-    for n, times in sweep.items():
+    for (n, d), times in sweep.items():
         c, w = stat(times, "cpu"), stat(times, "wall")
-        print(f"  max_positions {n:5d}: cpu {c * 1e3:7.2f} ms = {100 * c / res['cpu']['step_without']:.2f}%   "
-              f"wall {w * 1e3:7.2f} ms = {100 * w / res['wall']['step_without']:.2f}%")
-    res["sweep"] = sweep
+        drafted = f" + drafted {d:5d}" if d else ""
+        print(f"  max_positions {n:5d}{drafted}: cpu {c * 1e3:7.2f} ms = {100 * c / res['cpu']['step_without']:.2f}%"
+              f"   wall {w * 1e3:7.2f} ms = {100 * w / res['wall']['step_without']:.2f}%   "
+              f"(cpu each: {', '.join(f'{x['cpu'] * 1e3:.1f}' for x in times)})")
+    res["sweep"] = {f"{n}+{d}": times for (n, d), times in sweep.items()}
     print(f"last estimate: {EXPECTED_KEY}={est.get(EXPECTED_KEY):.4f} {GREEDY_KEY}={est.get(GREEDY_KEY):.4f}")
     return res
 

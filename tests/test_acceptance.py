@@ -754,6 +754,7 @@ def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
         dense = [per_position_acceptance(out, probe.mtp_logits(d), mask, depth=d) for d in (1, 2)]
         full = probe.estimate(out, mask, release=False)
         one = probe.estimate(out, mask, max_drafted_positions=10, release=False)
+        none = probe.estimate(out, mask, max_drafted_positions=0, release=False)
     first, n = PROMPT - 1, SEQ - PROMPT - 1  # drafting positions: the last prompt token's onwards
     for key, name in ((DRAFTED_EXPECTED_KEY, "alpha"), (DRAFTED_ARGMAX_KEY, "argmax_draft")):
         acc = torch.stack([x[name][:, first : first + n] for x in dense], dim=-1)
@@ -762,4 +763,5 @@ def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
         s1, a1 = draft_schedule(acc[2:3], torch.tensor([n]))  # budget 10 < 9 x 4: one response, the middle one
         assert one[key] == pytest.approx(float(a1[..., 0].sum() / s1.sum()), abs=1e-5)
     assert full[DRAFTED_POSITIONS_KEY] == 4 * n and one[DRAFTED_POSITIONS_KEY] == n
+    assert not any(key.startswith("mtp_drafted") for key in none) and none[EXPECTED_KEY] == full[EXPECTED_KEY]
     assert 0.0 < full[DRAFTED_EXPECTED_KEY] < 1.0

@@ -194,6 +194,10 @@ def test_online_trains_the_mtp_block_and_reports_rollout_acceptance(online, asse
         # method's minus the recipe's (the recipes draft probabilistically: p[argmax q] minus the overlap)
         assert m["mtp_guard/draft_method_gain"] == pytest.approx(
             m["actor/mtp_argmax_draft_accept_rate"] - m["actor/mtp_expected_accept_rate"])
+        # the engine's drafted estimate (over the positions vLLM drafts at) reached verl's metrics, and the guard
+        # compared vLLM's rate with it
+        assert 0.0 < m["actor/mtp_drafted_expected_accept_rate"] <= 1.0
+        assert m["mtp_guard/expected_accept_rate"] == pytest.approx(m["actor/mtp_drafted_expected_accept_rate"])
     _assert_rollout_speculation(online)
     syncs = _syncs(online)
     assert len(syncs) == n + 1 and all(s["sync/drafter_loaded"] == 1.0 for s in syncs)  # online: every sync

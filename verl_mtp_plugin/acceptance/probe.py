@@ -318,7 +318,7 @@ class AcceptanceProbe:
             generator (torch.Generator | None): random subsample; ``None`` = evenly spaced.
             temperature (float | None): overrides the probe's temperature for this call.
             max_drafted_positions (int): the drafted estimate's budget: whole responses, evenly spaced, of about
-                this many drafting positions in all (at least one response; :meth:`_drafted`).
+                this many drafting positions in all (at least one response; :meth:`_drafted`); 0: not computed.
             release (bool): drop the capture afterwards (default). ``False`` keeps it for another
                 call on the same forward (e.g. another temperature); the next forward drops it anyway.
 
@@ -371,7 +371,8 @@ class AcceptanceProbe:
                     else:
                         out[DEPTH_EXPECTED_KEY.format(d=d)] = alpha
                         out[DEPTH_GREEDY_KEY.format(d=d)] = greedy
-                out.update(self._drafted(chunks, main_logits, response_mask, t, max_drafted_positions))
+                if max_drafted_positions > 0:
+                    out.update(self._drafted(chunks, main_logits, response_mask, t, max_drafted_positions))
             return out
         finally:
             if release:
