@@ -31,13 +31,16 @@ _SCRIPT = textwrap.dedent(
 
     SPEC = dict(vocab_size=100, make_vocab_size_divisible_by=64, mamba_num_groups=2, num_attention_heads=4,
                 num_query_groups=2, num_experts=4)
-    KEYS = ("mtp_expected_accept_rate", "mtp_greedy_accept_rate", "mtp_argmax_draft_accept_rate")
+    KEYS = ("mtp_expected_accept_rate", "mtp_greedy_accept_rate", "mtp_argmax_draft_accept_rate",
+            "mtp_drafted_expected_accept_rate", "mtp_drafted_argmax_draft_accept_rate")
     CASES = {"tp2_sp": (2, 1, 2), "tp2_sp_ep2": (2, 2, 1)}
 
     def estimate(model, batch):
+        import verl_mtp_plugin.acceptance.probe as P
         from verl_mtp_plugin.acceptance import AcceptanceProbe
         from verl_mtp_plugin.control import hybrid_forward
 
+        P.DRAFTED_CHUNK = 5  # several chunks of rows: every rank must run the same collectives in the same order
         mask = batch["response_mask"]
         model.train()
         with AcceptanceProbe(model) as probe, torch.no_grad():

@@ -382,7 +382,7 @@ def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_accepta
     # the difference; a stale drafter keeps the checkpoint's acceptance while the estimate rises. How far it rises
     # depends on how far the frozen run moved the policy from the checkpoint's MTP block (measured 0.14 -> 0.62 on one
     # CPU, 0.42 -> 0.47 on another whose frozen run had moved it less), hence the trainer's rise as the reference, not a
-    # fixed margin; where the trainer's estimate rose beyond the bound, vLLM's acceptance must rise too
+    # fixed rise; where the trainer's estimate rose clearly, vLLM's acceptance must rise too
     late = [(m["rollout/spec_accept_rate_pos_0"], m[estimate], d)
             for m, d in zip(metrics[-LATE_STEPS:], drafts[-LATE_STEPS:]) if d]
     n_first, n_late = drafts[0], sum(d for *_, d in late)
@@ -392,8 +392,9 @@ def test_colocate_async_trainer_syncs_the_drafter_after_every_update_and_accepta
     noise = 3 * math.sqrt(max(first * (1 - first), 1e-4) / n_first + max(last * (1 - last), 1e-4) / n_late)
     rise, est_rise = last - first, est_last - est_first
     assert abs(rise - est_rise) <= TRACKING + noise, (first, last, est_first, est_last, noise, drafts)
-    if est_rise > TRACKING + noise:
-        assert rise > noise, (first, last, est_first, est_last, noise, drafts)
+    if est_rise > 2 * noise:  # a rise the trainer sees clearly: vLLM's must be at least half of it (a stale drafter
+        # shows none); below that, the weight checks above are what proves the drafter followed
+        assert rise > est_rise / 2, (first, last, est_first, est_last, noise, drafts)
     # the guard judged every step that drafted (a step whose window held no generation has no rate: verl sampled
     # rollouts already finished and aborted the rest at once) and found no desync
     judged = [m["mtp_guard/desync"] for m, d in zip(metrics, drafts) if d]

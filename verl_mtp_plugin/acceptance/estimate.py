@@ -468,7 +468,9 @@ def draft_schedule(accept: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.T
     positions on (the target's own token follows the first rejection), all ``k`` accepted move it ``k + 1``
     (the bonus token). So a position where drafts fail is a start more often than one where they pass, and
     vLLM's per-draft rates average over starts, not over positions: the mean of ``accept`` over all positions
-    overstates them wherever hard positions cluster. Exact in expectation given the per-start probabilities.
+    overstates them wherever hard positions cluster. Exact in expectation given these per-start probabilities; the
+    trainer's depth ``d >= 2`` values condition on the response's own token after an accepted draft, which is the
+    draft's token but drawn from ``p``, not from the accepted drafts' ``min(p, q) / alpha``: an approximation there.
 
     Args:
         accept (Tensor): ``[R, L, k]`` in ``[0, 1]``: response ``r``'s draft ``d`` from start ``j`` accepted given
@@ -484,21 +486,24 @@ def draft_schedule(accept: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.T
     """
     if accept.dim() != 3:
         raise ValueError(f"accept must be [responses, positions, k], got shape {tuple(accept.shape)}")
-    a = accept.float().clamp(0.0, 1.0)
+    import numpy as np
+
+    a = accept.detach().float().clamp(0.0, 1.0).cpu()
     r, n, k = a.shape
-    live = torch.arange(n, device=a.device).unsqueeze(0) < lengths.to(a.device).unsqueeze(1)
+    live = torch.arange(n).unsqueeze(0) < lengths.cpu().unsqueeze(1)
     passed = torch.cumprod(a, dim=-1) * live.unsqueeze(-1)  # [R, L, k]: drafts 1..d all accepted
     # P(advance m): m = 1..k after the (m)-th draft fails (the earlier ones passed), k + 1 after all pass
     before = torch.cat([torch.ones_like(passed[..., :1]), passed[..., :-1]], dim=-1)
-    advance = torch.cat([before - passed, passed[..., -1:]], dim=-1)  # [R, L, k + 1]
-    v = torch.zeros(r, n + k + 1, dtype=torch.float32, device=a.device)
+    advance = torch.cat([before - passed, passed[..., -1:]], dim=-1).numpy()  # [R, L, k + 1]
+    mask = live.numpy().astype(np.float32)
+    v = np.zeros((r, n + k + 1), dtype=np.float32)
     v[:, 0] = 1.0
-    for j in range(n):
-        vj = v[:, j] * live[:, j]
+    for j in range(n):  # sequential along the response; numpy keeps a step to a few microseconds
+        vj = v[:, j] * mask[:, j]
         v[:, j] = vj
-        v[:, j + 1 : j + k + 2] += vj.unsqueeze(-1) * advance[:, j]
-    starts = v[:, :n]
-    return starts, starts.unsqueeze(-1) * passed
+        v[:, j + 1 : j + k + 2] += vj[:, None] * advance[:, j]
+    starts = torch.from_numpy(v[:, :n].copy()).to(accept.device)
+    return starts, starts.unsqueeze(-1) * passed.to(accept.device)
 
 
 def response_runs(valid: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -7,7 +7,6 @@ of one forward; :meth:`AcceptanceProbe.estimate` turns them and the main logits 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -40,10 +39,10 @@ from verl_mtp_plugin.policy import MTPConfigError
 __all__ = ["AcceptanceProbe"]
 
 #: The drafted estimate's default budget: drafting positions of whole responses per forward. The engine probes the
-#: first micro-batch of a pass; this covers all of one at the recipes' ``ppo_max_token_len_per_gpu`` (18,432 tokens),
-#: so the estimate varies with that micro-batch's responses only, not with a subsample of them (responses differ:
-#: on the CPU a third of 256 responses gave 0.913 where all gave 0.929). Cost: per depth, this many rows of MTP and
-#: main logits (at Super's widths, ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per depth)
+#: first micro-batch of a pass; at the recipes' ``ppo_max_token_len_per_gpu`` (18,432 tokens) this is most or all of
+#: its responses (responses differ, so an estimate from fewer varies with which). Cost: per depth, this many rows of
+#: MTP and of main logits (at Super's widths ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per depth, not
+#: measured on a GPU) and the schedule's loop over the longest response on the host
 DRAFTED_POSITIONS = 16384
 #: Rows (positions) whose main and MTP logits are computed at once
 DRAFTED_CHUNK = 256
@@ -246,9 +245,9 @@ class AcceptanceProbe:
         if not runs:
             return {}
         total = sum(n for *_, n in runs)
-        if total > budget:
-            stride = math.ceil(total / max(int(budget), 1))
-            runs = runs[stride // 2 :: stride] or runs[:1]
+        if total > budget:  # about budget positions: that share of the responses, evenly spaced (at least one)
+            keep = max(1, int(len(runs) * budget // total))
+            runs = [runs[int((i + 0.5) * len(runs) / keep)] for i in range(keep)]
         depths, longest = self._num_depths(), max(n for *_, n in runs)
         alpha = torch.zeros(len(runs), longest, depths)
         argmax = torch.zeros(len(runs), longest, depths)
@@ -269,10 +268,12 @@ class AcceptanceProbe:
             alpha[ri, rj, d - 1] = over.cpu()
             argmax[ri, rj, d - 1] = draft.cpu()
         lengths = torch.tensor([n for *_, n in runs])
+        # both drafting methods in one pass of the schedule: the responses twice, once per method
+        starts, accepted = draft_schedule(torch.cat([alpha, argmax]), torch.cat([lengths, lengths]))
+        r = len(runs)
         out = {DRAFTED_POSITIONS_KEY: float(lengths.sum())}
-        for key, acc in ((DRAFTED_EXPECTED_KEY, alpha), (DRAFTED_ARGMAX_KEY, argmax)):
-            starts, accepted = draft_schedule(acc, lengths)
-            out[key] = float(accepted[..., 0].sum() / starts.sum())
+        for key, part in ((DRAFTED_EXPECTED_KEY, slice(0, r)), (DRAFTED_ARGMAX_KEY, slice(r, 2 * r))):
+            out[key] = float(accepted[part, :, 0].sum() / starts[part].sum())
         return out
 
     # public ---------------------------------------------------------------------------------------

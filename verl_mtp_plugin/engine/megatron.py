@@ -88,6 +88,7 @@ ACCEPTANCE_METRICS = (
     "mtp_expected_accept_length_k3",
     "mtp_drafted_expected_accept_rate",
     "mtp_drafted_argmax_draft_accept_rate",
+    "mtp_drafted_num_positions",
 )
 
 
@@ -231,8 +232,8 @@ def hybrid_forward_micro_batch(
         pad_to_length_bucket (int | None): verl's ``pad_to_length`` bucket (THD only).
         forced_max_seqlen (int | None): verl's BSHD padding target.
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
-            (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`, at most 128 response positions under
-            no_grad) of this micro-batch is written into it.
+            (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`: the mean over at most 128 response positions,
+            and the drafted form over whole responses of up to 16,384 positions, under no_grad) of this micro-batch is written into it.
         acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
             ``chained_tv`` objective) assumes.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
