@@ -765,3 +765,32 @@ def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
     assert full[DRAFTED_POSITIONS_KEY] == 4 * n and one[DRAFTED_POSITIONS_KEY] == n
     assert not any(key.startswith("mtp_drafted") for key in none) and none[EXPECTED_KEY] == full[EXPECTED_KEY]
     assert 0.0 < full[DRAFTED_EXPECTED_KEY] < 1.0
+
+
+def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):
+    """A packed (THD-like) row holds two sequences, prompt then response each, of unequal lengths: the drafted form
+    runs the schedule on each response apart (a start right after each prefill), as :func:`response_runs` splits."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
+
+    torch.manual_seed(3)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
+    with torch.no_grad():
+        model.output_layer.weight.mul_(6.0)
+    batch = make_batch(batch=1, seq=32, vocab=128, prompt_len=0, seed=4)
+    mask = torch.zeros(1, 32)
+    mask[0, 4:14] = 1.0  # sequence A: prompt 0-3, response 4-13
+    mask[0, 17:32] = 1.0  # sequence B: prompt 14-16, response 17-31
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch, loss_mask="ones")
+        dense = [per_position_acceptance(out, probe.mtp_logits(d), mask, depth=d) for d in (1, 2)]
+        est = probe.estimate(out, mask, release=False)
+    runs = response_runs(acceptance_positions(mask, 1))
+    assert runs == [(0, 3, 9), (0, 16, 14)]  # drafting positions: the last prompt token's on, to the 2nd last token
+    acc = torch.zeros(2, 14, 2)
+    for i, (_, first, n) in enumerate(runs):
+        acc[i, :n] = torch.stack([x["alpha"][0, first : first + n] for x in dense], dim=-1)
+    starts, accepted = draft_schedule(acc, torch.tensor([9, 14]))
+    assert est[DRAFTED_EXPECTED_KEY] == pytest.approx(float(accepted[..., 0].sum() / starts.sum()), abs=1e-5)
+    assert est[DRAFTED_POSITIONS_KEY] == 23
+    assert float(starts[1, 0]) == 1.0  # B's first drafting position always starts a verify step
