@@ -228,3 +228,26 @@ def test_joint_chunked_mtp_loss_under_megatron_ddp_equals_whole_logits(megatron_
     assert not bad, f"main_grad differs from megatron's whole logits beyond tolerance: {bad}"
     control = G.rel_err(no_mtp["output_layer.weight"], whole["output_layer.weight"])
     assert control > G.tolerance(noise["output_layer.weight"]), control  # the MTP loss's share is visible
+
+
+def test_drafted_estimate_on_the_gpu(megatron_env):
+    """The probe's drafted estimate (first-draft acceptance over the positions vLLM drafts at) on this device's
+    tensors: equal to the schedule over the dense per-position acceptance of the same forward (the device paths of
+    the probe's response selection, its chunked rows and the schedule)."""
+    from verl_mtp_plugin import hybrid_forward
+    from verl_mtp_plugin.acceptance import AcceptanceProbe, acceptance_positions, per_position_acceptance
+    from verl_mtp_plugin.acceptance.estimate import DRAFTED_EXPECTED_KEY, draft_schedule, response_runs
+
+    m = G.build("online")
+    b = G.batch()
+    mask = b["response_mask"]
+    with torch.no_grad(), AcceptanceProbe(m) as probe:
+        logits = hybrid_forward(m, b["input_ids"], b["position_ids"], b["attention_mask"], run_mtp_forward=True)
+        dense = per_position_acceptance(logits.float(), probe.mtp_logits(1).float(), mask)
+        est = probe.estimate(logits, mask, release=False)
+    runs = response_runs(acceptance_positions(mask, 1))
+    acc = torch.stack([dense["alpha"][r, f : f + n] for r, f, n in runs]).unsqueeze(-1)
+    starts, accepted = draft_schedule(acc, torch.tensor([n for *_, n in runs]))
+    want = float(accepted[..., 0].sum() / starts.sum())
+    print(f"\n[drafted estimate] {est[DRAFTED_EXPECTED_KEY]:.5f} vs dense {want:.5f} on {logits.device}")
+    assert abs(est[DRAFTED_EXPECTED_KEY] - want) < 2e-3 and 0.0 <= want <= 1.0
