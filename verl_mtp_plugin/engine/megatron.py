@@ -233,7 +233,8 @@ def hybrid_forward_micro_batch(
         forced_max_seqlen (int | None): verl's BSHD padding target.
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
             (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`: the mean over at most 128 response positions,
-            and the drafted form over whole responses of up to 16,384 positions, under no_grad) of this micro-batch is written into it.
+            and the drafted form over whole responses of up to 16,384 positions, under no_grad) of this
+            micro-batch is written into it.
         acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
             ``chained_tv`` objective) assumes.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).

@@ -68,9 +68,9 @@ the speculative-sampling overlap ``mtp_expected_accept_rate`` (uniform p = q ove
 ``actor/mtp_argmax_draft_accept_rate`` for greedy drafting when the metrics have it, and with
 ``actor/mtp_expected_accept_rate`` otherwise, each in its drafted form where the metrics have it
 (``actor/mtp_drafted_argmax_draft_accept_rate``, ``actor/mtp_drafted_expected_accept_rate``: the rate over the
-positions vLLM drafts at, which the means over positions overstate where hard positions cluster). The estimate is the depth-1 rate, compared with
-``rollout/spec_accept_rate_pos_0`` (first draft position); without per-position data it is turned into
-the all-position rate ``(E(alpha, k) - 1) / k`` first.
+positions vLLM drafts at, which the means over positions overstate where hard positions cluster). The estimate is
+the depth-1 rate, compared with ``rollout/spec_accept_rate_pos_0`` (first draft position); without per-position
+data it is turned into the all-position rate ``(E(alpha, k) - 1) / k`` first.
 
 **Drafting-method advice.** The trainer's two estimates also say which of vLLM's drafting methods accepts
 more for this policy: greedy drafting accepts ``p[argmax q]`` (``actor/mtp_argmax_draft_accept_rate``),
