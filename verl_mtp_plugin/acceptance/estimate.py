@@ -518,6 +518,6 @@ def response_runs(valid: torch.Tensor) -> list[tuple[int, int, int]]:
     for row in range(m.shape[0]):
         firsts = (edges[row] == 1).nonzero().flatten().tolist()
         lasts = (edges[row] == -1).nonzero().flatten().tolist()
-        ends = [e for e in lasts] + ([m.shape[1]] if len(lasts) < len(firsts) else [])
+        ends = lasts + ([m.shape[1]] if len(lasts) < len(firsts) else [])
         out += [(row, f, e - f) for f, e in zip(firsts, ends)]
     return out

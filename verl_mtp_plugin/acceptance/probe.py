@@ -219,15 +219,14 @@ class AcceptanceProbe:
         """(overlap, greedy agreement, argmax-draft acceptance) ``[n]`` for MTP depth ``d`` at positions ``(bi, ti)``
         against the main logits at ``ti + d``, :data:`DRAFTED_CHUNK` rows at a time (bounded logits memory)."""
         out: list[list[torch.Tensor]] = [[], [], []]
+        bi, ti = bi.to(chunks[d].device), ti.to(chunks[d].device)
+        mdev = None if main_logits is None else main_logits.device
         for i in range(0, bi.numel(), DRAFTED_CHUNK):
             b, s = bi[i : i + DRAFTED_CHUNK], ti[i : i + DRAFTED_CHUNK]
-            dev = chunks[d].device
-            b, s = b.to(dev), s.to(dev)
             q = self._logits(self._rows(chunks[d], b, s))
             if main_logits is None:
                 p, group = self._logits(self._rows(chunks[0], b, s + d)), self._tp_group
             else:
-                mdev = main_logits.device
                 p, group = self._main_rows(main_logits, b.to(mdev), (s + d).to(mdev), q.shape[-1])
                 p = p.to(q.device)
             if group_size(group) == 1:
