@@ -4,6 +4,7 @@
 #   bash benchmarks/h200_main_ppo/super_session.sh start "MODES" [extra run.py args]   (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh bench [SECONDS_LEFT]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh drift [SECONDS_LEFT] [drift.py args]     (installs, then setsid)
+#   bash benchmarks/h200_main_ppo/super_session.sh derisk [run.py args]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
 #   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
@@ -89,6 +90,29 @@ PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
   echo "pipeline started: pid $!"
   ;;
+derisk)
+  # the tiny checkpoint of .h200/assets in verl's trainer with the TE stack (mode online, the plugin's rollout server,
+  # its trainer estimates beside vLLM's rate), then the GPU tests: a short lease's check of the code the Super-widths
+  # leases run. LEASE_LEFT: the lease's seconds left (default 900); extra arguments go to run.py run
+  END=$(( $(date +%s) + ${LEASE_LEFT:-900} ))
+  install
+  shift 1
+  cat > $S/pipeline.sh <<PIPE
+set -x
+cd $PWD
+date -u +%FT%TZ > $S/t_start
+rm -rf /tmp/h2assets && cp -r .h200/assets /tmp/h2assets
+B=\$(( $END - \$(date +%s) - 330 ))
+python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out $S/run --modes online \
+  --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver.log 2>&1
+date -u +%FT%TZ > $S/t_assets
+[ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) \
+  python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
+date -u +%FT%TZ > $S/t_end
+PIPE
+  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
+  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  ;;
 drift)
   # drift.py gpu (the objectives ranked under drift over seeds): one vLLM engine per drafting method built first,
   # then pretraining and GRPO with the four objectives' MTP blocks, the engines measuring each version as it is
@@ -161,5 +185,5 @@ restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
   cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache | cut -f1)"
   ;;
-*) echo "usage: super_session.sh start|bench|drift|poll|cache|restore"; exit 2 ;;
+*) echo "usage: super_session.sh start|bench|derisk|drift|poll|cache|restore"; exit 2 ;;
 esac
