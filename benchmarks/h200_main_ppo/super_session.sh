@@ -6,7 +6,7 @@
 #   bash benchmarks/h200_main_ppo/super_session.sh drift [SECONDS_LEFT] [drift.py args]     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh derisk [run.py args]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
-#   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches to $OUT/cache; carry them back as .h200-cache)
+#   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches and the causal_conv1d wheel to $OUT/cache; carry them back as .h200-cache)
 #   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
@@ -28,7 +28,15 @@ install() {
   if [ -f $S/.installed ]; then echo "installed already on this machine"; return 0; fi
   if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then cat .h200-cache/cache.tgz.part* | tar xzf - -C /; echo "caches restored"; fi
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
-  bash /tmp/te/te_on_h200.sh > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
+  # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
+  # shared tool's build (~71-80 s), the tool's other steps and its import check as they are
+  TE=/tmp/te/te_on_h200.sh
+  if ls /tmp/cc1d/causal_conv1d-*.whl >/dev/null 2>&1; then
+    sed 's#^MAX_JOBS=16 env -u OUT bash $T/build_causal_conv1d.sh $S || exit 10$#python3 -m pip install -q --no-index --no-deps --target $S /tmp/cc1d/causal_conv1d-*.whl || exit 10#' \
+      $TE > /tmp/te/te_cached.sh
+    grep -q /tmp/cc1d /tmp/te/te_cached.sh && TE=/tmp/te/te_cached.sh && echo "causal_conv1d: the cached wheel"
+  fi
+  bash $TE > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   tail -3 $S/install.log; tail -3 $S/te.log
   touch $S/.installed
 }
@@ -170,7 +178,10 @@ cache)
   # and `bench` restore them when carried in their call; `restore` in a call of its own when they are large)
   # at most ~60 MiB: one carry holds 64 MiB with the tree, and the device returns at most 8 files; inductor's cache
   # (the largest) only if it fits
-  D=$(cd / && ls -d root/.triton/cache root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
+  # and the causal_conv1d wheel the shared tool built here (sm_90; `install` then skips the build)
+  W=$(ls /tmp/tmp.*/dist/causal_conv1d-*.whl 2>/dev/null | head -1)
+  [ -n "$W" ] && mkdir -p /tmp/cc1d && cp "$W" /tmp/cc1d/
+  D=$(cd / && ls -d tmp/cc1d root/.triton/cache root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
   [ -n "$D$I" ] || { echo "no compile caches on this machine"; exit 6; }
   tar czf /tmp/cache.tgz -C / $D $I
   if [ -n "$I" ] && [ $(stat -c%s /tmp/cache.tgz) -gt $((60 << 20)) ]; then
