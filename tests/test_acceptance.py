@@ -767,6 +767,37 @@ def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
     assert 0.0 < full[DRAFTED_EXPECTED_KEY] < 1.0
 
 
+def test_drafted_estimate_drafts_vllms_k(megatron_env):
+    """``draft_k`` sets the schedule's drafts per verify step: k = 1 on a two-depth model uses depth 1 alone; k = 3
+    drafts a third time from the deepest depth's acceptance at the same start (where that draft can be verified)."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
+
+    torch.manual_seed(5)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
+    with torch.no_grad():
+        model.output_layer.weight.mul_(6.0)
+    batch = make_batch(batch=3, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=6)
+    mask = batch["response_mask"]
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            out = _forward(model, batch)
+        dense = [per_position_acceptance(out, probe.mtp_logits(d), mask, depth=d) for d in (1, 2)]
+        est = {k: probe.estimate(out, mask, draft_k=k, release=False) for k in (None, 1, 2, 3)}
+        with pytest.raises(ValueError, match="draft_k"):
+            probe.estimate(out, mask, draft_k=0, release=False)
+    first, n = PROMPT - 1, SEQ - PROMPT - 1
+    acc = torch.stack([x["alpha"][:, first : first + n] for x in dense], dim=-1)  # [3, n, 2]
+    third = acc[..., 1].clone()
+    third[:, n - 2 :] = 0.0  # a third draft from the last two starts would pass the response's end
+    want = {}
+    for k, a in ((1, acc[..., :1]), (2, acc), (3, torch.cat([acc, third.unsqueeze(-1)], dim=-1))):
+        starts, accepted = draft_schedule(a, torch.full((3,), n))
+        want[k] = float(accepted[..., 0].sum() / starts.sum())
+        assert est[k][DRAFTED_EXPECTED_KEY] == pytest.approx(want[k], abs=1e-5), k
+    assert est[None][DRAFTED_EXPECTED_KEY] == est[2][DRAFTED_EXPECTED_KEY]  # None: the model's two depths
+    assert len({round(v, 4) for v in want.values()}) == 3  # k changes where verify steps start
+
+
 def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):
     """A packed (THD-like) row holds two sequences, prompt then response each, of unequal lengths: the drafted form
     runs the schedule on each response apart (a start right after each prefill), as :func:`response_runs` splits."""

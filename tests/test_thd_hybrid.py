@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from verl_mtp_plugin.acceptance.estimate import (
     ACCEPT_LENGTH_KEY,
     ARGMAX_DRAFT_KEY,
+    DRAFTED_EXPECTED_KEY,
+    DRAFTED_POSITIONS_KEY,
     EXPECTED_KEY,
     GREEDY_KEY,
     POSITIONS_KEY,
@@ -69,7 +71,7 @@ def _model(seed=5, pattern="M*-E/*E", **kwargs):
     return model
 
 
-def _run(model, ids, masks, *, data_format, objective, bucket=None, depths=1):
+def _run(model, ids, masks, *, data_format, objective, bucket=None, depths=1, draft_k=None):
     """One micro-batch through the engine's forward + backward of (main next-token CE summed over real tokens,
     megatron's MTP loss). Returns logits, MTP metrics, acceptance estimate, gradients."""
     from verl_mtp_plugin.engine.megatron import hybrid_forward_micro_batch
@@ -82,6 +84,7 @@ def _run(model, ids, masks, *, data_format, objective, bucket=None, depths=1):
     logits = hybrid_forward_micro_batch(
         model, _nested(ids), run_mtp_forward=True, mtp_token_mask=_nested(masks), data_format=data_format,
         pad_to_length_bucket=bucket, acceptance=acceptance, acceptance_temperature=1.0, objective=objective,
+        acceptance_draft_k=draft_k,
     )
     rows = logits.unbind()
     main = sum(F.cross_entropy(lg[:-1], t[1:], reduction="sum") for lg, t in zip(rows, ids))
@@ -169,6 +172,18 @@ def test_packed_chained_tv_over_two_depths_equals_each_sample_alone(megatron_env
     assert set(packed[3]) == set(padded[3])
     for k in packed[3]:
         torch.testing.assert_close(packed[3][k], padded[3][k], rtol=RTOL, atol=ATOL, msg=k)
+
+
+def test_packed_drafted_estimate_drafts_vllms_k(megatron_env):
+    """The engine's micro-batch hands vLLM's k to the drafted estimate: on a one-depth model k = 1 is the depths'
+    schedule, k = 3 drafts further from each start (fewer verify steps start after the hard positions)."""
+    model = _model()
+    ids, masks = _batch()
+    run = partial(_run, model, ids, masks, data_format="thd", objective="hard_ce", bucket=BUCKET)
+    est = {k: run(draft_k=k)[2] for k in (None, 1, 3)}
+    assert est[1][DRAFTED_EXPECTED_KEY] == pytest.approx(est[None][DRAFTED_EXPECTED_KEY], abs=1e-6)
+    assert abs(est[3][DRAFTED_EXPECTED_KEY] - est[1][DRAFTED_EXPECTED_KEY]) > 1e-4
+    assert est[3][DRAFTED_POSITIONS_KEY] == est[1][DRAFTED_POSITIONS_KEY] > 0
 
 
 @pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])

@@ -2,6 +2,7 @@
 each error is raised with its key names; valid configs resolve to the expected settings."""
 
 import copy
+import dataclasses
 
 import pytest
 from omegaconf import OmegaConf, open_dict
@@ -286,6 +287,10 @@ def test_engine_side_check_on_verls_real_dataclasses(hf_dirs):
     mc = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=online)
     s = resolve_engine_settings(mc, McoreEngineConfig())
     assert s.mode is MTPMode.ONLINE and s.mtp_loss_scaling_factor == 0.2 and s.set_scaling_factor
+    assert s.draft_k is None  # vLLM does not draft: the drafted estimate drafts as many as the MTP depths
+    drafting = dataclasses.replace(online, enable_rollout=True, num_speculative_tokens=3)
+    s = resolve_engine_settings(HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=drafting), McoreEngineConfig())
+    assert s.draft_k == 3  # vLLM's k reaches the engine's drafted estimate
 
     # verl's reference model: MtpConfig(enable=False) -> off, whatever the actor overrides say
     ref = HFModelConfig(path=hf_dirs["mtp"], load_tokenizer=False, mtp=MtpConfig(enable=False))

@@ -235,11 +235,13 @@ class AcceptanceProbe:
                 o.append(x.float())
         return tuple(torch.cat(o) for o in out)
 
-    def _drafted(self, chunks, main_logits, response_mask, t: float, budget: int) -> dict[str, float]:
+    def _drafted(self, chunks, main_logits, response_mask, t: float, budget: int, k: int | None = None) -> dict[str, float]:
         """The first-draft acceptance over the positions vLLM drafts at: whole responses (evenly spaced, about
         ``budget`` drafting positions), every depth's acceptance at each of their positions, the expected verify
-        steps along each (:func:`~verl_mtp_plugin.acceptance.estimate.draft_schedule`, ``k`` = the model's MTP
-        depths, as the recipes draft), for probabilistic and greedy drafting."""
+        steps along each (:func:`~verl_mtp_plugin.acceptance.estimate.draft_schedule` with ``k`` drafts per verify
+        step; None: the model's MTP depths, as the recipes draft), for probabilistic and greedy drafting. Drafts
+        beyond the trained depths (vLLM chains the last MTP layer again) take the deepest depth's acceptance at the
+        same start: an approximation, only where ``k`` exceeds the depths."""
         runs = response_runs(acceptance_positions(response_mask, 1))
         if not runs:
             return {}
@@ -248,9 +250,10 @@ class AcceptanceProbe:
             keep = max(1, int(len(runs) * budget // total))
             runs = [runs[int((i + 0.5) * len(runs) / keep)] for i in range(keep)]
         depths, longest = self._num_depths(), max(n for *_, n in runs)
-        alpha = torch.zeros(len(runs), longest, depths)
-        argmax = torch.zeros(len(runs), longest, depths)
-        for d in range(1, depths + 1):
+        k = depths if k is None else int(k)
+        alpha = torch.zeros(len(runs), longest, k)
+        argmax = torch.zeros(len(runs), longest, k)
+        for d in range(1, k + 1):
             valid = acceptance_positions(response_mask, d).cpu()
             bi, ti, ri, rj = [], [], [], []
             for i, (row, first, n) in enumerate(runs):
@@ -262,6 +265,10 @@ class AcceptanceProbe:
                 rj.append(torch.arange(n)[ok])
             bi, ti, ri, rj = (torch.cat(x) for x in (bi, ti, ri, rj))
             if bi.numel() == 0:
+                continue
+            if d > depths:  # a subset of the deepest depth's positions (further from the response's end)
+                alpha[ri, rj, d - 1] = alpha[ri, rj, depths - 1]
+                argmax[ri, rj, d - 1] = argmax[ri, rj, depths - 1]
                 continue
             over, _, draft = self._stats(chunks, main_logits, d, bi, ti, t)
             alpha[ri, rj, d - 1] = over.cpu()
@@ -305,6 +312,7 @@ class AcceptanceProbe:
         temperature: float | None = None,
         release: bool = True,
         max_drafted_positions: int = DRAFTED_POSITIONS,
+        draft_k: int | None = None,
     ) -> dict[str, float]:
         """Estimate acceptance for the forward just run, on a subsample of counted positions.
 
@@ -319,6 +327,8 @@ class AcceptanceProbe:
             temperature (float | None): overrides the probe's temperature for this call.
             max_drafted_positions (int): the drafted estimate's budget: whole responses, evenly spaced, of about
                 this many drafting positions in all (at least one response; :meth:`_drafted`); 0: not computed.
+            draft_k (int | None): drafts per verify step in the drafted estimate's schedule (vLLM's
+                ``num_speculative_tokens``); None: the model's MTP depths.
             release (bool): drop the capture afterwards (default). ``False`` keeps it for another
                 call on the same forward (e.g. another temperature); the next forward drops it anyway.
 
@@ -335,6 +345,8 @@ class AcceptanceProbe:
         """
         if not self.active or self._captured is None:
             return {}
+        if draft_k is not None and (isinstance(draft_k, bool) or int(draft_k) < 1):
+            raise ValueError(f"draft_k must be an int >= 1 (vLLM's num_speculative_tokens) or None, got {draft_k!r}")
         t = self._temperature if temperature is None else check_temperature(temperature)
         try:
             chunks = self._chunks()
@@ -372,7 +384,7 @@ class AcceptanceProbe:
                         out[DEPTH_EXPECTED_KEY.format(d=d)] = alpha
                         out[DEPTH_GREEDY_KEY.format(d=d)] = greedy
                 if max_drafted_positions > 0:
-                    out.update(self._drafted(chunks, main_logits, response_mask, t, max_drafted_positions))
+                    out.update(self._drafted(chunks, main_logits, response_mask, t, max_drafted_positions, draft_k))
             return out
         finally:
             if release:

@@ -185,7 +185,8 @@ def _bshd_attention_mask(seq_len: int, device) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temperature: float):
+def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temperature: float,
+                 draft_k: int | None = None):
     """Around one forward: capture the MTP block's output and write the acceptance estimate to ``sink``."""
     if sink is None or token_mask is None:
         yield
@@ -194,7 +195,7 @@ def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temp
 
     with AcceptanceProbe(model, temperature=temperature) as probe:
         yield
-        sink.update(probe.estimate(None, token_mask, max_positions=128))
+        sink.update(probe.estimate(None, token_mask, max_positions=128, draft_k=draft_k))
 
 
 def hybrid_forward_micro_batch(
@@ -210,6 +211,7 @@ def hybrid_forward_micro_batch(
     forced_max_seqlen: int | None = None,
     acceptance: dict | None = None,
     acceptance_temperature: float = 1.0,
+    acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
 ):
     """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
@@ -237,6 +239,8 @@ def hybrid_forward_micro_batch(
             micro-batch is written into it.
         acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
             ``chained_tv`` objective) assumes.
+        acceptance_draft_k (int | None): vLLM's drafts per verify step, the drafted estimate's ``k``; None: the
+            model's MTP depths.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
 
     Returns:
@@ -274,7 +278,8 @@ def hybrid_forward_micro_batch(
         if mtp_here:
             kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
         with (
-            _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature),
+            _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
+                         acceptance_draft_k),
             mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                                 loss_mask=kwargs.get("loss_mask"), packed_seq_params=psp),
         ):
@@ -308,7 +313,8 @@ def hybrid_forward_micro_batch(
     if mtp_here:
         kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
     with (
-        _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature),
+        _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
+                     acceptance_draft_k),
         mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                             loss_mask=kwargs.get("loss_mask")),
     ):
@@ -350,6 +356,7 @@ def forward_micro_batch(
     pad_to_length_bucket: int | None = None,
     acceptance: dict | None = None,
     acceptance_temperature: float = 1.0,
+    acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
 ):
     """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
@@ -361,7 +368,7 @@ def forward_micro_batch(
         phase: ``train``, ``logprob`` or ``ref``.
         mode: ``off``, ``frozen``, ``online`` or ``joint``.
         logits_processor, logits_processor_args, data_format, pad_to_length_bucket, acceptance,
-            acceptance_temperature, objective: see :func:`hybrid_forward_micro_batch`.
+            acceptance_temperature, acceptance_draft_k, objective: see :func:`hybrid_forward_micro_batch`.
 
     Returns:
         what :func:`hybrid_forward_micro_batch` returns.
@@ -379,6 +386,7 @@ def forward_micro_batch(
         forced_max_seqlen=tu.get_non_tensor_data(batch, key="forced_max_seqlen", default=None),
         acceptance=acceptance,
         acceptance_temperature=acceptance_temperature,
+        acceptance_draft_k=acceptance_draft_k,
         objective=objective,
     )
 
@@ -706,6 +714,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             pad_to_length_bucket=pad_to_length_bucket,
             acceptance=self._next_acceptance_sink(),
             acceptance_temperature=_first_float(batch["temperature"]),
+            acceptance_draft_k=self.mtp_settings.draft_k,
             objective=self.mtp_settings.objective,
         )
         return output, partial(postprocess_micro_batch_func, data=batch)

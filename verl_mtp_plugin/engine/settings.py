@@ -78,6 +78,9 @@ class EngineMTPSettings:
             :mod:`verl_mtp_plugin.objective`), ``hard_ce`` when unset.
         latent_moe: the checkpoint's MoE layers are latent (HF ``moe_latent_size``, Nemotron 3 Super): the plugin
             turns Megatron's shared-expert overlap off (:data:`LATENT_MOE_OVERRIDES`) unless the user set it.
+        draft_k: vLLM's drafts per verify step (``actor_rollout_ref.model.mtp.num_speculative_tokens`` where verl
+            speculates, ``mtp.enable_rollout``), the ``k`` of the trainer's drafted acceptance estimate; None without
+            speculation (the estimate then drafts as many as the MTP depths).
     """
 
     mode: MTPMode
@@ -85,6 +88,7 @@ class EngineMTPSettings:
     set_scaling_factor: bool
     objective: MTPObjective = MTPObjective.HARD_CE
     latent_moe: bool = False
+    draft_k: int | None = None
 
 
 #: ``override_transformer_config`` entries for a checkpoint with latent MoE (HF ``moe_latent_size``; Nemotron 3
@@ -284,6 +288,11 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
     if errors:
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
     assert settings is not None
+    mtp = get_key(model_config, "mtp")
+    if as_bool(get_key(mtp, "enable_rollout", False)):
+        k = get_key(mtp, "num_speculative_tokens", None)
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 1:  # the start-up check refuses anything else
+            settings = dataclasses.replace(settings, draft_k=k)
     return settings
 
 
