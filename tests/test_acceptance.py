@@ -783,19 +783,21 @@ def test_drafted_estimate_drafts_vllms_k(megatron_env):
             out = _forward(model, batch)
         dense = [per_position_acceptance(out, probe.mtp_logits(d), mask, depth=d) for d in (1, 2)]
         est = {k: probe.estimate(out, mask, draft_k=k, release=False) for k in (None, 1, 2, 3)}
-        with pytest.raises(ValueError, match="draft_k"):
-            probe.estimate(out, mask, draft_k=0, release=False)
+        for bad in (0, 2.5, "3", True):
+            with pytest.raises(ValueError, match="draft_k"):
+                probe.estimate(out, mask, draft_k=bad, release=False)
     first, n = PROMPT - 1, SEQ - PROMPT - 1
-    acc = torch.stack([x["alpha"][:, first : first + n] for x in dense], dim=-1)  # [3, n, 2]
-    third = acc[..., 1].clone()
-    third[:, n - 2 :] = 0.0  # a third draft from the last two starts would pass the response's end
     want = {}
-    for k, a in ((1, acc[..., :1]), (2, acc), (3, torch.cat([acc, third.unsqueeze(-1)], dim=-1))):
-        starts, accepted = draft_schedule(a, torch.full((3,), n))
-        want[k] = float(accepted[..., 0].sum() / starts.sum())
-        assert est[k][DRAFTED_EXPECTED_KEY] == pytest.approx(want[k], abs=1e-5), k
-    assert est[None][DRAFTED_EXPECTED_KEY] == est[2][DRAFTED_EXPECTED_KEY]  # None: the model's two depths
-    assert len({round(v, 4) for v in want.values()}) == 3  # k changes where verify steps start
+    for key, name in ((DRAFTED_EXPECTED_KEY, "alpha"), (DRAFTED_ARGMAX_KEY, "argmax_draft")):
+        acc = torch.stack([x[name][:, first : first + n] for x in dense], dim=-1)  # [3, n, 2]
+        third = acc[..., 1].clone()
+        third[:, n - 2 :] = 0.0  # a third draft from the last two starts would pass the response's end
+        for k, a in ((1, acc[..., :1]), (2, acc), (3, torch.cat([acc, third.unsqueeze(-1)], dim=-1))):
+            starts, accepted = draft_schedule(a, torch.full((3,), n))
+            want[key, k] = float(accepted[..., 0].sum() / starts.sum())
+            assert est[k][key] == pytest.approx(want[key, k], abs=1e-5), (key, k)
+        assert est[None][key] == est[2][key]  # None: the model's two depths
+    assert len({round(want[DRAFTED_EXPECTED_KEY, k], 4) for k in (1, 2, 3)}) == 3  # k moves where verify steps start
 
 
 def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):

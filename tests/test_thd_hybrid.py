@@ -174,16 +174,20 @@ def test_packed_chained_tv_over_two_depths_equals_each_sample_alone(megatron_env
         torch.testing.assert_close(packed[3][k], padded[3][k], rtol=RTOL, atol=ATOL, msg=k)
 
 
-def test_packed_drafted_estimate_drafts_vllms_k(megatron_env):
-    """The engine's micro-batch hands vLLM's k to the drafted estimate: on a one-depth model k = 1 is the depths'
-    schedule, k = 3 drafts further from each start (fewer verify steps start after the hard positions)."""
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_micro_batch_drafted_estimate_drafts_vllms_k(megatron_env, data_format):
+    """The engine's micro-batch (packed and padded) hands vLLM's k to the drafted estimate: on a one-depth model
+    k = 3 drafts further from each start than the depths' schedule (None), and the packed and padded layouts agree."""
     model = _model()
     ids, masks = _batch()
-    run = partial(_run, model, ids, masks, data_format="thd", objective="hard_ce", bucket=BUCKET)
-    est = {k: run(draft_k=k)[2] for k in (None, 1, 3)}
-    assert est[1][DRAFTED_EXPECTED_KEY] == pytest.approx(est[None][DRAFTED_EXPECTED_KEY], abs=1e-6)
-    assert abs(est[3][DRAFTED_EXPECTED_KEY] - est[1][DRAFTED_EXPECTED_KEY]) > 1e-4
-    assert est[3][DRAFTED_POSITIONS_KEY] == est[1][DRAFTED_POSITIONS_KEY] > 0
+    run = partial(_run, model, ids, masks, data_format=data_format, objective="hard_ce",
+                  bucket=BUCKET if data_format == "thd" else None)
+    est = {k: run(draft_k=k)[2] for k in (None, 3)}
+    padded = {k: _run(model, ids, masks, data_format="bshd", objective="hard_ce", draft_k=k)[2] for k in (None, 3)}
+    for k in (None, 3):
+        assert est[k][DRAFTED_EXPECTED_KEY] == pytest.approx(padded[k][DRAFTED_EXPECTED_KEY], rel=RTOL, abs=ATOL)
+    assert abs(est[3][DRAFTED_EXPECTED_KEY] - est[None][DRAFTED_EXPECTED_KEY]) > 1e-4
+    assert est[3][DRAFTED_POSITIONS_KEY] == est[None][DRAFTED_POSITIONS_KEY] > 0
 
 
 @pytest.mark.parametrize("objective", ["soft_ce", "tv", "chained_tv"])

@@ -113,6 +113,17 @@ def test_rollout_speculation_while_mtp_is_off(verl_base, hf_dirs):
     assert "actor_rollout_ref.model.mtp.enable=false" in msg
 
 
+def test_a_second_k_in_speculative_config_is_refused(verl_base, hf_dirs):
+    """verl hands vLLM the speculative_config's num_speculative_tokens over mtp.num_speculative_tokens, which the
+    trainer's engine reads (its drafted estimate's k): a different value there is refused naming both keys; the same
+    value is accepted."""
+    spec = "actor_rollout_ref__rollout__engine_kwargs__vllm__speculative_config"
+    msg = errors_of(make(verl_base, hf_dirs, **{spec: {"num_speculative_tokens": 3}}))
+    assert "speculative_config.num_speculative_tokens=3 overrides actor_rollout_ref.model.mtp.num_speculative_tokens=2" in msg
+    s = validate_verl_config(make(verl_base, hf_dirs, **{spec: {"num_speculative_tokens": 2}}))
+    assert s.speculative_config["num_speculative_tokens"] == 2
+
+
 def test_speculation_behind_verls_back_gets_level_2_sleep(verl_base, hf_dirs):
     """vLLM speculation through engine_kwargs only: verl 0.9.1 does not know MTP rollout is on and
     sleeps vLLM at level 2 (drafter weights discarded, acceptance 0 after wake-up)."""

@@ -32,7 +32,7 @@ install() {
   # shared tool's build (~71-80 s), the tool's other steps and its import check as they are
   TE=/tmp/te/te_on_h200.sh
   if ls /tmp/cc1d/causal_conv1d-*.whl >/dev/null 2>&1; then
-    sed 's#^MAX_JOBS=16 env -u OUT bash $T/build_causal_conv1d.sh $S || exit 10$#python3 -m pip install -q --no-index --no-deps --target $S /tmp/cc1d/causal_conv1d-*.whl || exit 10#' \
+    sed 's#^MAX_JOBS=16 env -u OUT bash $T/build_causal_conv1d.sh $S || exit 10$#python3 -m pip install -q --no-index --no-deps --target $S /tmp/cc1d/causal_conv1d-*.whl \&\& PYTHONPATH=$S python3 -c "import torch, causal_conv1d_cuda" || exit 10#' \
       $TE > /tmp/te/te_cached.sh
     grep -q /tmp/cc1d /tmp/te/te_cached.sh && TE=/tmp/te/te_cached.sh && echo "causal_conv1d: the cached wheel"
   fi
@@ -111,9 +111,9 @@ cd $PWD
 date -u +%FT%TZ > $S/t_start
 rm -rf /tmp/h2assets && cp -r .h200/assets /tmp/h2assets
 B=\$(( $END - \$(date +%s) - 330 ))
-python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out $S/run --modes online \
-  --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver.log 2>&1
-date -u +%FT%TZ > $S/t_assets
+[ \$B -gt 200 ] && python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out $S/run \
+  --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver.log 2>&1
+date -u +%FT%TZ > $S/t_run
 [ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) \
   python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
 date -u +%FT%TZ > $S/t_end
@@ -174,30 +174,30 @@ poll)
   true
   ;;
 cache)
-  # Triton's, inductor's and vLLM's compile caches of this lease, for the next lease to carry as .h200-cache (`start`
-  # and `bench` restore them when carried in their call; `restore` in a call of its own when they are large)
-  # at most ~60 MiB: one carry holds 64 MiB with the tree, and the device returns at most 8 files; inductor's cache
-  # (the largest) only if it fits
-  # and the causal_conv1d wheel the shared tool built here (sm_90; `install` then skips the build)
+  # Triton's, inductor's and vLLM's compile caches of this lease and the causal_conv1d wheel the shared tool built
+  # here (sm_90; `install` then skips the build), for the next lease to carry as .h200-cache (`start` and `bench`
+  # restore them when carried in their call; `restore` in a call of its own when they are large); at most ~60 MiB:
+  # one carry holds 64 MiB with the tree, and the device returns at most 8 files
   W=$(ls /tmp/tmp.*/dist/causal_conv1d-*.whl 2>/dev/null | head -1)
   [ -n "$W" ] && mkdir -p /tmp/cc1d && cp "$W" /tmp/cc1d/
-  D=$(cd / && ls -d tmp/cc1d root/.triton/cache root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
-  [ -n "$D$I" ] || { echo "no compile caches on this machine"; exit 6; }
-  tar czf /tmp/cache.tgz -C / $D $I
-  if [ -n "$I" ] && [ $(stat -c%s /tmp/cache.tgz) -gt $((60 << 20)) ]; then
-    echo "with inductor's cache $(stat -c%s /tmp/cache.tgz) B: over 60 MiB, Triton's and vLLM's only"
-    [ -n "$D" ] || exit 6; tar czf /tmp/cache.tgz -C / $D
-  fi
-  if [ $(stat -c%s /tmp/cache.tgz) -gt $((60 << 20)) ] && [ -d /tmp/cc1d ]; then
-    echo "Triton's and vLLM's over 60 MiB: the causal_conv1d wheel only"; tar czf /tmp/cache.tgz -C / tmp/cc1d
-  fi
-  [ $(stat -c%s /tmp/cache.tgz) -le $((60 << 20)) ] || { echo "cache over 60 MiB: not returned"; exit 6; }
+  # the first of these sets whose archive fits 60 MiB: all; without inductor's; the wheel with Triton's; the wheel alone
+  W=$(cd / && ls -d tmp/cc1d 2>/dev/null); T=$(cd / && ls -d root/.triton/cache 2>/dev/null)
+  V=$(cd / && ls -d root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
+  [ -n "$W$T$V$I" ] || { echo "no compile caches on this machine"; exit 6; }
+  fit=""
+  for paths in "$W $T $V $I" "$W $T $V" "$W $T" "$W"; do
+    [ -n "$(echo $paths)" ] || continue
+    tar czf /tmp/cache.tgz -C / $paths && [ $(stat -c%s /tmp/cache.tgz) -le $((60 << 20)) ] && { fit="$paths"; break; }
+    echo "$(echo $paths): $(stat -c%s /tmp/cache.tgz) B, over 60 MiB"
+  done
+  [ -n "$fit" ] || { echo "cache over 60 MiB: not returned"; exit 6; }
+  echo "returned: $(echo $fit)"
   ls -la /tmp/cache.tgz
   mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
   ;;
 restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
-  cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache | cut -f1)"
+  cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
   ;;
 *) echo "usage: super_session.sh start|bench|derisk|drift|poll|cache|restore"; exit 2 ;;
 esac

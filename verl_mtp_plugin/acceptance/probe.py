@@ -345,7 +345,7 @@ class AcceptanceProbe:
         """
         if not self.active or self._captured is None:
             return {}
-        if draft_k is not None and (isinstance(draft_k, bool) or int(draft_k) < 1):
+        if draft_k is not None and (isinstance(draft_k, bool) or not isinstance(draft_k, int) or draft_k < 1):
             raise ValueError(f"draft_k must be an int >= 1 (vLLM's num_speculative_tokens) or None, got {draft_k!r}")
         t = self._temperature if temperature is None else check_temperature(temperature)
         try:

@@ -79,8 +79,9 @@ class EngineMTPSettings:
         latent_moe: the checkpoint's MoE layers are latent (HF ``moe_latent_size``, Nemotron 3 Super): the plugin
             turns Megatron's shared-expert overlap off (:data:`LATENT_MOE_OVERRIDES`) unless the user set it.
         draft_k: vLLM's drafts per verify step (``actor_rollout_ref.model.mtp.num_speculative_tokens`` where verl
-            speculates, ``mtp.enable_rollout``), the ``k`` of the trainer's drafted acceptance estimate; None without
-            speculation (the estimate then drafts as many as the MTP depths).
+            speculates, ``mtp.enable`` and ``mtp.enable_rollout``; the start-up check refuses a different
+            ``speculative_config.num_speculative_tokens``), the ``k`` of the trainer's drafted acceptance estimate; None
+            without speculation (the estimate then drafts as many as the MTP depths).
     """
 
     mode: MTPMode
@@ -289,7 +290,7 @@ def resolve_engine_settings(model_config: Any, engine_config: Any) -> EngineMTPS
         raise MTPConfigError(f"invalid MTP setup for model_type={MODEL_TYPE}:\n  - " + "\n  - ".join(errors))
     assert settings is not None
     mtp = get_key(model_config, "mtp")
-    if as_bool(get_key(mtp, "enable_rollout", False)):
+    if as_bool(get_key(mtp, "enable", False)) and as_bool(get_key(mtp, "enable_rollout", False)):  # verl speculates
         k = get_key(mtp, "num_speculative_tokens", None)
         if isinstance(k, int) and not isinstance(k, bool) and k >= 1:  # the start-up check refuses anything else
             settings = dataclasses.replace(settings, draft_k=k)

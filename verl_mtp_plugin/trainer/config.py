@@ -379,6 +379,17 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"({_MTP}.enable={mtp_enable}, {_MTP}.enable_rollout={enable_rollout}): {detail}; enable it with "
             f"{_MTP}.enable=true and {_MTP}.enable_rollout=true ({_MTP}.num_speculative_tokens) instead"
         )
+    spec_k = user_spec.get("num_speculative_tokens") if isinstance(user_spec, Mapping) else None
+    mtp_k = get_key(mtp, "num_speculative_tokens", 1)
+    if verl_speculates and spec_k is not None and not isinstance(spec_k, bool) and isinstance(spec_k, int) \
+            and isinstance(mtp_k, int) and spec_k != mtp_k:
+        # verl's build_mtp_speculative_config lets the user's block win; the trainer's engine (its drafted acceptance
+        # estimate's k) reads the model's mtp block: one value, set in one place
+        errors.append(
+            f"{_VLLM}.speculative_config.num_speculative_tokens={spec_k} overrides {_MTP}.num_speculative_tokens="
+            f"{mtp_k} for vLLM while the trainer's acceptance estimate drafts {mtp_k}: set "
+            f"{_MTP}.num_speculative_tokens={spec_k} and drop the speculative_config key"
+        )
     if speculation and rollout_name != "vllm":
         errors.append(
             f"{_RO}.name={rollout_name!r}: the plugin's MTP drafter sync supports vLLM only; set {_RO}.name=vllm "
