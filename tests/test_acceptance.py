@@ -736,18 +736,23 @@ def test_response_runs():
     assert response_runs(torch.zeros(2, 5, dtype=torch.bool)) == []
 
 
+def _two_depths(model_seed: int, **batch_kwargs):
+    """A model with two MTP depths (its output layer sharpened so acceptance varies), a batch and its response mask."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
+
+    torch.manual_seed(model_seed)
+    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
+    with torch.no_grad():
+        model.output_layer.weight.mul_(6.0)
+    batch = make_batch(seq=SEQ, vocab=128, prompt_len=PROMPT, **batch_kwargs)
+    return model, batch, batch["response_mask"]
+
+
 def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
     """The probe's drafted keys: every depth's acceptance at every drafting position of whole responses (a model
     with two MTP depths, so k = 2), weighted by the expected verify steps; a budget below the batch takes whole
     responses, evenly spaced."""
-    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
-
-    torch.manual_seed(1)
-    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
-    with torch.no_grad():
-        model.output_layer.weight.mul_(6.0)
-    batch = make_batch(batch=4, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=2)
-    mask = batch["response_mask"]
+    model, batch, mask = _two_depths(1, batch=4, seed=2)
     with AcceptanceProbe(model) as probe:
         with torch.no_grad():
             out = _forward(model, batch)
@@ -770,14 +775,7 @@ def test_drafted_estimate_is_the_schedule_over_dense_acceptance(megatron_env):
 def test_drafted_estimate_drafts_vllms_k(megatron_env):
     """``draft_k`` sets the schedule's drafts per verify step: k = 1 on a two-depth model uses depth 1 alone; k = 3
     drafts a third time from the deepest depth's acceptance at the same start (where that draft can be verified)."""
-    from verl_mtp_plugin.testing import build_tiny_hybrid, make_batch
-
-    torch.manual_seed(5)
-    model = build_tiny_hybrid(pattern="M*-E/*E/*E")
-    with torch.no_grad():
-        model.output_layer.weight.mul_(6.0)
-    batch = make_batch(batch=3, seq=SEQ, vocab=128, prompt_len=PROMPT, seed=6)
-    mask = batch["response_mask"]
+    model, batch, mask = _two_depths(5, batch=3, seed=6)
     with AcceptanceProbe(model) as probe:
         with torch.no_grad():
             out = _forward(model, batch)
