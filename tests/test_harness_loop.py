@@ -61,6 +61,17 @@ def test_a_silent_run_and_one_past_a_fatal_line_are_stopped(tmp_path):
 
 
 RAY_FAIL = "echo 'Exception: The current node timed out during startup. This could happen because ...'; exit 1"
+PORT_FAIL = ("echo 'torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+             "address. port: 38867, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use'; exit 1")
+
+
+def test_a_run_whose_process_group_port_was_taken_is_tried_again(tmp_path):
+    marker = tmp_path / "tried"
+    script = (f'if [ ! -e {marker} ]; then touch {marker}; {PORT_FAIL}; fi; '
+              'echo \'{"step": 1, "data": {}}\' >> "$VERL_FILE_LOGGER_PATH"; exit 0')
+    run, log = _run(tmp_path, script, timeout_s=60)
+    assert (run.rc, run.metrics) == (0, {1: {}}) and "try 2" in log.splitlines()[0]
+    assert "EADDRINUSE" in (tmp_path / "run.log.ray_start1").read_text()
 
 
 def test_a_run_that_fails_in_rays_start_up_is_tried_again_once(tmp_path):

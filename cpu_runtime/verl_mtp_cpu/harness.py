@@ -464,6 +464,12 @@ class TrainerRun:
 #: (``ray/_private/node.py``: ``raylet_start_wait_time_s = 30``, no setting), which a 2-core host running several
 #: trainer runs side by side can exceed (seen in a CI run of 2026-12-06, before any worker of the run started)
 RAY_START_TIMEOUT = re.compile(r"The current node timed out during startup")
+#: The process group's port taken before its store bound it: verl's worker group picks a free port, starts the
+#: workers (seconds), then rank 0 binds it (``torch.distributed`` TCPStore), and another run's Ray processes can take
+#: it in between (seen in a CI run of 2026-12-07, two runs side by side)
+PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to listen.*EADDRINUSE")
+#: start-up failures of the host, not of the run: tried again (:func:`run_trainer`)
+START_RACES = (RAY_START_TIMEOUT, PORT_TAKEN)
 
 
 def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_path: pathlib.Path,
@@ -472,7 +478,8 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
                 on_line: Callable[[float, str], Any] | None = None, label: str = "verl_cpu harness",
                 ray_start_tries: int = 2) -> TrainerRun:
     """:func:`_run_trainer_once`, tried again (up to ``ray_start_tries`` in all, within the one ``timeout_s``) when a
-    try fails in Ray's own start-up (:data:`RAY_START_TIMEOUT` in its log, no step logged): the failed try's log is
+    try fails in its start-up on a busy host (:data:`START_RACES`: Ray's raylet registration or the process group's
+    port, in its log, no step logged): the failed try's log is
     kept as ``<log>.ray_start<N>``, and the new log says so on its first line."""
     t0 = time.perf_counter()
     for attempt in range(1, ray_start_tries + 1):
@@ -482,7 +489,7 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
                                 note=f"[{label}] try {attempt}: the previous one failed in Ray's start-up "
                                      f"(kept as {log_path.name}.ray_start{attempt - 1})" if attempt > 1 else None)
         if (run.rc == 0 or run.stopped or run.metrics or attempt == ray_start_tries
-                or not RAY_START_TIMEOUT.search(log_path.read_text(errors="replace"))):
+                or not any(p.search(log_path.read_text(errors="replace")) for p in START_RACES)):
             return dataclasses.replace(run, wall_s=time.perf_counter() - t0)
         log_path.rename(log_path.with_name(f"{log_path.name}.ray_start{attempt}"))
         for f in (metrics_path, events_path):
