@@ -472,6 +472,10 @@ PORT_TAKEN = re.compile(r"DistNetworkError: The server socket has failed to list
 START_RACES = (RAY_START_TIMEOUT, PORT_TAKEN)
 
 
+def _start_race(log: str) -> bool:
+    return any(p.search(log) for p in START_RACES)
+
+
 def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_path: pathlib.Path,
                 metrics_path: pathlib.Path, events_path: pathlib.Path, timeout_s: float,
                 silence_s: float | None = None, fatal: tuple[re.Pattern, ...] = (), grace_s: float = 40.0,
@@ -479,8 +483,8 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
                 ray_start_tries: int = 2) -> TrainerRun:
     """:func:`_run_trainer_once`, tried again (up to ``ray_start_tries`` in all, within the one ``timeout_s``) when a
     try fails in its start-up on a busy host (:data:`START_RACES`: Ray's raylet registration or the process group's
-    port, in its log, no step logged): the failed try's log is
-    kept as ``<log>.ray_start<N>``, and the new log says so on its first line."""
+    port, in its log, no step logged): the failed try's log is kept as ``<log>.ray_start<N>``, and the new log says
+    so on its first line."""
     t0 = time.perf_counter()
     for attempt in range(1, ray_start_tries + 1):
         run = _run_trainer_once(cmd, cwd=cwd, env=env, log_path=log_path, metrics_path=metrics_path,
@@ -489,7 +493,7 @@ def run_trainer(cmd: list[str], *, cwd: pathlib.Path, env: dict[str, str], log_p
                                 note=f"[{label}] try {attempt}: the previous one failed in Ray's start-up "
                                      f"(kept as {log_path.name}.ray_start{attempt - 1})" if attempt > 1 else None)
         if (run.rc == 0 or run.stopped or run.metrics or attempt == ray_start_tries
-                or not any(p.search(log_path.read_text(errors="replace")) for p in START_RACES)):
+                or not _start_race(log_path.read_text(errors="replace"))):
             return dataclasses.replace(run, wall_s=time.perf_counter() - t0)
         log_path.rename(log_path.with_name(f"{log_path.name}.ray_start{attempt}"))
         for f in (metrics_path, events_path):
