@@ -558,3 +558,25 @@ def test_compare_judges_the_estimate_in_its_drafted_form_where_every_step_logs_i
     assert w["estimate_mean_over_positions"] == pytest.approx(0.76)
     assert res["criteria"]["estimate_diff_online"]["met"]
     assert f"against {run.DRAFTED_ESTIMATE}: met" in capsys.readouterr().out
+
+
+def test_a_mode_stops_before_the_leases_end_whatever_its_own_limit():
+    now = 1_000_000.0
+    # no lease end known: the call's budget left or the mode's own limit, the lesser
+    assert run.mode_time_left(900.0, 1600.0, 0.0, now) == 900.0
+    assert run.mode_time_left(1700.0, 600.0, 0.0, now) == 600.0
+    # the lease ends in 1,000 s: the mode stops END_MARGIN_S before it, also under a larger --run-timeout
+    assert run.mode_time_left(1700.0, 1600.0, now + 1000.0, now) == 1000.0 - run.END_MARGIN_S
+    # a lease end further away than the other limits changes nothing
+    assert run.mode_time_left(1700.0, 600.0, now + 5000.0, now) == 600.0
+    # the lease's end too near: below --min-run-s's default, so the mode is skipped, not started to be lost
+    assert run.mode_time_left(1700.0, 1600.0, now + run.END_MARGIN_S + 30.0, now) == 30.0
+
+
+
+def test_run_takes_the_leases_end(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(run, "cmd_run", lambda a: seen.update(a=a) or 0)
+    assert run.main(["run", "--assets", "x", "--out", "o", "--end", "1234567.5"]) == 0
+    assert seen["a"].end == 1234567.5 and seen["a"].min_run_s > 30.0
+    assert run.main(["run", "--assets", "x", "--out", "o"]) == 0 and seen["a"].end == 0.0

@@ -425,6 +425,21 @@ def host_pace(calls: int = 5, n: int = 5_000_000) -> dict:
     return {"seconds": min(each), "each": [round(x, 4) for x in each], "loop": n}
 
 
+#: seconds a mode stops before the lease's end (``--end``): the last poll's call that brings its results back
+END_MARGIN_S = 75.0
+
+
+def mode_time_left(budget_left: float, run_timeout: float, end: float, now: float) -> float:
+    """One mode's time limit: the least of the call's budget left, the mode's own limit (``--run-timeout``) and,
+    with ``end`` (the lease's end in epoch seconds; 0: unknown), the lease's time left at ``now`` less
+    :data:`END_MARGIN_S`: a mode cut there keeps its finished steps and its results still come back; a limit
+    beyond the lease ran into the lease's end and lost the run."""
+    left = min(budget_left, run_timeout)
+    if end > 0:
+        left = min(left, end - now - END_MARGIN_S)
+    return left
+
+
 def cmd_run(a) -> int:
     if a.preflight:
         return preflight(a)
@@ -450,12 +465,12 @@ def cmd_run(a) -> int:
             print("=== import check failed: no run started (import_check.json lists what is missing)", flush=True)
             return 1
     for mode in a.modes.split(","):
-        left = a.budget - (time.perf_counter() - t_start)
+        left = mode_time_left(a.budget - (time.perf_counter() - t_start), a.run_timeout, a.end, time.time())
         if left < a.min_run_s:
             summary["runs"][mode] = {"skipped": f"budget: {left:.0f} s left"}
             print(f"=== {mode}: skipped ({left:.0f} s left)", flush=True)
             continue
-        res = run_mode(mode, a, out, min(left, a.run_timeout))
+        res = run_mode(mode, a, out, left)
         res["digests"] = digest_check(res["events"])
         summary["runs"][mode] = res
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -1048,6 +1063,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget", type=float, default=560.0, help="seconds for all modes of this call")
     r.add_argument("--run-timeout", type=float, default=420.0, help="seconds for one mode")
     r.add_argument("--min-run-s", type=float, default=90.0, help="skip a mode with less time left")
+    r.add_argument("--end", type=float, default=0.0,
+                   help="the lease's end (epoch seconds; super_session.sh start passes it): each mode stops "
+                        f"{END_MARGIN_S:.0f} s before it; 0: unknown")
     r.add_argument("--k", type=_positive, default=RECIPE_K,
                    help="drafts per verify step (mtp.num_speculative_tokens), the MTP depths trained with it "
                         "(mtp_num_layers) and the CUDA-graph ceiling (max_seqs x (k+1)); the recipe's 2 by default")

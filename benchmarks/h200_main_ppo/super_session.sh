@@ -14,7 +14,8 @@
 # then speculation.py rollout (every arm's engine in one process, interleaved; ROLLOUT_ARGS added last, e.g.
 # "--arms 0,2,schedule") with what the lease has left (SECONDS_LEFT from the start call, default 1500, less 200 s),
 # then phase_cost.py memory with recompute if 150 s remain, then tests/gpu/run_all.py if 120 s remain.
-# `start` with LEASE_LEFT=<seconds the lease has left> runs the same two after the modes (after_main).
+# `start` with LEASE_LEFT=<seconds the lease has left> runs the same two after the modes (after_main), and each mode
+# stops 75 s before the lease's end whatever its --run-timeout (run.py --end), keeping its finished steps.
 set -u
 S=/tmp/sess
 # the card in the results' names (the lending tool may start an H100 for a call that names no kind)
@@ -91,7 +92,7 @@ date -u +%FT%TZ > $S/t_assets
 # every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
 python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
-  --reward benchmarks/h200_main_ppo/reward_long.py $* > $S/driver.log 2>&1
+  --reward benchmarks/h200_main_ppo/reward_long.py $([ $END -gt 0 ] && echo --end $END) $* > $S/driver.log 2>&1
 kill \$PC
 $(after_main)
 PIPE
