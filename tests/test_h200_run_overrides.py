@@ -539,6 +539,21 @@ def test_the_committed_run_without_log_probabilities_gives_the_quoted_figures(ca
     assert any("different --override settings" in x for x in res["warnings"])
 
 
+def test_the_committed_lean_off_run_gives_the_quoted_figures(capsys, tmp_path):
+    # RESULTS.md, "mode off with the plugin's vLLM server": steps 11-20 against off with verl's request
+    m = ROOT / "benchmarks/results/h100_super_modes"
+    res = _compare(tmp_path, str(m / "off_lean/run/summary.json"), str(m / "off/run/summary.json"))
+    w = res["modes"]
+    lean, verl = w["off@off_lean"], w["off@off"]
+    assert (lean["requests"], verl["requests"]) == ("lean", "verl")
+    assert lean["steps"] == list(range(11, 21)) and verl["steps"] == list(range(11, 21))
+    assert (round(lean["gen_s"], 2), round(verl["gen_s"], 2)) == (6.07, 6.33)
+    assert (round(lean["ref_s"], 2), round(lean["logp_s"], 2), round(verl["ref_s"], 2),
+            round(verl["logp_s"], 2)) == (4.92, 2.56, 4.03, 2.01)
+    assert lean["host_pace_s"] == pytest.approx(0.6608, abs=1e-4) and verl["host_pace_s"] is None
+    assert sum("another pace" in x for x in res["warnings"]) == 2
+
+
 def test_compare_judges_the_estimate_in_its_drafted_form_where_every_step_logs_it(tmp_path, capsys):
     """The criterion's estimate: the trainer's rate over the positions vLLM drafts at where every step of the window
     logs it, else the mean over positions (the runs before it), named in the verdict."""

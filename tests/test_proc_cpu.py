@@ -220,11 +220,11 @@ def test_phases_split_each_rollout_into_the_engine_core_the_front_end_after_it_a
 MODES_DIR = ROOT / "benchmarks/results/h100_super_modes"
 
 
-def _committed_phases(run: str, tmp_path, *extra: str) -> dict:
-    """``proc_cpu.py phases`` on a committed online run of the H100 leases: its JSON."""
+def _committed_phases(run: str, tmp_path, *extra: str, mode: str = "online") -> dict:
+    """``proc_cpu.py phases`` on a committed run of the H100 leases (mode online unless named): its JSON."""
     d, out = MODES_DIR / run, tmp_path / f"{run}.json"
-    assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / "pack/online_events.jsonl"),
-                          "--metrics", str(d / "pack/online_metrics.jsonl"), "--log", str(d / "run/online.log"),
+    assert proc_cpu.main(["phases", str(d / "proc_cpu.jsonl.gz"), "--events", str(d / f"pack/{mode}_events.jsonl"),
+                          "--metrics", str(d / f"pack/{mode}_metrics.jsonl"), "--log", str(d / f"run/{mode}.log"),
                           "--json", str(out), *extra]) == 0
     return json.loads(out.read_text())
 
@@ -247,6 +247,18 @@ def test_the_committed_online_runs_front_end_outlasts_the_engine_core_more_on_th
     for m in (fast, slow):
         assert m["front_end_cpu_s"] > m["engine_core_busy_s"] and m["front_end_after_s"] > 0
     assert slow["front_end_after_s"] > 2.5 * fast["front_end_after_s"]
+
+
+def test_the_committed_lean_off_runs_rollout_by_process(tmp_path, capsys):
+    # RESULTS.md, "mode off with the plugin's vLLM server": steps 11-20; the front end kept up with the engine core
+    # in most steps, verl's agent loops were busy after both
+    res = _committed_phases("off_lean", tmp_path, mode="off")
+    assert [r["step"] for r in res["steps"]] == list(range(1, 21))
+    m = res["means"]
+    assert (round(m["gen_s"], 2), round(m["engine_core_busy_s"], 2), round(m["front_end_after_s"], 2),
+            round(m["agent_loops_after_s"], 2)) == (6.07, 4.60, 0.25, 0.86)
+    assert round(m["front_end_us_per_token"], 1) == 40.5
+    assert sum(r["front_end_after_s"] == 0.0 for r in res["steps"] if r["step"] >= 11) == 5
 
 
 def test_phases_refuse_a_log_without_the_engine_cores_pid(tmp_path):
