@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_main_ppo/super_session.sh drift [SECONDS_LEFT] [drift.py args]     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh derisk [run.py args]                     (installs, then setsid)
 #   bash benchmarks/h200_main_ppo/super_session.sh poll                                   (copies logs to $OUT)
+#   bash benchmarks/h200_main_ppo/super_session.sh wait [SECONDS]                         (sleeps until the pipeline ends, then poll)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches and the causal_conv1d wheel to $OUT/cache; carry them back as .h200-cache)
 #   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
@@ -155,6 +156,13 @@ PIPE
   setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
   echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
   ;;
+wait)
+  # sleep on the device until the pipeline ends or SECONDS (default 270) pass, then poll: the machine goes back 30 s
+  # after a call returns, so polls are device calls back to back, and one that ends early wastes no device time
+  T=$(( $(date +%s) + ${2:-270} ))
+  while [ $(date +%s) -lt $T ] && [ ! -f $S/t_end ]; do sleep 5; done
+  exec bash "$0" poll
+  ;;
 poll)
   # one archive (the device returns at most 8 files): the pipeline's logs, verl's per-step metrics and the plugin's
   # sync events of every mode so far, so a lease that ends mid-run still brings back every finished step
@@ -167,6 +175,9 @@ poll)
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
+  # the last step verl's trainer logged in each mode so far, and whether the pipeline has ended
+  for f in $S/run/*.log; do [ -f $f ] && echo "$(basename $f .log): last $(grep -o 'step:[0-9]*' $f | tail -1)"; done
+  [ -f $S/t_end ] && echo "pipeline ended $(cat $S/t_end)"
   # drift.py's own lines ("[   12.3s] ..."), not the libraries' warnings around them
   for f in train greedy probabilistic; do [ -f $S/$f.log ] && { echo "== $f"; grep '^\[ *[0-9.]*s\]' $S/$f.log | tail -4; }; done
   tail -6 $S/report.log 2>/dev/null
