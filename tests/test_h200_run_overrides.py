@@ -595,3 +595,59 @@ def test_run_takes_the_leases_end(monkeypatch):
     assert run.main(["run", "--assets", "x", "--out", "o", "--end", "1234567.5"]) == 0
     assert seen["a"].end == 1234567.5 and seen["a"].min_run_s > 30.0
     assert run.main(["run", "--assets", "x", "--out", "o"]) == 0 and seen["a"].end == 0.0
+
+
+def _host_worker_keys(tmp_path, monkeypatch, *extra):
+    """verl's agent-loop, reward and storage worker counts in the composed online recipe under ``run`` args."""
+    from verl_mtp_plugin.trainer.config import compose_recipe
+
+    assets = tmp_path / "assets"
+    assets.mkdir(exist_ok=True)
+    (assets / "assets.json").write_text(json.dumps({"answer_len": 400}))
+    seen = {}
+
+    def capture(a):
+        recipe, _, ovr = run.mode_overrides("online", a, tmp_path / "w")
+        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr)
+        return 0
+
+    monkeypatch.setattr(run, "preflight", capture)
+    assert run.main(["run", "--preflight", "--stack", "te", "--assets", str(assets), "--out", str(tmp_path / "o"),
+                     "--modes", "online", *extra]) == 0
+    c = seen["cfg"]
+    return (c.actor_rollout_ref.rollout.agent.num_workers, c.reward.num_workers,
+            c.transfer_queue.backend.SimpleStorage.num_data_storage_units)
+
+
+def test_the_runs_keep_verls_host_workers_unless_asked(tmp_path, monkeypatch):
+    # unset: verl's own defaults, which the table compare reads for such runs must equal
+    defaults = _host_worker_keys(tmp_path, monkeypatch)
+    assert defaults == tuple(run.VERL_HOST_WORKERS[k] for k in ("agent", "reward", "storage"))
+    # the 2/2/1 every run before the options set, asked for
+    assert _host_worker_keys(tmp_path, monkeypatch, "--agent-workers", "2", "--reward-workers", "2",
+                             "--storage-units", "1") == (2, 2, 1)
+    with pytest.raises(SystemExit):
+        run.main(["run", "--assets", "x", "--out", "o", "--agent-workers", "0"])
+
+
+def test_compare_names_each_runs_host_workers_and_warns_where_the_judged_modes_differ(tmp_path):
+    assert run.host_workers({"agent_workers": 2}) == "2/2/1"  # a run before the options: 2/2/1 fixed
+    assert run.host_workers({"agent_workers": None, "reward_workers": None, "storage_units": None}) == "8/8/8"
+    assert run.host_workers({"agent_workers": 4, "reward_workers": None, "storage_units": 2}) == "4/8/2"
+    on = tmp_path / "on.json"
+    off = tmp_path / "off.json"
+    _summary(on, "online", 6.0, 2.5, 0.70, 0.72, 400)
+    _summary(off, "off", 12.0, None, None, None, 400)
+    for path, args in ((on, {"agent_workers": None, "reward_workers": None, "storage_units": None}),
+                       (off, {"agent_workers": 2})):
+        data = json.loads(path.read_text())
+        data["args"] = args
+        path.write_text(json.dumps(data))
+    res = _compare(tmp_path, str(on), str(off))
+    assert (res["modes"]["online"]["host_workers"], res["modes"]["off"]["host_workers"]) == ("8/8/8", "2/2/1")
+    assert any(w.startswith("the judged modes ran with different agent-loop / reward / storage workers (online: "
+                            "8/8/8; off: 2/2/1)") for w in res["warnings"])
+    data = json.loads(on.read_text())
+    data["args"] = {"agent_workers": 2}
+    on.write_text(json.dumps(data))
+    assert not any("agent-loop / reward / storage" in w for w in _compare(tmp_path, str(on), str(off))["warnings"])

@@ -202,11 +202,9 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
         f"{ar}.rollout.max_num_seqs={seqs}",
         f"{ar}.rollout.gpu_memory_utilization={a.gpu_mem}",
         f"{ar}.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size={seqs * (k + 1)}",
-        f"{ar}.rollout.agent.num_workers={a.agent_workers}",
         f"{ar}.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}",
         f"reward.custom_reward_function.path={reward}",
         "reward.custom_reward_function.name=compute_score",
-        "reward.num_workers=2",
         "trainer.nnodes=1",
         f"trainer.n_gpus_per_node={a.gpus}",
         "trainer.logger=[console,file]",
@@ -218,9 +216,15 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
         "trainer.resume_mode=disable",
         "ray_kwargs.ray_init.num_cpus=32",
         "+ray_kwargs.ray_init.include_dashboard=false",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "+verl_mtp_plugin.mtp_guard.min_drafts=1",
     ]
+    # verl's host-side workers (its defaults unless asked): the rollout's agent loops, the reward loop, the
+    # TransferQueue's storage units; each response's reward call and puts run on an agent loop after vLLM's last step
+    for key, value in ((f"{ar}.rollout.agent.num_workers", getattr(a, "agent_workers", None)),
+                       ("reward.num_workers", getattr(a, "reward_workers", None)),
+                       ("transfer_queue.backend.SimpleStorage.num_data_storage_units", getattr(a, "storage_units", None))):
+        if value is not None:
+            out.append(f"{key}={value}")
     if not te:
         out += [
             # forced: packed (THD) sequences need TE attention (megatron's local attention asserts on them)
@@ -559,6 +563,24 @@ def pretraining(assets_json: pathlib.Path) -> dict | None:
     return {"joint_steps": done[0], "mtp_steps": done[1], "asked": list(asked), "complete": tuple(asked) == done}
 
 
+#: verl 0.9.1's defaults for its host-side workers: ``rollout.agent.num_workers``, ``reward.num_workers``,
+#: ``transfer_queue.backend.SimpleStorage.num_data_storage_units`` (``verl/trainer/config``; a test checks them)
+VERL_HOST_WORKERS = {"agent": 8, "reward": 8, "storage": 8}
+#: what every run before ``run --reward-workers`` / ``--storage-units`` existed set (with its ``--agent-workers`` 2)
+LEGACY_HOST_WORKERS = {"agent": 2, "reward": 2, "storage": 1}
+
+
+def host_workers(args: dict) -> str:
+    """A run's agent-loop / reward / storage workers as ``"A/R/S"``, from its summary's ``args``: verl's defaults
+    where an option was left unset, the fixed 2/2/1 of the runs before the options existed."""
+    if "reward_workers" not in args:
+        vals = {**LEGACY_HOST_WORKERS, "agent": args.get("agent_workers") or LEGACY_HOST_WORKERS["agent"]}
+    else:
+        vals = {k: args.get(name) or VERL_HOST_WORKERS[k]
+                for k, name in (("agent", "agent_workers"), ("reward", "reward_workers"), ("storage", "storage_units"))}
+    return "{agent}/{reward}/{storage}".format(**vals)
+
+
 def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
     """``(mode, summary path, run)`` of every run with metrics in these ``summary.json`` files, in order; each run
     with ``k``, the drafts per verify step it ran with (``run --k``; the recipe's before the option existed), and
@@ -572,8 +594,9 @@ def _runs_in(paths: list[str]) -> list[tuple[str, str, dict]]:
         pre = summary.get("pretraining") or pretraining((p.parent if p.name == "run" else p) / "assets.json")
         pace = (summary.get("host_pace") or {}).get("seconds")
         extra = list((summary.get("args") or {}).get("override") or [])
+        workers = host_workers(summary.get("args") or {})
         out += [(mode, path, {**r, "k": k, "pretraining": pre, "host_pace_s": pace, "overrides": extra,
-                              "requests": r.get("rollout_requests") or "verl"})
+                              "requests": r.get("rollout_requests") or "verl", "host_workers": workers})
                 for mode, r in summary.get("runs", {}).items() if r.get("metrics")]
     return out
 
@@ -803,6 +826,7 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         x["host_pace_s"] = runs[mode].get("host_pace_s")
         x["overrides"] = list(runs[mode].get("overrides") or [])
         x["requests"] = runs[mode].get("requests") or "verl"
+        x["host_workers"] = runs[mode].get("host_workers")
     res: dict = {"last": last, "modes": w, "criteria": {}, "not_judged": {}, "factors": {}, "warnings": []}
     for mode, x in w.items():
         if len(x["steps"]) < last:
@@ -823,6 +847,11 @@ def compare(runs: dict[str, dict], last: int, judged: dict[str, str] | None = No
         res["warnings"].append("the judged modes' vLLM servers built different requests (" + "; ".join(
             f"{m}: {v}" for m, v in reqs.items()) + "; 'lean': the plugin's, without detokenization): their ratios "
             "compare those requests too")
+    hw = {m: w[m]["host_workers"] for m in judged.values() if m in w}
+    if len(set(hw.values())) > 1:
+        res["warnings"].append("the judged modes ran with different agent-loop / reward / storage workers (" + "; ".join(
+            f"{m}: {v}" for m, v in hw.items()) + "): verl's per-response work after vLLM's last step is spread over "
+            "the agent loops, so their ratios compare those settings too")
     # the same checkpoint for every mode: a time cap that ended a pretraining phase early made another one
     ref_mode = judged.get("off", "off") if judged.get("off", "off") in w else next(iter(w), None)
     ref = (w[ref_mode]["pretraining"] or {}) if ref_mode else {}
@@ -899,7 +928,8 @@ CMP_COLS = [("steps", "steps", None), ("gen s", "gen_s", "{:.2f}"), ("step s", "
             ("gen us per token (min-max)", None, None), ("ref / log-prob s", None, None),
             ("peak alloc / reserved GiB", None, None), ("drafter bytes", "drafter_bytes", "{:.0f}"),
             ("score", "score", "{:.3f}"), ("k", "k", "{}"), ("vLLM acc pos 1 / 2", None, None),
-            ("host loop s", "host_pace_s", "{:.3f}"), ("requests", "requests", "{}"), ("more overrides", None, None)]
+            ("host loop s", "host_pace_s", "{:.3f}"), ("requests", "requests", "{}"),
+            ("agent / reward / storage workers", "host_workers", "{}"), ("more overrides", None, None)]
 
 
 def cmd_compare(a) -> int:
@@ -1055,7 +1085,13 @@ def main(argv=None) -> int:
     r.add_argument("--rollout-tp", type=int, default=1)
     r.add_argument("--rollout-ep", type=int, default=1)
     r.add_argument("--gpu-mem", type=float, default=0.3, help="rollout.gpu_memory_utilization")
-    r.add_argument("--agent-workers", type=int, default=2)
+    r.add_argument("--agent-workers", type=_positive, default=None,
+                   help="rollout.agent.num_workers (verl's default 8; the runs before 2026-12-07 set 2)")
+    r.add_argument("--reward-workers", type=_positive, default=None,
+                   help="reward.num_workers (verl's default 8; the runs before 2026-12-07 set 2)")
+    r.add_argument("--storage-units", type=_positive, default=None,
+                   help="transfer_queue.backend.SimpleStorage.num_data_storage_units (verl's default 8; the runs "
+                        "before 2026-12-07 set 1)")
     r.add_argument("--no-offload", action="store_true", help="actor/ref param and optimizer offload off")
     r.add_argument("--tokens-per-gpu", type=int, default=None,
                    help="actor.ppo_max_token_len_per_gpu (log-prob passes: twice it); default the recipe's 18432, "
