@@ -469,9 +469,11 @@ def cmd_run(a) -> int:
             print("=== import check failed: no run started (import_check.json lists what is missing)", flush=True)
             return 1
     for mode in a.modes.split(","):
-        left = mode_time_left(a.budget - (time.perf_counter() - t_start), a.run_timeout, a.end, time.time())
+        budget_left = a.budget - (time.perf_counter() - t_start)
+        left = mode_time_left(budget_left, a.run_timeout, a.end, time.time())
         if left < a.min_run_s:
-            summary["runs"][mode] = {"skipped": f"budget: {left:.0f} s left"}
+            why = "budget" if left == budget_left else "lease end" if a.end > 0 and left < a.run_timeout else "limit"
+            summary["runs"][mode] = {"skipped": f"{why}: {left:.0f} s left"}
             print(f"=== {mode}: skipped ({left:.0f} s left)", flush=True)
             continue
         res = run_mode(mode, a, out, left)

@@ -55,6 +55,14 @@ date -u +%FT%TZ > $S/t_run
 date -u +%FT%TZ > $S/t_end
 TAIL
 }
+# start $S/pipeline.sh in the background: a warm machine's earlier pipeline leaves its t_* and failed files, which
+# `wait` would read as this one's end; pipeline.pid and lease_end (0: unknown) tell `wait` when to stop waiting
+launch() {
+  rm -f $S/t_* $S/failed
+  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
+  echo $! > $S/pipeline.pid; echo $END > $S/lease_end
+  echo "pipeline started: pid $!$([ $END -gt 0 ] && echo ", ends by $(date -u -d @$END +%FT%TZ)")"
+}
 case "${1:-}" in
 bench)
   END=$(( $(date +%s) + ${2:-1500} ))
@@ -77,8 +85,7 @@ B=\$(( $END - \$(date +%s) - 200 ))
   --model /tmp/super/model --rounds 5 --out $S/roll --tag ${CARD}_frontend ${FRONTEND_ARGS:-} > $S/frontend.log 2>&1
 $(after_main)
 PIPE
-  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
-  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  launch
   ;;
 start)
   END=$(( ${LEASE_LEFT:-0} > 0 ? $(date +%s) + ${LEASE_LEFT:-0} : 0 ))
@@ -97,8 +104,7 @@ python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out
 kill \$PC
 $(after_main)
 PIPE
-  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
-  echo "pipeline started: pid $!"
+  launch
   ;;
 derisk)
   # the tiny checkpoint of .h200/assets in verl's trainer with the TE stack (mode online, the plugin's rollout server,
@@ -120,8 +126,7 @@ date -u +%FT%TZ > $S/t_run
   python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
 date -u +%FT%TZ > $S/t_end
 PIPE
-  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
-  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  launch
   ;;
 drift)
   # drift.py gpu (the objectives ranked under drift over seeds): one vLLM engine per drafting method built first,
@@ -153,14 +158,18 @@ date -u +%FT%TZ > $S/t_run
 python3 benchmarks/drift.py gpu report --out $S/dg --tag ${CARD}_gpu $* > $S/report.log 2>&1
 date -u +%FT%TZ > $S/t_end
 PIPE
-  setsid nohup bash $S/pipeline.sh > $S/pipeline.log 2>&1 < /dev/null &
-  echo "pipeline started: pid $!, ends by $(date -u -d @$END +%FT%TZ)"
+  launch
   ;;
 wait)
-  # sleep on the device until the pipeline ends or SECONDS (default 270) pass, then poll: the machine goes back 30 s
-  # after a call returns, so polls are device calls back to back, and one that ends early wastes no device time
+  # sleep on the device until the pipeline ends (its t_end, or its process gone: a pipeline that failed early writes
+  # none) or SECONDS (default 270) pass, at most until 45 s before the lease's end, then poll: the machine goes back
+  # 30 s after a call returns, so polls are device calls back to back, and one that ends early wastes no device time
+  case "${2:-270}" in ''|*[!0-9]*) echo "wait: SECONDS, a whole number"; exit 2 ;; esac
   T=$(( $(date +%s) + ${2:-270} ))
-  while [ $(date +%s) -lt $T ] && [ ! -f $S/t_end ]; do sleep 5; done
+  E=$(cat $S/lease_end 2>/dev/null || echo 0)
+  [ "$E" -gt 0 ] && [ $(( E - 45 )) -lt $T ] && T=$(( E - 45 ))
+  P=$(cat $S/pipeline.pid 2>/dev/null || echo 0)
+  while [ $(date +%s) -lt $T ] && [ ! -f $S/t_end ] && kill -0 $P 2>/dev/null; do sleep 5; done
   exec bash "$0" poll
   ;;
 poll)
@@ -176,8 +185,11 @@ poll)
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   # the last step verl's trainer logged in each mode so far, and whether the pipeline has ended
-  for f in $S/run/*.log; do [ -f $f ] && echo "$(basename $f .log): last $(grep -o 'step:[0-9]*' $f | tail -1)"; done
+  for f in $S/run/*.log; do
+    [ -f $f ] && echo "$(basename $f .log): last step $(grep -o 'training/global_step:[0-9]*' $f | tail -1 | cut -d: -f2)"
+  done
   [ -f $S/t_end ] && echo "pipeline ended $(cat $S/t_end)"
+  [ -f $S/pipeline.pid ] && ! kill -0 $(cat $S/pipeline.pid) 2>/dev/null && echo "pipeline process gone"
   # drift.py's own lines ("[   12.3s] ..."), not the libraries' warnings around them
   for f in train greedy probabilistic; do [ -f $S/$f.log ] && { echo "== $f"; grep '^\[ *[0-9.]*s\]' $S/$f.log | tail -4; }; done
   tail -6 $S/report.log 2>/dev/null
@@ -211,5 +223,5 @@ restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
   cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
   ;;
-*) echo "usage: super_session.sh start|bench|derisk|drift|poll|cache|restore"; exit 2 ;;
+*) echo "usage: super_session.sh start|bench|derisk|drift|poll|wait|cache|restore"; exit 2 ;;
 esac
