@@ -23,7 +23,8 @@ run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run)
 
 
-def _composed(tmp_path, monkeypatch, *extra):
+def _composed_config(tmp_path, monkeypatch, *extra):
+    """The composed online recipe under ``run --preflight`` args (``--stack te``, a 400-token task's assets)."""
     from verl_mtp_plugin.trainer.config import compose_recipe
 
     assets = tmp_path / "assets"
@@ -33,13 +34,17 @@ def _composed(tmp_path, monkeypatch, *extra):
 
     def capture(a: argparse.Namespace) -> int:
         recipe, _, ovr = run.mode_overrides("online", a, tmp_path / "w")
-        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr).actor_rollout_ref
+        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr)
         return 0
 
     monkeypatch.setattr(run, "preflight", capture)
     assert run.main(["run", "--preflight", "--stack", "te", "--assets", str(assets), "--out", str(tmp_path / "o"),
-                     "--modes", "online", "--response-len", "400", *extra]) == 0
-    c = seen["cfg"]
+                     "--modes", "online", *extra]) == 0
+    return seen["cfg"]
+
+
+def _composed(tmp_path, monkeypatch, *extra):
+    c = _composed_config(tmp_path, monkeypatch, "--response-len", "400", *extra).actor_rollout_ref
     return (c.actor.ppo_max_token_len_per_gpu, c.rollout.log_prob_max_token_len_per_gpu,
             c.ref.log_prob_max_token_len_per_gpu)
 
@@ -54,22 +59,7 @@ def test_without_it_the_recipes_tokens_per_gpu_stand(tmp_path, monkeypatch):
 
 def _rollout_keys(tmp_path, monkeypatch, *extra):
     """The composed online recipe's k, trained MTP depths and CUDA-graph ceiling under ``run --preflight`` args."""
-    from verl_mtp_plugin.trainer.config import compose_recipe
-
-    assets = tmp_path / "assets"
-    assets.mkdir(exist_ok=True)
-    (assets / "assets.json").write_text(json.dumps({"answer_len": 400}))
-    seen = {}
-
-    def capture(a):
-        recipe, _, ovr = run.mode_overrides("online", a, tmp_path / "w")
-        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr).actor_rollout_ref
-        return 0
-
-    monkeypatch.setattr(run, "preflight", capture)
-    assert run.main(["run", "--preflight", "--stack", "te", "--assets", str(assets), "--out", str(tmp_path / "o"),
-                     "--modes", "online", "--prompts", "32", "--n", "8", *extra]) == 0
-    c = seen["cfg"]
+    c = _composed_config(tmp_path, monkeypatch, "--prompts", "32", "--n", "8", *extra).actor_rollout_ref
     return (c.model.mtp.num_speculative_tokens, c.actor.megatron.override_transformer_config.mtp_num_layers,
             c.rollout.engine_kwargs.vllm.compilation_config.max_cudagraph_capture_size)
 
@@ -599,22 +589,7 @@ def test_run_takes_the_leases_end(monkeypatch):
 
 def _host_worker_keys(tmp_path, monkeypatch, *extra):
     """verl's agent-loop, reward and storage worker counts in the composed online recipe under ``run`` args."""
-    from verl_mtp_plugin.trainer.config import compose_recipe
-
-    assets = tmp_path / "assets"
-    assets.mkdir(exist_ok=True)
-    (assets / "assets.json").write_text(json.dumps({"answer_len": 400}))
-    seen = {}
-
-    def capture(a):
-        recipe, _, ovr = run.mode_overrides("online", a, tmp_path / "w")
-        seen["cfg"] = compose_recipe(str(run.RECIPE_DIR), recipe, ovr)
-        return 0
-
-    monkeypatch.setattr(run, "preflight", capture)
-    assert run.main(["run", "--preflight", "--stack", "te", "--assets", str(assets), "--out", str(tmp_path / "o"),
-                     "--modes", "online", *extra]) == 0
-    c = seen["cfg"]
+    c = _composed_config(tmp_path, monkeypatch, *extra)
     return (c.actor_rollout_ref.rollout.agent.num_workers, c.reward.num_workers,
             c.transfer_queue.backend.SimpleStorage.num_data_storage_units)
 
