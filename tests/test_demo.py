@@ -135,6 +135,21 @@ def test_modes_run_at_the_same_settings_and_break_sync_adds_the_failing_guard():
         D.mode_overrides("online", seed=0, break_sync="nope")
 
 
+def test_the_suites_background_runs_keep_the_runtime_a_test_stands_in_for(monkeypatch):
+    """The suite's trainer runs go on in other threads while tests such as the next one replace the CPU runtime's
+    ``run_recipe`` and ``ensure_assets``: the runs bound the real ones when they started (a CI run lost six tests and
+    the next one's call count to the stand-in)."""
+    import trainer_runs
+    import verl_mtp_cpu as vc
+    from verl_mtp_cpu import harness
+
+    real_run, real_assets = harness.run_recipe, harness.ensure_assets
+    monkeypatch.setattr(vc, "run_recipe", lambda *a, **k: None)
+    monkeypatch.setattr(harness, "run_recipe", lambda *a, **k: None)
+    monkeypatch.setattr(harness, "ensure_assets", lambda root: None)
+    assert trainer_runs.run_recipe is real_run and trainer_runs.ensure_assets is real_assets
+
+
 def test_break_sync_reaches_the_trainer_and_a_guard_stop_exits_2(tmp_path, monkeypatch, capsys):
     """run_demo --break-sync hands the break to the harness (its environment variable for the vLLM extension) with
     the failing guard; a run the guard stopped becomes DemoInvariantError with the guard's message (exit 2), any

@@ -37,6 +37,10 @@ import threading
 import time
 from types import SimpleNamespace
 
+# bound once, when the session's runs start: a test that monkeypatches the CPU runtime's functions (the demo's and
+# the CLI's tests stand in for run_recipe) must not reach the runs going on in the background meanwhile
+from verl_mtp_cpu.harness import ensure_assets, private_tmp_prefix, run_recipe
+
 from verl_mtp_plugin.config_keys import OBJECTIVE_CONFIG_KEY
 
 NO_KL = "actor_rollout_ref.actor.use_kl_loss=false"
@@ -139,31 +143,21 @@ def demo_result(demo, mode: str):
 
 
 def _assets(root: pathlib.Path, deps):
-    from verl_mtp_cpu.harness import ensure_assets
-
     return ensure_assets(root / "demo" / "assets", base_env=ENV)  # where the demo looks for them (and reuses them)
 
 
 def _assets_tp2(root: pathlib.Path, deps):
     """The demo's checkpoint built with 2 Mamba groups (megatron splits them over TP ranks): same names."""
-    from verl_mtp_cpu.harness import ensure_assets
-
     return ensure_assets(root / "assets_tp2", base_env=ENV, mamba_num_groups=2)
 
 
 def _assets_moe(root: pathlib.Path, deps):
     """The MoE checkpoint (trunk MoE layer, MTP block ``*E``) with 2 Mamba groups, for the run with expert
     parallelism."""
-    from verl_mtp_cpu.harness import ensure_assets
-
     return ensure_assets(root / "assets_moe", base_env=ENV, mamba_num_groups=2, moe=True)
 
 
 def _run(recipe, workdir, assets, **kwargs):
-    from verl_mtp_cpu import run_recipe
-
-    from verl_mtp_cpu.harness import private_tmp_prefix
-
     # runs side by side each get a /tmp of their own (verl's weight-transfer socket is named after the Ray job id,
     # the same in every fresh cluster: harness.private_tmp_prefix); without one, slots() is 1
     return run_recipe(recipe, workdir, assets=assets, timeout_s=RUN_TIMEOUT_S, base_env=ENV,
