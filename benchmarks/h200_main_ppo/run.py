@@ -220,9 +220,8 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
     ]
     # verl's host-side workers (its defaults unless asked): the rollout's agent loops, the reward loop, the
     # TransferQueue's storage units; each response's reward call and puts run on an agent loop after vLLM's last step
-    for key, value in ((f"{ar}.rollout.agent.num_workers", getattr(a, "agent_workers", None)),
-                       ("reward.num_workers", getattr(a, "reward_workers", None)),
-                       ("transfer_queue.backend.SimpleStorage.num_data_storage_units", getattr(a, "storage_units", None))):
+    for key, value in ((f"{ar}.rollout.agent.num_workers", a.agent_workers), ("reward.num_workers", a.reward_workers),
+                       ("transfer_queue.backend.SimpleStorage.num_data_storage_units", a.storage_units)):
         if value is not None:
             out.append(f"{key}={value}")
     if not te:

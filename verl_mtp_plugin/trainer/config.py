@@ -381,8 +381,8 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
         )
     spec_k = user_spec.get("num_speculative_tokens") if isinstance(user_spec, Mapping) else None
     mtp_k = get_key(mtp, "num_speculative_tokens", 1)
-    if verl_speculates and spec_k is not None and not isinstance(spec_k, bool) and isinstance(spec_k, int) \
-            and isinstance(mtp_k, int) and spec_k != mtp_k:
+    if verl_speculates and isinstance(spec_k, int) and not isinstance(spec_k, bool) and isinstance(mtp_k, int) \
+            and spec_k != mtp_k:
         # verl's build_mtp_speculative_config lets the user's block win; the trainer's engine (its drafted acceptance
         # estimate's k) reads the model's mtp block: one value, set in one place
         errors.append(
