@@ -609,6 +609,9 @@ def test_compare_names_each_runs_host_workers_and_warns_where_the_judged_modes_d
     assert run.host_workers({"agent_workers": 2}) == "2/2/1"  # a run before the options: 2/2/1 fixed
     assert run.host_workers({"agent_workers": None, "reward_workers": None, "storage_units": None}) == "8/8/8"
     assert run.host_workers({"agent_workers": 4, "reward_workers": None, "storage_units": 2}) == "4/8/2"
+    # an --override of the same key comes after the options in the run's Hydra list, so it is what ran
+    assert run.host_workers({"agent_workers": 4, "reward_workers": None, "storage_units": 2, "override": [
+        "reward.num_workers=3", "+transfer_queue.backend.SimpleStorage.num_data_storage_units=5"]}) == "4/3/5"
     on = tmp_path / "on.json"
     off = tmp_path / "off.json"
     _summary(on, "online", 6.0, 2.5, 0.70, 0.72, 400)

@@ -220,10 +220,9 @@ def overrides(recipe: str, assets: pathlib.Path, workdir: pathlib.Path, a) -> li
     ]
     # verl's host-side workers (its defaults unless asked): the rollout's agent loops, the reward loop, the
     # TransferQueue's storage units; each response's reward call and puts run on an agent loop after vLLM's last step
-    for key, value in ((f"{ar}.rollout.agent.num_workers", a.agent_workers), ("reward.num_workers", a.reward_workers),
-                       ("transfer_queue.backend.SimpleStorage.num_data_storage_units", a.storage_units)):
+    for name, value in (("agent", a.agent_workers), ("reward", a.reward_workers), ("storage", a.storage_units)):
         if value is not None:
-            out.append(f"{key}={value}")
+            out.append(f"{HOST_WORKER_KEYS[name]}={value}")
     if not te:
         out += [
             # forced: packed (THD) sequences need TE attention (megatron's local attention asserts on them)
@@ -571,14 +570,25 @@ VERL_HOST_WORKERS = {"agent": 8, "reward": 8, "storage": 8}
 LEGACY_HOST_WORKERS = {"agent": 2, "reward": 2, "storage": 1}
 
 
+#: the Hydra key each of :func:`host_workers`' counts sets (``run`` appends ``--override`` after them: those win)
+HOST_WORKER_KEYS = {"agent": "actor_rollout_ref.rollout.agent.num_workers", "reward": "reward.num_workers",
+                    "storage": "transfer_queue.backend.SimpleStorage.num_data_storage_units"}
+
+
 def host_workers(args: dict) -> str:
     """A run's agent-loop / reward / storage workers as ``"A/R/S"``, from its summary's ``args``: verl's defaults
-    where an option was left unset, the fixed 2/2/1 of the runs before the options existed."""
+    where an option was left unset, the fixed 2/2/1 of the runs before the options existed; an ``--override`` of the
+    same key wins, as it does in the run's Hydra list."""
     if "reward_workers" not in args:
         vals = {**LEGACY_HOST_WORKERS, "agent": args.get("agent_workers") or LEGACY_HOST_WORKERS["agent"]}
     else:
         vals = {k: args.get(name) or VERL_HOST_WORKERS[k]
                 for k, name in (("agent", "agent_workers"), ("reward", "reward_workers"), ("storage", "storage_units"))}
+    for item in args.get("override") or []:
+        key, _, value = str(item).lstrip("+").partition("=")
+        for name, full in HOST_WORKER_KEYS.items():
+            if key == full:
+                vals[name] = value
     return "{agent}/{reward}/{storage}".format(**vals)
 
 
