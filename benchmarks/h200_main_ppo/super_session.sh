@@ -39,6 +39,9 @@ install() {
     grep -q /tmp/cc1d /tmp/te/te_cached.sh && TE=/tmp/te/te_cached.sh && echo "causal_conv1d: the cached wheel"
   fi
   bash $TE > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
+  # py-spy (carried beside the caches: .h200-cache/py_spy-*.whl) for spy_warmup.sh
+  ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .h200-cache/py_spy-*.whl /tmp/pyspy \
+    && chmod +x /tmp/pyspy/py_spy-*.data/scripts/py-spy && echo "py-spy: $(/tmp/pyspy/py_spy-*.data/scripts/py-spy --version)"
   tail -3 $S/install.log; tail -3 $S/te.log
   touch $S/.installed
 }
@@ -99,9 +102,11 @@ date -u +%FT%TZ > $S/t_start
 date -u +%FT%TZ > $S/t_assets
 # every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
 python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
+# py-spy's samples of vLLM's worker through its profiling run (the Mamba2 SSD warm-up), when py-spy is carried
+bash benchmarks/h200_main_ppo/spy_warmup.sh $S/run $S/spy_warmup.txt & SP=\$!
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
   --reward benchmarks/h200_main_ppo/reward_long.py $([ $END -gt 0 ] && echo --end $END) $* > $S/driver.log 2>&1
-kill \$PC
+kill \$PC; pkill -P \$SP 2>/dev/null; kill \$SP 2>/dev/null
 $(after_main)
 PIPE
   launch
@@ -180,7 +185,7 @@ poll)
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
   # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl t_* failed run pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* failed run pack roll mem dg 2>/dev/null) \
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null

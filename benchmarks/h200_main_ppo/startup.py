@@ -1,0 +1,173 @@
+"""Where a mode run's start-up goes: the milestones of ``python -m verl_mtp_plugin.main_ppo`` up to its first step.
+
+``run.py run`` keeps each mode's log (``<out>/<mode>.log``, every line prefixed with ``[ seconds]`` since the run
+started) beside its ``summary.json``, and ``super_session.sh`` keeps the pretraining's ``assets.json`` and
+``assets.log`` one folder up. From them, per run:
+
+- when vLLM loaded the model, the seconds of its compile and profiling run (the first one holds vLLM's "Warming up
+  Mamba2 SSD Triton kernels": Triton's autotuning of the SSD kernels), of its CUDA-graph capture, of its whole
+  engine start (``init engine ... took``), and when that ended (lines logged at vLLM's INFO level:
+  ``VLLM_LOGGING_LEVEL=INFO``; runs logged at verl's WARN lack them);
+- when verl logged step 1, and step 1's own phases (its first log-prob pass, reference, update: Megatron's first
+  kernels run there);
+- the pretraining script's seconds and its first logged step's.
+
+    python benchmarks/h200_main_ppo/startup.py milestones RUN.log [RUN.log ...] [--json OUT]
+
+``spy`` reads ``spy_warmup.sh``'s py-spy samples of vLLM's worker through that profiling run (py-spy's raw format:
+one ``frame;frame;... count`` line per stack): the share of samples in which each function is on the stack and on
+its top, the biggest first.
+
+    python benchmarks/h200_main_ppo/startup.py spy spy_warmup.txt [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+#: milestone -> (pattern on a log line, what is read: "at" (the line's seconds since the run started) or "value"
+#: (the pattern's first group), which occurrence (0: the first))
+MILESTONES = {
+    "vllm_model_loaded_at": (r"Model loading took", "at", 0),
+    "vllm_ssd_warmup_at": (r"Warming up Mamba2 SSD Triton kernels", "at", 0),
+    "vllm_compile_profile_s": (r"torch\.compile and initial profiling/warmup run together took ([0-9.]+) s", "value", 0),
+    "vllm_drafter_compile_profile_s": (
+        r"torch\.compile and initial profiling/warmup run together took ([0-9.]+) s", "value", 1),
+    "vllm_graphs_s": (r"Graph capturing finished in ([0-9.]+) secs", "value", 0),
+    "vllm_init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s", "value", 0),
+    "vllm_ready_at": (r"init engine \(profile, create kv cache, warmup model\) took", "at", 0),
+    "step1_logged_at": (r"\bstep:1 - ", "at", 0),
+}
+#: step 1's phases, verl's timing keys
+STEP1 = {"step1_gen_s": "timing_s/gen", "step1_log_prob_s": "timing_s/old_log_prob", "step1_ref_s": "timing_s/ref",
+         "step1_update_s": "timing_s/update_actor", "step1_s": "timing_s/step"}
+ROWS = [*MILESTONES, *STEP1, "pretraining_s", "pretraining_step1_s"]
+_AT = re.compile(r"^\[\s*([0-9.]+)s\]")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def milestones(lines) -> dict:
+    """The log's milestones (:data:`MILESTONES`); ``None`` where the log has no such line."""
+    seen: dict[str, list[float]] = {name: [] for name in MILESTONES}
+    for raw in lines:
+        line = _ANSI.sub("", raw)
+        at = _AT.match(line)
+        for name, (pattern, what, _) in MILESTONES.items():
+            m = re.search(pattern, line)
+            if m is None:
+                continue
+            if what == "at":
+                if at:
+                    seen[name].append(float(at.group(1)))
+            else:
+                seen[name].append(float(m.group(1)))
+    return {name: (seen[name][nth] if len(seen[name]) > nth else None)
+            for name, (_, _, nth) in MILESTONES.items()}
+
+
+def step1(summary: dict) -> dict:
+    """Step 1's phases (:data:`STEP1`) of the summary's one mode run."""
+    runs = list((summary.get("runs") or {}).values())
+    first = ((runs[0].get("metrics") or {}).get("1") or {}) if runs else {}
+    return {name: first.get(key) for name, key in STEP1.items()}
+
+
+def pretraining(folder: pathlib.Path) -> dict:
+    """The pretraining's seconds (``assets.json``) and its first logged step's (``assets.log``)."""
+    out = {"pretraining_s": None, "pretraining_step1_s": None}
+    assets = folder / "assets.json"
+    if assets.is_file():
+        out["pretraining_s"] = json.loads(assets.read_text()).get("seconds")
+    log = folder / "assets.log"
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"step": 1,' in line:
+                out["pretraining_step1_s"] = json.loads(line).get("seconds")
+                break
+    return out
+
+
+def startup(log: pathlib.Path) -> dict:
+    """Every row of :data:`ROWS` for the run whose log this is."""
+    out = milestones(log.read_text(errors="replace").splitlines())
+    summary = log.parent / "summary.json"
+    out.update(step1(json.loads(summary.read_text())) if summary.is_file() else dict.fromkeys(STEP1))
+    out.update(pretraining(log.parent.parent if log.parent.name == "run" else log.parent))
+    return out
+
+
+def spy(lines) -> dict:
+    """py-spy's raw samples (``frame;frame;... count``, each frame ``function (file:line)``) as each function's
+    samples on the stack (``inclusive``, once per stack) and on its top (``self``), functions named without their
+    line, and the samples in all."""
+    inclusive: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    total = 0
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [re.sub(r":\d+\)$", ")", f.strip()) for f in stack.split(";") if f.strip()]
+        for f in set(frames):
+            inclusive[f] = inclusive.get(f, 0) + n
+        if frames:
+            self_[frames[-1]] = self_.get(frames[-1], 0) + n
+    return {"samples": total, "inclusive": inclusive, "self": self_}
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def cmd_milestones(a) -> int:
+    res = {}
+    for path in a.logs:
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise SystemExit(f"no such log: {path}")
+        res[path] = startup(p)
+    names = [pathlib.Path(p).parent.parent.name if pathlib.Path(p).parent.name == "run" else pathlib.Path(p).stem
+             for p in a.logs]
+    print("| seconds | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in ROWS:
+        print(f"| {row} | " + " | ".join(_cell(res[p][row]) for p in a.logs) + " |")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+def cmd_spy(a) -> int:
+    res = spy(pathlib.Path(a.samples).read_text(errors="replace").splitlines())
+    if not res["samples"]:
+        raise SystemExit(f"no py-spy samples in {a.samples}")
+    for kind in ("inclusive", "self"):
+        print(f"| {kind}: share of {res['samples']} samples | function |")
+        print("|---|---|")
+        for f, n in sorted(res[kind].items(), key=lambda kv: -kv[1])[:a.top]:
+            print(f"| {n / res['samples']:.3f} | `{f}` |")
+        print()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("milestones", help="each run's start-up milestones from its log, summary and pretraining")
+    m.add_argument("logs", nargs="+", help="a mode run's log (run.py run's <out>/<mode>.log)")
+    m.add_argument("--json", help="write every run's rows here")
+    s = sub.add_parser("spy", help="which functions hold vLLM's profiling run (spy_warmup.sh's py-spy samples)")
+    s.add_argument("samples")
+    s.add_argument("--top", type=int, default=25)
+    a = ap.parse_args(argv)
+    return cmd_milestones(a) if a.cmd == "milestones" else cmd_spy(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

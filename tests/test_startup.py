@@ -1,0 +1,114 @@
+"""``benchmarks/h200_main_ppo/startup.py`` (a mode run's start-up milestones; which functions hold vLLM's profiling
+run) and ``spy_warmup.sh`` (py-spy on vLLM's worker, found by its warm-up line in the run's log)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HERE = ROOT / "benchmarks" / "h200_main_ppo"
+_spec = importlib.util.spec_from_file_location("startup", HERE / "startup.py")
+startup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(startup)
+MODES = ROOT / "benchmarks" / "results" / "h100_super_modes"
+
+# lines as run.py logs them: Ray's coloured actor prefix, vLLM's INFO lines, verl's step line
+LOG = """\
+[  10.0s] \x1b[36m(vLLMHttpServer pid=9)\x1b[0m (Worker pid=77) INFO [model_runner.py:305] Model loading took 3.86 GiB and 1.3 seconds
+[  12.5s] \x1b[36m(vLLMHttpServer pid=9)\x1b[0m (Worker pid=77) INFO [mamba_mixer2.py:578] Warming up Mamba2 SSD Triton kernels...
+[  70.0s] (Worker pid=77) INFO [monitor.py:53] torch.compile and initial profiling/warmup run together took 61.25 s in total
+[  76.0s] (Worker pid=77) INFO [monitor.py:53] torch.compile and initial profiling/warmup run together took 5.5 s in total
+[  95.0s] (Worker pid=77) INFO [model_runner.py:747] Graph capturing finished in 19 secs, took 1.01 GiB
+[ 110.0s] (EngineCore pid=70) INFO [core.py:340] init engine (profile, create kv cache, warmup model) took 100.5 s (compilation: 10 s)
+[ 250.0s] (MTPTaskRunner pid=5) step:1 - global_seqlen/min:1.0 - timing_s/gen:4.0
+[ 270.0s] (MTPTaskRunner pid=5) step:10 - global_seqlen/min:1.0
+"""
+
+
+def test_milestones_read_vllms_phases_and_verls_first_step_from_the_runs_log():
+    got = startup.milestones(LOG.splitlines())
+    assert got == {"vllm_model_loaded_at": 10.0, "vllm_ssd_warmup_at": 12.5, "vllm_compile_profile_s": 61.25,
+                   "vllm_drafter_compile_profile_s": 5.5, "vllm_graphs_s": 19.0, "vllm_init_engine_s": 100.5,
+                   "vllm_ready_at": 110.0, "step1_logged_at": 250.0}
+    # a run logged at verl's WARN (no vLLM INFO lines), mode off (no drafter): what is missing reads as None
+    warn = startup.milestones([LOG.splitlines()[-2]])
+    assert warn["step1_logged_at"] == 250.0 and warn["vllm_init_engine_s"] is None
+    off = startup.milestones(LOG.splitlines()[:3])
+    assert off["vllm_compile_profile_s"] == 61.25 and off["vllm_drafter_compile_profile_s"] is None
+
+
+def test_the_committed_short_online_lease_gives_the_quoted_start_up_figures():
+    # RESULTS, "the short lease of online with the plugin's server": the carried caches against a lease of the same
+    # host pace without them (online without rollout log-probabilities)
+    new = startup.startup(MODES / "online_lean_short" / "run" / "online.log")
+    old = startup.startup(MODES / "online_nolp" / "run" / "online.log")
+    assert (new["vllm_compile_profile_s"], old["vllm_compile_profile_s"]) == (62.6, 76.74)
+    assert (new["vllm_init_engine_s"], new["vllm_ready_at"], new["step1_logged_at"]) == (105.91, 284.3, 398.3)
+    assert (round(new["step1_log_prob_s"], 1), round(old["step1_log_prob_s"], 1)) == (13.8, 53.3)
+    assert (round(new["step1_update_s"], 1), round(old["step1_update_s"], 1)) == (63.0, 80.5)
+    assert (new["pretraining_s"], new["pretraining_step1_s"], old["pretraining_step1_s"]) == (195.3, 57.2, 92.4)
+    assert old["step1_logged_at"] == 528.0
+
+
+def test_spy_counts_a_function_once_per_stack_and_its_own_time_at_the_top():
+    raw = ["<module> (a.py:1);run (a.py:5);f (b.py:10);f (b.py:12) 6",
+           "<module> (a.py:1);run (a.py:5);g (b.py:20) 3",
+           "<module> (a.py:1);idle (a.py:9) 1", "garbage", ""]
+    got = startup.spy(raw)
+    assert got["samples"] == 10
+    assert got["inclusive"]["f (b.py)"] == 6  # recursion: once per sample, not per frame
+    assert got["inclusive"]["run (a.py)"] == 9 and got["inclusive"]["<module> (a.py)"] == 10
+    assert got["self"] == {"f (b.py)": 6, "g (b.py)": 3, "idle (a.py)": 1}
+
+
+def test_spy_warmup_finds_vllms_worker_by_its_warm_up_line_and_samples_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "online.log").write_text(LOG)
+    fake = tmp_path / "py-spy"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "spy_warmup.txt"
+    env = {**os.environ, "PYSPY": str(fake), "SPY_WAIT_S": "3"}
+    subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out), "40"], env=env, check=True, timeout=60)
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("--pid") + 1] == "77" and args[args.index("--duration") + 1] == "40"
+    assert args[args.index("-o") + 1] == str(out)
+    # no warm-up line within the wait: says so, samples nothing
+    (run / "online.log").write_text(LOG.splitlines()[-1] + "\n")
+    (tmp_path / "args").unlink()
+    subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out)], env=env, check=True, timeout=60)
+    assert not (tmp_path / "args").exists() and out.read_text().startswith("no warm-up line")
+
+
+def test_the_command_line_prints_a_table_per_run_and_the_spy_shares(tmp_path, capsys):
+    log = tmp_path / "run" / "online.log"
+    log.parent.mkdir()
+    log.write_text(LOG)
+    assert startup.main(["milestones", str(log), "--json", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| seconds | " + tmp_path.name + " |" in out and "| vllm_compile_profile_s | 61.2 |" in out
+    assert json.loads((tmp_path / "m.json").read_text())[str(log)]["vllm_graphs_s"] == 19.0
+    spy = tmp_path / "spy.txt"
+    spy.write_text("m (a.py:1);w (b.py:2) 3\nm (a.py:1) 1\n")
+    assert startup.main(["spy", str(spy)]) == 0
+    out = capsys.readouterr().out
+    assert "| 0.750 | `w (b.py)` |" in out and "| 1.000 | `m (a.py)` |" in out
+    spy.write_text("no warm-up line in run/*.log\n")
+    with pytest.raises(SystemExit, match="no py-spy samples"):
+        startup.main(["spy", str(spy)])
+
+
+def test_the_lease_scripts_parse_and_the_session_returns_the_spy_samples():
+    for script in sorted(HERE.glob("*.sh")):
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, (script.name, res.stderr)
+    session = (HERE / "super_session.sh").read_text()
+    # the mode pipeline samples into $S/spy_warmup.txt; poll's archive takes spy_* with the logs
+    assert "spy_warmup.sh $S/run $S/spy_warmup.txt" in session and " spy_* " in session
