@@ -544,6 +544,19 @@ def test_the_committed_lean_off_run_gives_the_quoted_figures(capsys, tmp_path):
     assert sum("another pace" in x for x in res["warnings"]) == 2
 
 
+def test_the_committed_short_online_lease_gives_the_quoted_early_steps(tmp_path):
+    # RESULTS.md, "the short lease of online with the plugin's vLLM server": steps 2-3 of the three runs
+    m = ROOT / "benchmarks/results/h100_super_modes"
+    res = _compare(tmp_path, str(m / "off_lean/run/summary.json"), str(m / "online_lean_short/run/summary.json"),
+                   str(m / "online2/run/summary.json"), "--steps", "2-3")
+    lean, verl, off = (res["modes"][k] for k in ("online@online_lean_short", "online@online2", "off"))
+    assert (lean["requests"], verl["requests"], lean["steps"]) == ("lean", "verl", [2, 3])
+    assert (round(lean["gen_s"], 2), round(lean["accept_len"], 2), round(lean["accept_pos0"], 3)) == (3.65, 1.89, 0.521)
+    assert (round(verl["gen_s"], 2), round(verl["accept_len"], 2), round(off["gen_s"], 2)) == (4.14, 2.05, 6.46)
+    assert (round(1000 * lean["gen_s_per_seq_step"], 1), round(1000 * verl["gen_s_per_seq_step"], 1)) == (16.6, 21.0)
+    assert lean["host_pace_s"] == pytest.approx(0.2778, abs=1e-4)
+
+
 def test_compare_judges_the_estimate_in_its_drafted_form_where_every_step_logs_it(tmp_path, capsys):
     """The criterion's estimate: the trainer's rate over the positions vLLM drafts at where every step of the window
     logs it, else the mean over positions (the runs before it), named in the verdict."""

@@ -112,3 +112,17 @@ def test_the_lease_scripts_parse_and_the_session_returns_the_spy_samples():
     session = (HERE / "super_session.sh").read_text()
     # the mode pipeline samples into $S/spy_warmup.txt; poll's archive takes spy_* with the logs
     assert "spy_warmup.sh $S/run $S/spy_warmup.txt" in session and " spy_* " in session
+
+
+def test_vllms_worker_kept_a_core_busy_through_its_profiling_run_on_the_short_lease():
+    # RESULTS.md: the worker (pid 3524 in the log's "Worker pid=") over the samples from 186 to 241 s after main_ppo began
+    import gzip
+    import statistics
+
+    rows = [json.loads(x) for x in gzip.open(MODES / "online_lean_short" / "proc_cpu.jsonl.gz", "rt")]
+    t0 = next(r["t"] for r in rows if any("verl_mtp_plugin.main_ppo" in k for k in r["cpu"]))
+    window = [r for r in rows if 186 <= r["t"] - t0 <= 241]
+    worker = [sum(v for k, v in r["cpu"].items() if k.startswith("3524 ")) for r in window]
+    rest = [sum(v for k, v in r["cpu"].items() if not k.startswith("3524 ")) for r in window]
+    assert "(Worker pid=3524)" in (MODES / "online_lean_short" / "run" / "online.log").read_text()
+    assert (len(window), round(statistics.mean(worker)), round(statistics.mean(rest))) == (109, 79, 11)
