@@ -29,7 +29,9 @@ from verl_mtp_plugin.acceptance.estimate import (
     DRAFTED_ARGMAX_KEY,
     DRAFTED_EXPECTED_KEY,
     DRAFTED_POSITIONS_KEY,
+    DRAFTED_SUMS,
     draft_schedule,
+    pool_drafted,
     response_runs,
 )
 
@@ -303,6 +305,23 @@ _SHARDED_SCRIPT = textwrap.dedent(
         assert torch.equal(gr, greedy_agreement(p, q)), gr
         assert abs(float(speculative_overlap(p[:, sl], q[:, sl], group=grp)[1]) - 1) < 1e-6
         assert float(speculative_overlap(p[:, sl], q[:, sl], group=grp)[2]) == 0.0
+        # Data parallelism: the drafted estimate pooled over the ranks' responses (accepted over verify steps, each
+        # summed), not the mean of the ranks' rates (0.475 here); a rank's other metrics stay its own
+        from verl_mtp_plugin.acceptance.estimate import DRAFTED_ARGMAX_KEY as DA, DRAFTED_EXPECTED_KEY as DE
+        from verl_mtp_plugin.acceptance.estimate import DRAFTED_POSITIONS_KEY as DP, DRAFTED_SUMS, pool_drafted
+        def rank_est(hits, arg_hits, steps, positions):
+            est = {DE: hits / steps, DA: arg_hits / steps, DP: positions, "mtp_expected_accept_rate": 0.1 * rank}
+            est.update(zip(DRAFTED_SUMS[DE], (hits, steps)))
+            est.update(zip(DRAFTED_SUMS[DA], (arg_hits, steps)))
+            return est
+        mine = rank_est(30.0, 10.0, 40.0, 100.0) if rank == 0 else rank_est(2.0, 5.0, 10.0, 20.0)
+        got = pool_drafted(mine, group=grp)
+        assert (got[DE], got[DA], got[DP]) == (32 / 50, 15 / 50, 120.0), got
+        assert got["mtp_expected_accept_rate"] == 0.1 * rank and len(got) == 4, got
+        # a rank without drafted positions adds nothing; none anywhere: no drafted rate at all
+        got = pool_drafted(mine if rank == 0 else {"mtp_expected_accept_rate": 0.3}, group=grp)
+        assert (got[DE], got[DA], got[DP]) == (0.75, 0.25, 100.0), got
+        assert pool_drafted({}, group=grp) == {}
         dist.destroy_process_group()
 
     if __name__ == "__main__":
@@ -825,3 +844,9 @@ def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):
     assert est[DRAFTED_EXPECTED_KEY] == pytest.approx(float(accepted[..., 0].sum() / starts.sum()), abs=1e-5)
     assert est[DRAFTED_POSITIONS_KEY] == 23
     assert float(starts[1, 0]) == 1.0  # B's first drafting position always starts a verify step
+    # the sums data-parallel ranks pool: this rank's accepted first drafts and verify steps
+    hits, steps = (est[n] for n in DRAFTED_SUMS[DRAFTED_EXPECTED_KEY])
+    assert (hits, steps) == (pytest.approx(float(accepted[:, :, 0].sum()), abs=1e-4), float(starts.sum()))
+    alone = pool_drafted(est)  # one rank: its own rates, the sums left out of the metrics
+    assert alone[DRAFTED_EXPECTED_KEY] == pytest.approx(est[DRAFTED_EXPECTED_KEY], abs=1e-12)
+    assert not any(n in alone for pair in DRAFTED_SUMS.values() for n in pair)

@@ -34,6 +34,8 @@ __all__ = [
     "DRAFTED_ARGMAX_KEY",
     "DRAFTED_EXPECTED_KEY",
     "DRAFTED_POSITIONS_KEY",
+    "DRAFTED_SUMS",
+    "pool_drafted",
     "response_runs",
     "expected_accept_length",
     "expected_speedup",
@@ -64,8 +66,13 @@ DEPTH_GREEDY_KEY = "mtp_greedy_accept_rate_depth{d}"
 #: vLLM's ``spec_accept_rate_pos_0`` measures, for probabilistic (overlap) and greedy (``p[argmax q]``) drafting.
 DRAFTED_EXPECTED_KEY = "mtp_drafted_expected_accept_rate"
 DRAFTED_ARGMAX_KEY = "mtp_drafted_argmax_draft_accept_rate"
-#: Number of response positions the drafted estimate used (whole responses).
+#: Number of response positions the drafted estimate used (whole responses; after :func:`pool_drafted`, over the
+#: data-parallel ranks).
 DRAFTED_POSITIONS_KEY = "mtp_drafted_num_positions"
+#: Each drafted rate's sums, not logged: expected accepted first drafts and expected verify steps of the rank's
+#: responses, which :func:`pool_drafted` adds over the data-parallel ranks.
+DRAFTED_SUMS = {DRAFTED_EXPECTED_KEY: ("_drafted_expected_accepted", "_drafted_expected_verify_steps"),
+                DRAFTED_ARGMAX_KEY: ("_drafted_argmax_accepted", "_drafted_argmax_verify_steps")}
 
 #: The ``k`` values :data:`ACCEPT_LENGTH_KEY` is logged for.
 ACCEPT_LENGTH_KS = (1, 2, 3)
@@ -116,6 +123,39 @@ def group_size(group) -> int:
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     torch.distributed.all_reduce(t, op=op, group=group)
     return t
+
+
+def pool_drafted(acc: dict, group=None) -> dict:
+    """The drafted estimate over every rank of ``group`` (the data-parallel group): accepted first drafts over verify
+    steps, each summed over the ranks' responses, as vLLM's rate pools its rollout's verify steps (each rank's rate
+    averaged instead would weigh a rank of few verify steps as much as one of many); the drafted positions summed.
+    Every rank of ``group`` must call (a rank without drafted positions adds zeros).
+
+    Args:
+        acc (dict): one rank's estimate (:class:`~verl_mtp_plugin.acceptance.AcceptanceProbe`), with the sums of
+            :data:`DRAFTED_SUMS`.
+        group: the process group (None, or a group of one: this rank's own sums).
+
+    Returns:
+        dict: ``acc`` without the sums, its drafted rates and positions over the group (left out where the group
+        has no verify step).
+    """
+    out = {k: v for k, v in acc.items() if k not in {n for pair in DRAFTED_SUMS.values() for n in pair}}
+    names = [n for pair in DRAFTED_SUMS.values() for n in pair] + [DRAFTED_POSITIONS_KEY]
+    sums = torch.tensor([float(acc.get(n, 0.0)) for n in names], dtype=torch.float64)
+    if group_size(group) > 1:
+        if torch.distributed.get_backend(group) == "nccl":
+            sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
+        sums = _all_reduce(sums, torch.distributed.ReduceOp.SUM, group).cpu()
+    for i, key in enumerate(DRAFTED_SUMS):
+        accepted, steps = float(sums[2 * i]), float(sums[2 * i + 1])
+        if steps > 0:
+            out[key] = accepted / steps
+        else:
+            out.pop(key, None)
+    if float(sums[-1]) > 0:
+        out[DRAFTED_POSITIONS_KEY] = float(sums[-1])
+    return out
 
 
 def _shifted_exp(logits: torch.Tensor, temperature: float, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

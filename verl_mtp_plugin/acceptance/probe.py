@@ -19,6 +19,7 @@ from verl_mtp_plugin.acceptance.estimate import (
     DRAFTED_ARGMAX_KEY,
     DRAFTED_EXPECTED_KEY,
     DRAFTED_POSITIONS_KEY,
+    DRAFTED_SUMS,
     EXPECTED_KEY,
     GREEDY_KEY,
     POSITIONS_KEY,
@@ -279,7 +280,9 @@ class AcceptanceProbe:
         r = len(runs)
         out = {DRAFTED_POSITIONS_KEY: float(lengths.sum())}
         for key, part in ((DRAFTED_EXPECTED_KEY, slice(0, r)), (DRAFTED_ARGMAX_KEY, slice(r, 2 * r))):
-            out[key] = float(accepted[part, :, 0].sum() / starts[part].sum())
+            hits, steps = float(accepted[part, :, 0].sum()), float(starts[part].sum())
+            out[key] = hits / steps
+            out.update(dict(zip(DRAFTED_SUMS[key], (hits, steps))))  # for pool_drafted over data-parallel ranks
         return out
 
     # public ---------------------------------------------------------------------------------------

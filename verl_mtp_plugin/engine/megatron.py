@@ -63,6 +63,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import BaseEngine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
+from verl_mtp_plugin.acceptance.estimate import pool_drafted
 from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
@@ -600,7 +601,10 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         else:
             metrics.update(collect_objective_metrics(
                 objective, int(n_micro), group=mpu.get_data_parallel_group(with_context_parallel=True)))
-        acc = getattr(self, "_mtp_acceptance", None) or {}
+        # the drafted estimate over the data-parallel ranks' responses, as vLLM's rate pools its rollout's (verl then
+        # averages equal values); every rank of the stage calls, as above
+        acc = pool_drafted(getattr(self, "_mtp_acceptance", None) or {},
+                           group=mpu.get_data_parallel_group(with_context_parallel=True))
         metrics.update({k: v for k, v in acc.items() if k in ACCEPTANCE_METRICS})
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
             output.setdefault("metrics", {}).update({k: [v] for k, v in metrics.items()})
