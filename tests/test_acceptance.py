@@ -850,3 +850,4 @@ def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):
     alone = pool_drafted(est)  # one rank: its own rates, the sums left out of the metrics
     assert alone[DRAFTED_EXPECTED_KEY] == pytest.approx(est[DRAFTED_EXPECTED_KEY], abs=1e-12)
     assert not any(n in alone for pair in DRAFTED_SUMS.values() for n in pair)
+    assert pool_drafted({DRAFTED_EXPECTED_KEY: 0.4}) == {DRAFTED_EXPECTED_KEY: 0.4}  # no sums: left as it is

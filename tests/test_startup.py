@@ -70,7 +70,8 @@ def test_spy_counts_a_function_once_per_stack_and_its_own_time_at_the_top():
 def test_spy_warmup_finds_vllms_worker_by_its_warm_up_line_and_samples_it(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "online.log").write_text(LOG)
+    live = str(os.getpid())  # a process that is there while the script looks
+    (run / "online.log").write_text(LOG.replace("Worker pid=77", f"Worker pid={live}"))
     fake = tmp_path / "py-spy"
     fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n')
     fake.chmod(0o755)
@@ -78,11 +79,15 @@ def test_spy_warmup_finds_vllms_worker_by_its_warm_up_line_and_samples_it(tmp_pa
     env = {**os.environ, "PYSPY": str(fake), "SPY_WAIT_S": "3"}
     subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out), "40"], env=env, check=True, timeout=60)
     args = (tmp_path / "args").read_text().split()
-    assert args[args.index("--pid") + 1] == "77" and args[args.index("--duration") + 1] == "40"
+    assert args[args.index("--pid") + 1] == live and args[args.index("--duration") + 1] == "40"
     assert args[args.index("-o") + 1] == str(out)
+    # a worker that is gone (an earlier run's log): says so, samples nothing
+    (tmp_path / "args").unlink()
+    (run / "online.log").write_text(LOG.replace("Worker pid=77", "Worker pid=999999999"))
+    subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out)], env=env, check=True, timeout=60)
+    assert not (tmp_path / "args").exists() and "is gone" in out.read_text()
     # no warm-up line within the wait: says so, samples nothing
     (run / "online.log").write_text(LOG.splitlines()[-1] + "\n")
-    (tmp_path / "args").unlink()
     subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out)], env=env, check=True, timeout=60)
     assert not (tmp_path / "args").exists() and out.read_text().startswith("no warm-up line")
 

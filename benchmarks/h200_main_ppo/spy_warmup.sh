@@ -5,7 +5,7 @@
 # (.h200-cache/py_spy-*.whl, unpacked by its install into /tmp/pyspy); `startup.py spy OUT` reads the samples.
 #   usage: spy_warmup.sh RUN_DIR OUT [SECONDS]   (RUN_DIR: run.py run's --out, where the mode's log grows)
 set -u
-RUN=${1:?usage: spy_warmup.sh RUN_DIR OUT [SECONDS]}; OUT=${2:?}; SECS=${3:-90}
+RUN=${1:?usage: spy_warmup.sh RUN_DIR OUT [SECONDS]}; OUT=${2:?}; SECS=${3:-150}
 SPY=${PYSPY:-$(ls /tmp/pyspy/py_spy-*.data/scripts/py-spy 2>/dev/null | head -1)}   # PYSPY: tests
 [ -n "$SPY" ] || { echo "no py-spy in /tmp/pyspy" > "$OUT"; exit 0; }
 pid=
@@ -15,5 +15,6 @@ for _ in $(seq 1 ${SPY_WAIT_S:-1800}); do   # the line comes ~3-5 min into a run
   sleep 1
 done
 [ -n "$pid" ] || { echo "no warm-up line in $RUN/*.log" > "$OUT"; exit 0; }
+[ -d /proc/$pid ] || { echo "vLLM's worker $pid is gone" > "$OUT"; exit 0; }
 timeout $((SECS + 60)) "$SPY" record --pid "$pid" --duration "$SECS" --rate 20 --format raw --nonblocking \
   -o "$OUT" > "$OUT.log" 2>&1

@@ -40,7 +40,7 @@ install() {
   fi
   bash $TE > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
   # py-spy (carried beside the caches: .h200-cache/py_spy-*.whl) for spy_warmup.sh
-  ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .h200-cache/py_spy-*.whl /tmp/pyspy \
+  ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e $(ls .h200-cache/py_spy-*.whl | head -1) /tmp/pyspy \
     && chmod +x /tmp/pyspy/py_spy-*.data/scripts/py-spy && echo "py-spy: $(/tmp/pyspy/py_spy-*.data/scripts/py-spy --version)"
   tail -3 $S/install.log; tail -3 $S/te.log
   touch $S/.installed
@@ -102,7 +102,9 @@ date -u +%FT%TZ > $S/t_start
 date -u +%FT%TZ > $S/t_assets
 # every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
 python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
-# py-spy's samples of vLLM's worker through its profiling run (the Mamba2 SSD warm-up), when py-spy is carried
+# py-spy's samples of vLLM's worker through its profiling run (the Mamba2 SSD warm-up), when py-spy is carried; an
+# earlier pipeline's logs (a warm machine) would name its worker
+rm -f $S/run/*.log
 bash benchmarks/h200_main_ppo/spy_warmup.sh $S/run $S/spy_warmup.txt & SP=\$!
 python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/super --out $S/run --modes $MODES \
   --reward benchmarks/h200_main_ppo/reward_long.py $([ $END -gt 0 ] && echo --end $END) $* > $S/driver.log 2>&1

@@ -339,7 +339,9 @@ class AcceptanceProbe:
             dict[str, float]: :data:`EXPECTED_KEY`, :data:`GREEDY_KEY`, :data:`ARGMAX_DRAFT_KEY`,
             ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY`, per-depth rates for
             depths ``>= 2``, and the first-draft rates over the positions vLLM drafts at
-            (:data:`DRAFTED_EXPECTED_KEY`, :data:`DRAFTED_ARGMAX_KEY`, :data:`DRAFTED_POSITIONS_KEY`). ``{}`` when
+            (:data:`DRAFTED_EXPECTED_KEY`, :data:`DRAFTED_ARGMAX_KEY`, :data:`DRAFTED_POSITIONS_KEY`) with their
+            sums (:data:`~verl_mtp_plugin.acceptance.estimate.DRAFTED_SUMS`: not metrics, what
+            :func:`~verl_mtp_plugin.acceptance.estimate.pool_drafted` adds over data-parallel ranks). ``{}`` when
             nothing can be estimated: this rank owns no MTP block, the last forward skipped MTP (or the capture was
             already used/released), or no position counts (no two consecutive response tokens).
 
