@@ -53,11 +53,12 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def milestones(lines) -> dict:
     """The log's milestones (:data:`MILESTONES`); ``None`` where the log has no such line."""
     seen: dict[str, list[float]] = {name: [] for name in MILESTONES}
+    compiled = {name: re.compile(pattern) for name, (pattern, _, _) in MILESTONES.items()}
     for raw in lines:
         line = _ANSI.sub("", raw)
         at = _AT.match(line)
-        for name, (pattern, what, _) in MILESTONES.items():
-            m = re.search(pattern, line)
+        for name, (_, what, _) in MILESTONES.items():
+            m = compiled[name].search(line)
             if m is None:
                 continue
             if what == "at":
@@ -91,12 +92,17 @@ def pretraining(folder: pathlib.Path) -> dict:
     return out
 
 
+def lease_folder(log: pathlib.Path) -> pathlib.Path:
+    """The folder of the lease whose run wrote ``log`` (``<lease>/run/<mode>.log`` as the results keep it)."""
+    return log.parent.parent if log.parent.name == "run" else log.parent
+
+
 def startup(log: pathlib.Path) -> dict:
     """Every row of :data:`ROWS` for the run whose log this is."""
     out = milestones(log.read_text(errors="replace").splitlines())
     summary = log.parent / "summary.json"
     out.update(step1(json.loads(summary.read_text())) if summary.is_file() else dict.fromkeys(STEP1))
-    out.update(pretraining(log.parent.parent if log.parent.name == "run" else log.parent))
+    out.update(pretraining(lease_folder(log)))
     return out
 
 
@@ -132,7 +138,7 @@ def cmd_milestones(a) -> int:
         if not p.is_file():
             raise SystemExit(f"no such log: {path}")
         res[path] = startup(p)
-    names = [pathlib.Path(p).parent.parent.name if pathlib.Path(p).parent.name == "run" else pathlib.Path(p).stem
+    names = [lease_folder(pathlib.Path(p)).name if pathlib.Path(p).parent.name == "run" else pathlib.Path(p).stem
              for p in a.logs]
     print("| seconds | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))

@@ -140,11 +140,11 @@ def pool_drafted(acc: dict, group=None) -> dict:
         dict: ``acc`` without the sums, its drafted rates and positions over the group (left out where the group
         has no verify step).
     """
+    sum_names = [n for pair in DRAFTED_SUMS.values() for n in pair]
     # a rate without its sums (not the probe's) stays as it is
     keep = {key for key, pair in DRAFTED_SUMS.items() if key in acc and not all(n in acc for n in pair)}
-    out = {k: v for k, v in acc.items() if k not in {n for pair in DRAFTED_SUMS.values() for n in pair}}
-    names = [n for pair in DRAFTED_SUMS.values() for n in pair] + [DRAFTED_POSITIONS_KEY]
-    sums = torch.tensor([float(acc.get(n, 0.0)) for n in names], dtype=torch.float64)
+    out = {k: v for k, v in acc.items() if k not in sum_names}
+    sums = torch.tensor([float(acc.get(n, 0.0)) for n in [*sum_names, DRAFTED_POSITIONS_KEY]], dtype=torch.float64)
     if group_size(group) > 1:
         # a group without a CPU backend (NCCL alone) reduces device tensors; verl's "cpu:gloo,cuda:nccl" takes these
         if "gloo" not in str(torch.distributed.get_backend(group)):
