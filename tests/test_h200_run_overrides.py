@@ -642,3 +642,20 @@ def test_compare_names_each_runs_host_workers_and_warns_where_the_judged_modes_d
     data["args"] = {"agent_workers": 2}
     on.write_text(json.dumps(data))
     assert not any("agent-loop / reward / storage" in w for w in _compare(tmp_path, str(on), str(off))["warnings"])
+
+
+def test_the_te_stacks_runs_name_triton_s_cache_so_vllms_worker_writes_where_the_carried_cache_is(monkeypatch, tmp_path):
+    # unset, torch inductor points TRITON_CACHE_DIR at /tmp/torchinductor_<user>/triton/<device> inside vLLM's worker
+    # (its Mamba2 SSD and fused-MoE kernels were built again on every lease); super_session.sh cache keeps ~/.triton
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("VERL_H200_STACK", "te")
+    env = run.run_env()
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / ".triton" / "cache")
+    assert env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")  # the caller's is kept
+    assert run.run_env()["TRITON_CACHE_DIR"] == "/shared/triton"
+    monkeypatch.setenv("VERL_H200_STACK", "standins")  # the tiny runs keep Triton's default
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert "TRITON_CACHE_DIR" not in run.run_env()

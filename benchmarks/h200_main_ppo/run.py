@@ -282,6 +282,12 @@ def run_env() -> dict:
         # cache / restore) serves this run's Mamba2 SSD autotuning and compile; with it on, vLLM moves both into the
         # directory of the engine config's hash, which no earlier run at another batch or k shares.
         env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+        # Triton's cache named, so that vLLM's worker writes where the trainer does: unset, torch inductor sets it
+        # process-wide to /tmp/torchinductor_<user>/triton/<device> the first time a compiled graph's kernel loads
+        # (torch/_inductor/runtime/triton_heuristics.py, CachingAutotuner), before vLLM's profiling run builds the
+        # Mamba2 SSD and fused-MoE kernels (py-spy: ~83 s of Triton compiling there on a fresh H100), and
+        # super_session.sh cache keeps ~/.triton/cache only
+        env.setdefault("TRITON_CACHE_DIR", str(pathlib.Path.home() / ".triton" / "cache"))
     return env
 
 

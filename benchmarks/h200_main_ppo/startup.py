@@ -16,14 +16,17 @@ started) beside its ``summary.json``, and ``super_session.sh`` keeps the pretrai
 
 ``spy`` reads ``spy_warmup.sh``'s py-spy samples of vLLM's worker through that profiling run (py-spy's raw format:
 one ``frame;frame;... count`` line per stack): the share of samples in which each function is on the stack and on
-its top, the biggest first.
+its top, the biggest first; then the samples in Triton's compiler (``triton/compiler/compiler.py``'s ``compile``: a
+kernel built, not found in Triton's cache) by the function that launched the kernel (the innermost frame in vLLM's
+code, else the innermost outside Triton and torch), in seconds at the samples' rate. Gzipped samples are read too.
 
-    python benchmarks/h200_main_ppo/startup.py spy spy_warmup.txt [--top 25]
+    python benchmarks/h200_main_ppo/startup.py spy spy_warmup.txt[.gz] [--top 25] [--rate 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import pathlib
 import re
@@ -127,6 +130,47 @@ def spy(lines) -> dict:
     return {"samples": total, "inclusive": inclusive, "self": self_}
 
 
+#: a frame of Triton's compiler: the sample is spent building a kernel that Triton's cache did not hold
+TRITON_COMPILE = "compile (triton/compiler/compiler.py)"
+_LIBRARY = ("triton/", "torch/")
+
+
+def _launcher(frames: list[str]) -> str:
+    """The function that launched the kernel being compiled: the innermost frame in vLLM's code, else the innermost
+    frame outside Triton's and torch's, else ``?``."""
+    below = frames[:frames.index(TRITON_COMPILE)]
+    for f in reversed(below):
+        if "(vllm/" in f:
+            return f
+    for f in reversed(below):
+        if not any(f"({lib}" in f for lib in _LIBRARY):
+            return f
+    return "?"
+
+
+def triton_compile(lines) -> dict:
+    """py-spy's raw samples in Triton's compiler (:data:`TRITON_COMPILE` on the stack), by the function that
+    launched the kernel (:func:`_launcher`), and the samples in all."""
+    by: dict[str, int] = {}
+    total = 0
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        total += int(count)
+        frames = [re.sub(r":\d+\)$", ")", f.strip()) for f in stack.split(";") if f.strip()]
+        if TRITON_COMPILE in frames:
+            key = _launcher(frames)
+            by[key] = by.get(key, 0) + int(count)
+    return {"samples": total, "by_launcher": by}
+
+
+def _read_lines(path: str) -> list[str]:
+    p = pathlib.Path(path)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return raw.decode(errors="replace").splitlines()
+
+
 def _cell(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -150,7 +194,8 @@ def cmd_milestones(a) -> int:
 
 
 def cmd_spy(a) -> int:
-    res = spy(pathlib.Path(a.samples).read_text(errors="replace").splitlines())
+    lines = _read_lines(a.samples)
+    res = spy(lines)
     if not res["samples"]:
         raise SystemExit(f"no py-spy samples in {a.samples}")
     for kind in ("inclusive", "self"):
@@ -159,6 +204,14 @@ def cmd_spy(a) -> int:
         for f, n in sorted(res[kind].items(), key=lambda kv: -kv[1])[:a.top]:
             print(f"| {n / res['samples']:.3f} | `{f}` |")
         print()
+    comp = triton_compile(lines)
+    built = sum(comp["by_launcher"].values())
+    print(f"| Triton compiling: {built} of {comp['samples']} samples ({built / comp['samples']:.3f}, "
+          f"{built / a.rate:.1f} s at {a.rate:g} per second), by the function that launched the kernel | samples "
+          "| s |")
+    print("|---|---|---|")
+    for f, n in sorted(comp["by_launcher"].items(), key=lambda kv: -kv[1])[:a.top]:
+        print(f"| `{f}` | {n} | {n / a.rate:.1f} |")
     return 0
 
 
@@ -171,6 +224,7 @@ def main(argv=None) -> int:
     s = sub.add_parser("spy", help="which functions hold vLLM's profiling run (spy_warmup.sh's py-spy samples)")
     s.add_argument("samples")
     s.add_argument("--top", type=int, default=25)
+    s.add_argument("--rate", type=float, default=20.0, help="samples per second (spy_warmup.sh records 20)")
     a = ap.parse_args(argv)
     return cmd_milestones(a) if a.cmd == "milestones" else cmd_spy(a)
 
