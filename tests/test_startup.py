@@ -94,6 +94,8 @@ def test_the_committed_spy_of_vllms_profiling_run_is_triton_compiling_the_ssd_an
     ssd = sum(n for f, n in by.items() if "/layers/mamba/ops/ssd_" in f)
     moe = by["invoke_fused_moe_triton_kernel (vllm/model_executor/layers/fused_moe/fused_moe.py)"]
     assert (by["_chunk_scan_fwd (vllm/model_executor/layers/mamba/ops/ssd_chunk_scan.py)"], ssd, moe) == (871, 1107, 285)
+    top = sorted(by.values(), reverse=True)
+    assert (top[:6], sum(top[6:])) == ([871, 285, 107, 94, 63, 58], 182)
     assert startup.main(["spy", str(path), "--top", "3"]) == 0
     assert "1660 of 1958 samples (0.848, 83.0 s at 20 per second)" in capsys.readouterr().out
 
@@ -162,3 +164,21 @@ def test_vllms_worker_kept_a_core_busy_through_its_profiling_run_on_the_short_le
     rest = [sum(v for k, v in r["cpu"].items() if not k.startswith("3524 ")) for r in window]
     assert "(Worker pid=3524)" in (MODES / "online_lean_short" / "run" / "online.log").read_text()
     assert (len(window), round(statistics.mean(worker)), round(statistics.mean(rest))) == (109, 79, 11)
+
+
+def test_the_drafters_step_1_acceptance_differs_by_lease_from_one_pretraining_command():
+    # RESULTS.md, "vLLM's profiling run is Triton compiling": vLLM's first-draft acceptance at step 1 (before any
+    # update) on the k=2 leases, and the pretraining's joint loss at step 140 on two of them
+    def step1(lease):
+        summary = json.loads((MODES / lease / "run" / "summary.json").read_text())
+        (run,) = summary["runs"].values()
+        return round(run["metrics"]["1"]["rollout/spec_accept_rate_pos_0"], 3)
+
+    leases = ["online_lean_spy", "online", "online2", "online_lean_short", "online_nolp", "frozen"]
+    assert [step1(lease) for lease in leases] == [0.159, 0.237, 0.321, 0.34, 0.374, 0.363]
+
+    def loss140(lease):
+        curve = json.loads((MODES / lease / "assets.json").read_text())["curve"]
+        return next(round(c["loss"], 4) for c in curve if c["phase"] != "mtp_only" and c["step"] == 140)
+
+    assert (loss140("online_lean_spy"), loss140("online_lean_short")) == (0.3712, 0.3705)

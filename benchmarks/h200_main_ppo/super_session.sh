@@ -23,12 +23,23 @@ S=/tmp/sess
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
 CARD=${CARD:-gpu}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TRITON_CACHE_AUTOTUNING=1 \
+  TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}   # one cache for every process (run.py: why)
+# what this call carries in .h200-cache: the compile caches and the causal_conv1d wheel (`cache` returned them), and
+# py-spy's wheel for spy_warmup.sh
+restore_caches() {
+  if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then
+    cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh $TRITON_CACHE_DIR /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
+  fi
+  ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e $(ls .h200-cache/py_spy-*.whl | head -1) /tmp/pyspy \
+    && chmod +x /tmp/pyspy/py_spy-*.data/scripts/py-spy && echo "py-spy: $(/tmp/pyspy/py_spy-*.data/scripts/py-spy --version)"
+  true
+}
 install() {
   mkdir -p $S
   # once per machine: te_on_h200.sh rebuilds causal_conv1d on every call (~80 s on the H100)
   if [ -f $S/.installed ]; then echo "installed already on this machine"; return 0; fi
-  if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then cat .h200-cache/cache.tgz.part* | tar xzf - -C /; echo "caches restored"; fi
+  restore_caches
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
   # shared tool's build (~71-80 s), the tool's other steps and its import check as they are
@@ -39,9 +50,6 @@ install() {
     grep -q /tmp/cc1d /tmp/te/te_cached.sh && TE=/tmp/te/te_cached.sh && echo "causal_conv1d: the cached wheel"
   fi
   bash $TE > $S/te.log 2>&1 || { tail -30 $S/te.log; exit 4; }
-  # py-spy (carried beside the caches: .h200-cache/py_spy-*.whl) for spy_warmup.sh
-  ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e $(ls .h200-cache/py_spy-*.whl | head -1) /tmp/pyspy \
-    && chmod +x /tmp/pyspy/py_spy-*.data/scripts/py-spy && echo "py-spy: $(/tmp/pyspy/py_spy-*.data/scripts/py-spy --version)"
   tail -3 $S/install.log; tail -3 $S/te.log
   touch $S/.installed
 }
@@ -215,7 +223,7 @@ cache)
   # intermediate code (a cached kernel loads from its .json and .cubin: triton/compiler/compiler.py, CompiledKernel;
   # the .llir alone was 60 % of the 91 MB the trainer's kernels took); the wheel alone. run.py names
   # TRITON_CACHE_DIR=~/.triton/cache, so vLLM's worker's kernels are in it too
-  W=$(cd / && ls -d tmp/cc1d 2>/dev/null); T=$(cd / && ls -d root/.triton/cache 2>/dev/null)
+  W=$(cd / && ls -d tmp/cc1d 2>/dev/null); T=$(cd / && ls -d "${TRITON_CACHE_DIR#/}" 2>/dev/null)
   V=$(cd / && ls -d root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
   [ -n "$W$T$V$I" ] || { echo "no compile caches on this machine"; exit 6; }
   fit=""
@@ -234,7 +242,7 @@ cache)
   ;;
 restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
-  cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh /root/.triton/cache /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
+  restore_caches
   ;;
 *) echo "usage: super_session.sh start|bench|derisk|drift|poll|wait|cache|restore"; exit 2 ;;
 esac
