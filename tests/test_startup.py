@@ -182,3 +182,35 @@ def test_the_drafters_step_1_acceptance_differs_by_lease_from_one_pretraining_co
         return next(round(c["loss"], 4) for c in curve if c["phase"] != "mtp_only" and c["step"] == 140)
 
     assert (loss140("online_lean_spy"), loss140("online_lean_short")) == (0.3712, 0.3705)
+
+
+def test_procs_names_each_process_by_the_work_it_took_and_times_its_busy_samples():
+    rows = [{"t": 100.0, "dt": 0.5, "cpu": {"1 python3 -m verl_mtp_plugin.main_ppo": 100.0}},
+            {"t": 101.0, "dt": 0.5, "cpu": {"1 python3 -m verl_mtp_plugin.main_ppo": 40.0, "7 ray::IDLE": 100.0}},
+            {"t": 102.0, "dt": 1.0, "cpu": {"7 ray::TransferQueueController": 100.0, "8 ray::IDLE": 2.0}},
+            {"t": 103.0, "dt": 1.0, "cpu": {"7 ray::IDLE": 60.0}},  # back to idle: keeps the name it took
+            {"t": 200.0, "dt": 1.0, "cpu": {"9 ray::WorkerDict": 100.0}}]  # past --until
+    got = startup.procs(rows, until=10.0, min_cpu_s=0.4)
+    assert [(p["pid"], p["name"], p["first"], p["last"], round(p["cpu_s"], 2)) for p in got] == [
+        ("1", "python3 -m verl_mtp_plugin.main_ppo", 0.0, 0.0, 0.7),  # 40 % is not busy
+        ("7", "ray::TransferQueueController", 1.0, 3.0, 2.1)]  # 8 (2 % of a core) under min_cpu_s
+    with pytest.raises(ValueError, match="main_ppo"):
+        startup.procs(rows[2:], until=10.0)
+
+
+def test_the_committed_short_lease_shows_start_up_as_processes_starting_one_after_another(capsys):
+    # RESULTS.md, "vLLM's profiling run is Triton compiling": the processes before vLLM loaded the model (178.3 s)
+    import gzip
+
+    rows = [json.loads(x) for x in gzip.open(MODES / "online_lean_short" / "proc_cpu.jsonl.gz", "rt")]
+    got = {p["pid"]: (p["name"], round(p["first"], 1), round(p["last"], 1)) for p in startup.procs(rows, 180.0)}
+    assert got["2889"] == ("ray::TransferQueueController:TransferQueueController.__init__", 48.8, 55.9)
+    assert got["2951"] == ("ray::TransferQueueStorageUnit#0:SimpleStorageUnit.__init__", 56.9, 64.4)
+    assert got["3104"] == ("ray::WorkerDict.actor_rollout_ref_init_model", 72.5, 106.2)
+    assert got["3309"] == ("ray::vllm_server_0_0:MTPvLLMHttpServer.__init__", 107.7, 144.0)
+    # vLLM's server inspects the drafter's model class in a subprocess (its modelinfos cache held the target's only)
+    assert got["3481"][1:] == (127.9, 143.0) and got["3481"][0].endswith("-m vllm.model_executor.models.registry")
+    assert (got["3505"][1:], got["3524"][1:]) == ((144.5, 178.8), (158.6, 179.8))  # vLLM's engine core, its worker
+    assert startup.main(["procs", str(MODES / "online_lean_short" / "proc_cpu.jsonl.gz"), "--until", "180"]) == 0
+    assert "| 2889 `ray::TransferQueueController:TransferQueueController.__init__` | 48.8 | 55.9 | 8.1 |" in (
+        capsys.readouterr().out)

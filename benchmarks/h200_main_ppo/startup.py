@@ -21,6 +21,12 @@ kernel built, not found in Triton's cache) by the function that launched the ker
 code, else the innermost outside Triton and torch), in seconds at the samples' rate. Gzipped samples are read too.
 
     python benchmarks/h200_main_ppo/startup.py spy spy_warmup.txt[.gz] [--top 25] [--rate 20]
+
+``procs`` reads ``proc_cpu.py sample``'s samples of a lease (``proc_cpu.jsonl[.gz]``) from when ``main_ppo`` started
+to ``--until`` seconds after: per process, when it first and last ran at half a core or more, and its CPU seconds,
+in the order they started (a Ray worker named by the actor it took: ``ray::IDLE`` until then).
+
+    python benchmarks/h200_main_ppo/startup.py procs proc_cpu.jsonl.gz [--until 180] [--min-cpu-s 2]
 """
 
 from __future__ import annotations
@@ -171,6 +177,42 @@ def _read_lines(path: str) -> list[str]:
     return raw.decode(errors="replace").splitlines()
 
 
+#: a sample this busy (percent of one core) counts towards a process's first and last busy times
+BUSY_PCT = 50.0
+
+
+def _name_rank(name: str) -> tuple[int, int]:
+    """A Ray actor's name (``ray::Class.method``) names a process best, then the longest command line, then
+    ``ray::IDLE`` (a Ray worker before it takes an actor)."""
+    actor = name.startswith("ray::") and name != "ray::IDLE"
+    return (2 if actor else 0 if name == "ray::IDLE" else 1, len(name))
+
+
+def procs(rows: list[dict], until: float, min_cpu_s: float = 2.0) -> list[dict]:
+    """Per process (pid) from ``main_ppo``'s first sample to ``until`` seconds after it: ``name`` (the best it
+    had, :func:`_name_rank`: a process's short name and its command line alternate in the samples), ``first`` / ``last`` (seconds of its first and last sample at
+    :data:`BUSY_PCT` or more), ``cpu_s`` (CPU seconds), for those with ``min_cpu_s`` or more, by ``first``."""
+    t0 = next((r["t"] for r in rows if any("verl_mtp_plugin.main_ppo" in k for k in r["cpu"])), None)
+    if t0 is None:
+        raise ValueError("no sample of verl_mtp_plugin.main_ppo")
+    seen: dict[str, dict] = {}
+    for r in rows:
+        at = r["t"] - t0
+        if at < 0 or at > until:
+            continue
+        for key, pct in r["cpu"].items():
+            pid, _, name = key.partition(" ")
+            p = seen.setdefault(pid, {"pid": pid, "name": name, "first": None, "last": None, "cpu_s": 0.0})
+            if _name_rank(name) > _name_rank(p["name"]):
+                p["name"] = name
+            p["cpu_s"] += pct / 100.0 * r.get("dt", 0.0)
+            if pct >= BUSY_PCT:
+                p["first"] = at if p["first"] is None else p["first"]
+                p["last"] = at
+    out = [p for p in seen.values() if p["cpu_s"] >= min_cpu_s and p["first"] is not None]
+    return sorted(out, key=lambda p: p["first"])
+
+
 def _cell(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -215,6 +257,17 @@ def cmd_spy(a) -> int:
     return 0
 
 
+def cmd_procs(a) -> int:
+    path = pathlib.Path(a.samples)
+    rows = [json.loads(x) for x in _read_lines(str(path)) if x.strip()]
+    got = procs(rows, a.until, a.min_cpu_s)
+    print(f"| process (first {a.until:g} s of main_ppo) | busy from s | to s | CPU s |")
+    print("|---|---|---|---|")
+    for p in got:
+        print(f"| {p['pid']} `{p['name'][:70]}` | {p['first']:.1f} | {p['last']:.1f} | {p['cpu_s']:.1f} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -225,8 +278,12 @@ def main(argv=None) -> int:
     s.add_argument("samples")
     s.add_argument("--top", type=int, default=25)
     s.add_argument("--rate", type=float, default=20.0, help="samples per second (spy_warmup.sh records 20)")
+    pr = sub.add_parser("procs", help="which processes ran, when, through main_ppo's start-up (proc_cpu.py's samples)")
+    pr.add_argument("samples")
+    pr.add_argument("--until", type=float, default=180.0, help="seconds after main_ppo started")
+    pr.add_argument("--min-cpu-s", type=float, default=2.0)
     a = ap.parse_args(argv)
-    return cmd_milestones(a) if a.cmd == "milestones" else cmd_spy(a)
+    return {"milestones": cmd_milestones, "spy": cmd_spy, "procs": cmd_procs}[a.cmd](a)
 
 
 if __name__ == "__main__":
