@@ -214,3 +214,13 @@ def test_the_committed_short_lease_shows_start_up_as_processes_starting_one_afte
     assert startup.main(["procs", str(MODES / "online_lean_short" / "proc_cpu.jsonl.gz"), "--until", "180"]) == 0
     assert "| 2889 `ray::TransferQueueController:TransferQueueController.__init__` | 48.8 | 55.9 | 8.1 |" in (
         capsys.readouterr().out)
+
+
+def test_with_vllms_tensor_parallelism_the_drafters_compile_line_is_the_first_workers_second():
+    # each worker logs its own compile lines; the target's of rank 1 comes before rank 0's drafter line
+    tp = [line.replace("(Worker pid=77)", "(Worker_TP0 pid=77)") for line in LOG.splitlines()]
+    tp.insert(3, "[  70.5s] (Worker_TP1 pid=78) INFO [monitor.py:53] torch.compile and initial profiling/warmup run "
+                 "together took 60.0 s in total")
+    got = startup.milestones(tp)
+    assert (got["vllm_compile_profile_s"], got["vllm_drafter_compile_profile_s"]) == (61.25, 5.5)
+    assert startup.milestones(LOG.splitlines())["vllm_drafter_compile_profile_s"] == 5.5  # one worker: as before

@@ -10,7 +10,7 @@ SPY=${PYSPY:-$(ls /tmp/pyspy/py_spy-*.data/scripts/py-spy 2>/dev/null | head -1)
 [ -n "$SPY" ] || { echo "no py-spy in /tmp/pyspy" > "$OUT"; exit 0; }
 pid=
 for _ in $(seq 1 ${SPY_WAIT_S:-1800}); do   # the line comes ~3-5 min into a run (SPY_WAIT_S: tests)
-  pid=$(cat "$RUN"/*.log 2>/dev/null | grep -a "Warming up Mamba2 SSD" | grep -o "Worker pid=[0-9]*" | head -1 | cut -d= -f2)
+  pid=$(cat "$RUN"/*.log 2>/dev/null | grep -a "Warming up Mamba2 SSD" | grep -o "Worker[A-Za-z0-9_]* pid=[0-9]*" | head -1 | cut -d= -f2)
   [ -n "$pid" ] && break
   sleep 1
 done

@@ -59,24 +59,36 @@ _AT = re.compile(r"^\[\s*([0-9.]+)s\]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+#: vLLM's worker process as Ray prefixes its lines: ``Worker``, or ``Worker_TP1_EP1`` and the like with parallelism
+_WORKER = re.compile(r"\(Worker[A-Za-z0-9_]* pid=(\d+)\)")
+
+
 def milestones(lines) -> dict:
-    """The log's milestones (:data:`MILESTONES`); ``None`` where the log has no such line."""
-    seen: dict[str, list[float]] = {name: [] for name in MILESTONES}
+    """The log's milestones (:data:`MILESTONES`); ``None`` where the log has no such line. A milestone's occurrences
+    are counted in the process that logged its first one (vLLM's ``Worker pid=``): with vLLM's tensor parallelism each
+    worker logs its own compile line, and the drafter's is its first worker's second."""
+    seen: dict[str, list[tuple[float, str | None]]] = {name: [] for name in MILESTONES}
     compiled = {name: re.compile(pattern) for name, (pattern, _, _) in MILESTONES.items()}
     for raw in lines:
         line = _ANSI.sub("", raw)
         at = _AT.match(line)
+        worker = _WORKER.search(line)
+        pid = worker.group(1) if worker else None
         for name, (_, what, _) in MILESTONES.items():
             m = compiled[name].search(line)
             if m is None:
                 continue
             if what == "at":
                 if at:
-                    seen[name].append(float(at.group(1)))
+                    seen[name].append((float(at.group(1)), pid))
             else:
-                seen[name].append(float(m.group(1)))
-    return {name: (seen[name][nth] if len(seen[name]) > nth else None)
-            for name, (_, _, nth) in MILESTONES.items()}
+                seen[name].append((float(m.group(1)), pid))
+    out = {}
+    for name, (_, _, nth) in MILESTONES.items():
+        first = seen[name][0][1] if seen[name] else None
+        same = [v for v, pid in seen[name] if pid == first]
+        out[name] = same[nth] if len(same) > nth else None
+    return out
 
 
 def step1(summary: dict) -> dict:
