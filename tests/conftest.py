@@ -62,6 +62,7 @@ RUN_FIXTURES = {
     "ppo_frozen": "ppo_frozen",
     "ppo_online": "ppo_online",
     "online_tp2": "online_tp2",
+    "online_dp2": "online_dp2",
     "assets_tp2": "assets_tp2",
     "assets_moe": "assets_moe",
 }

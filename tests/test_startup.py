@@ -114,6 +114,13 @@ def test_spy_warmup_finds_vllms_worker_by_its_warm_up_line_and_samples_it(tmp_pa
     args = (tmp_path / "args").read_text().split()
     assert args[args.index("--pid") + 1] == live and args[args.index("--duration") + 1] == "40"
     assert args[args.index("-o") + 1] == str(out)
+    # vLLM's worker under its tensor parallelism ("Worker_TP0"), verl's WorkerDict not taken for it
+    (tmp_path / "args").unlink()
+    (run / "online.log").write_text("[ 1.0s] (WorkerDict pid=1) Warming up Mamba2 SSD Triton kernels...\n"
+                                    + LOG.replace("Worker pid=77", f"Worker_TP0 pid={live}"))
+    subprocess.run(["bash", str(HERE / "spy_warmup.sh"), str(run), str(out), "40"], env=env, check=True, timeout=60)
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("--pid") + 1] == live
     # a worker that is gone (an earlier run's log): says so, samples nothing
     (tmp_path / "args").unlink()
     (run / "online.log").write_text(LOG.replace("Worker pid=77", "Worker pid=999999999"))
@@ -188,12 +195,16 @@ def test_procs_names_each_process_by_the_work_it_took_and_times_its_busy_samples
     rows = [{"t": 100.0, "dt": 0.5, "cpu": {"1 python3 -m verl_mtp_plugin.main_ppo": 100.0}},
             {"t": 101.0, "dt": 0.5, "cpu": {"1 python3 -m verl_mtp_plugin.main_ppo": 40.0, "7 ray::IDLE": 100.0}},
             {"t": 102.0, "dt": 1.0, "cpu": {"7 ray::TransferQueueController": 100.0, "8 ray::IDLE": 2.0}},
+            {"t": 102.5, "dt": 0.1, "cpu": {"8 ray::IDLE": 100.0, "6 ray::IDLE": 5.0}},  # busy, but 0.12 CPU s
             {"t": 103.0, "dt": 1.0, "cpu": {"7 ray::IDLE": 60.0}},  # back to idle: keeps the name it took
             {"t": 200.0, "dt": 1.0, "cpu": {"9 ray::WorkerDict": 100.0}}]  # past --until
     got = startup.procs(rows, until=10.0, min_cpu_s=0.4)
     assert [(p["pid"], p["name"], p["first"], p["last"], round(p["cpu_s"], 2)) for p in got] == [
         ("1", "python3 -m verl_mtp_plugin.main_ppo", 0.0, 0.0, 0.7),  # 40 % is not busy
-        ("7", "ray::TransferQueueController", 1.0, 3.0, 2.1)]  # 8 (2 % of a core) under min_cpu_s
+        ("7", "ray::TransferQueueController", 1.0, 3.0, 2.1)]  # 8 under min_cpu_s
+    # with a lower floor: 8 is there (busy once); 6 never ran at half a core, however little the floor
+    got = startup.procs(rows, until=10.0, min_cpu_s=0.001)
+    assert [p["pid"] for p in got] == ["1", "7", "8"]
     with pytest.raises(ValueError, match="main_ppo"):
         startup.procs(rows[2:], until=10.0)
 

@@ -23,7 +23,9 @@ The runs (what each carries is in ``tests/test_main_ppo.py``'s docstring):
   groups;
 * ``online_tp2`` (grpo_online on the MoE checkpoint, 3 steps; Megatron TP=2 + SP + EP=2 with ETP=1, vLLM TP=2 +
   EP=2) and ``ppo_frozen`` (2 steps, dense; Megatron TP=2 + SP, vLLM TP=2): on 2 ranks
-  (``tests/test_main_ppo_tp2.py``); each takes :data:`TP2_SLOTS` slots (its measured memory, see there).
+  (``tests/test_main_ppo_tp2.py``); each takes :data:`TP2_SLOTS` slots (its measured memory, see there);
+* ``online_dp2`` (grpo_online, 2 steps, data parallelism 2: two Megatron ranks with half the batch each, two vLLM
+  replicas; ``tests/test_main_ppo_dp2.py``): :data:`TP2_SLOTS` slots.
 """
 
 from __future__ import annotations
@@ -222,6 +224,19 @@ def _online_tp2(root, deps):
                 extra_overrides=[NO_KL, "trainer.save_freq=1"])
 
 
+#: steps of the data-parallel run, and its prompts per step (each of its 2 ranks trains on half)
+DP2_STEPS = 2
+DP2_PROMPTS = 4
+
+
+def _online_dp2(root, deps):
+    """grpo_online with data parallelism 2 (Megatron DP=2, two vLLM replicas of TP=1), zero advantages and no KL
+    loss, a checkpoint every step, every replica's drafter written after each update."""
+    return _run("grpo_online", root / "online_dp2", deps["assets"], steps=DP2_STEPS, reward="zero_score", dp=2,
+                drafter_dump=True, extra_overrides=[NO_KL, "trainer.save_freq=1", f"data.train_batch_size={DP2_PROMPTS}",
+                                                    f"actor_rollout_ref.actor.ppo_mini_batch_size={DP2_PROMPTS}"])
+
+
 #: name -> (function(root, deps), dependencies, slots it takes); in priority order (the longest chain first)
 RUNS = {
     "assets": (_assets, (), 1),
@@ -238,6 +253,7 @@ RUNS = {
     "assets_moe": (_assets_moe, ("assets_tp2",), 0),
     "online_tp2": (_online_tp2, ("assets_moe",), TP2_SLOTS),
     "ppo_frozen": (_ppo("ppo_frozen", tp=2), ("assets_tp2",), TP2_SLOTS),
+    "online_dp2": (_online_dp2, ("assets",), TP2_SLOTS),
 }
 
 #: the demo processes in flight (stopped at the session's end)

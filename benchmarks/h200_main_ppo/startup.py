@@ -59,8 +59,9 @@ _AT = re.compile(r"^\[\s*([0-9.]+)s\]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-#: vLLM's worker process as Ray prefixes its lines: ``Worker``, or ``Worker_TP1_EP1`` and the like with parallelism
-_WORKER = re.compile(r"\(Worker[A-Za-z0-9_]* pid=(\d+)\)")
+#: vLLM's worker process as its lines are prefixed: ``Worker``, or ``Worker_TP1_EP1`` and the like with parallelism
+#: (not verl's ``WorkerDict``)
+_WORKER = re.compile(r"\(Worker(?:_[A-Za-z0-9_]+)? pid=(\d+)\)")
 
 
 def milestones(lines) -> dict:
@@ -201,9 +202,10 @@ def _name_rank(name: str) -> tuple[int, int]:
 
 
 def procs(rows: list[dict], until: float, min_cpu_s: float = 2.0) -> list[dict]:
-    """Per process (pid) from ``main_ppo``'s first sample to ``until`` seconds after it: ``name`` (the best it
-    had, :func:`_name_rank`: a process's short name and its command line alternate in the samples), ``first`` / ``last`` (seconds of its first and last sample at
-    :data:`BUSY_PCT` or more), ``cpu_s`` (CPU seconds), for those with ``min_cpu_s`` or more, by ``first``."""
+    """Per process (pid) from ``main_ppo``'s first sample to ``until`` seconds after it: ``name`` (the best it had,
+    :func:`_name_rank`: a process's short name and its command line alternate in the samples), ``first`` / ``last``
+    (seconds of its first and last sample at :data:`BUSY_PCT` or more), ``cpu_s`` (CPU seconds); for those with
+    ``min_cpu_s`` or more that were busy at least once, by ``first``."""
     t0 = next((r["t"] for r in rows if any("verl_mtp_plugin.main_ppo" in k for k in r["cpu"])), None)
     if t0 is None:
         raise ValueError("no sample of verl_mtp_plugin.main_ppo")

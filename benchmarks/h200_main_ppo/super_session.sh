@@ -27,19 +27,22 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCC
   TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}   # one cache for every process (run.py: why)
 # what this call carries in .h200-cache: the compile caches and the causal_conv1d wheel (`cache` returned them), and
 # py-spy's wheel for spy_warmup.sh
+# (its status: the archive's extraction)
 restore_caches() {
+  local rc=0
   if ls .h200-cache/cache.tgz.part* >/dev/null 2>&1; then
-    cat .h200-cache/cache.tgz.part* | tar xzf - -C / && echo "caches restored: $(du -sh $TRITON_CACHE_DIR /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
+    cat .h200-cache/cache.tgz.part* | tar xzf - -C / || rc=$?
+    [ $rc = 0 ] && echo "caches restored: $(du -sh $TRITON_CACHE_DIR /tmp/cc1d 2>/dev/null | tr '\n\t' '  ')"
   fi
   ls .h200-cache/py_spy-*.whl >/dev/null 2>&1 && python3 -m zipfile -e $(ls .h200-cache/py_spy-*.whl | head -1) /tmp/pyspy \
     && chmod +x /tmp/pyspy/py_spy-*.data/scripts/py-spy && echo "py-spy: $(/tmp/pyspy/py_spy-*.data/scripts/py-spy --version)"
-  true
+  return $rc
 }
 install() {
   mkdir -p $S
   # once per machine: te_on_h200.sh rebuilds causal_conv1d on every call (~80 s on the H100)
   if [ -f $S/.installed ]; then echo "installed already on this machine"; return 0; fi
-  restore_caches
+  restore_caches || echo "the carried caches did not extract (status $?): every kernel builds again"
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
   # shared tool's build (~71-80 s), the tool's other steps and its import check as they are
@@ -227,12 +230,12 @@ cache)
   V=$(cd / && ls -d root/.cache/vllm 2>/dev/null); I=$(cd / && ls -d tmp/torchinductor_* 2>/dev/null)
   [ -n "$W$T$V$I" ] || { echo "no compile caches on this machine"; exit 6; }
   fit=""
-  IR="--exclude=*.llir --exclude=*.ptx --exclude=*.ttir --exclude=*.ttgir --exclude=*.source"
-  for set in "all:$W $T $V $I" "all:$W $T $V" "noir:$W $T $V" "noir:$W $T" "all:$W"; do
-    how=${set%%:*}; paths=${set#*:}
+  IR=(--exclude='*.llir' --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.source')
+  for choice in "all:$W $T $V $I" "all:$W $T $V" "noir:$W $T $V" "noir:$W $T" "all:$W"; do
+    how=${choice%%:*}; paths=${choice#*:}
     [ -n "$(echo $paths)" ] || continue
-    x=""; [ "$how" = noir ] && x=$IR
-    tar czf /tmp/cache.tgz $x -C / $paths && [ $(stat -c%s /tmp/cache.tgz) -le $((60 << 20)) ] && { fit="$how: $paths"; break; }
+    x=(); [ "$how" = noir ] && x=("${IR[@]}")
+    tar czf /tmp/cache.tgz "${x[@]}" -C / $paths && [ $(stat -c%s /tmp/cache.tgz) -le $((60 << 20)) ] && { fit="$how: $paths"; break; }
     echo "$how: $(echo $paths): $(stat -c%s /tmp/cache.tgz) B, over 60 MiB"
   done
   [ -n "$fit" ] || { echo "cache over 60 MiB: not returned"; exit 6; }

@@ -269,15 +269,16 @@ def _with_private_tmp(cmd: list[str], orig: pathlib.Path) -> list[str]:
     return [*prefix, "sh", "-c", _PRIVATE_TMP_SH, "verl-mtp-private-tmp", str(orig), *cmd]
 
 
-def ray_cpu_slots(recipe: str, tp: int = 1) -> int:
-    """Ray CPU slots a run of ``recipe`` on ``tp`` ranks places actors on (see :func:`cpu_overrides`): one
-    more trainer worker per rank past the first (actor and critic worker groups)."""
-    workers = (tp - 1) * (2 if recipe.startswith("ppo") else 1)
-    return (9 if recipe.startswith("ppo") else 8) + 2 + workers
+def ray_cpu_slots(recipe: str, tp: int = 1, dp: int = 1) -> int:
+    """Ray CPU slots a run of ``recipe`` on ``tp * dp`` ranks places actors on (see :func:`cpu_overrides`): one
+    more trainer worker per rank past the first (actor and critic worker groups), one more vLLM server per replica
+    past the first."""
+    workers = (tp * dp - 1) * (2 if recipe.startswith("ppo") else 1)
+    return (9 if recipe.startswith("ppo") else 8) + 2 + workers + (dp - 1)
 
 
 def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: int, resume: bool,
-                  reward: str = "compute_score", lr: float = 1e-3, tp: int = 1, ep: int = 1) -> list[str]:
+                  reward: str = "compute_score", lr: float = 1e-3, tp: int = 1, ep: int = 1, dp: int = 1) -> list[str]:
     """Hydra overrides that shrink ``recipe`` to this machine (see the module docstring).
 
     ``tp``: ranks of the run (``trainer.n_gpus_per_node``): Megatron tensor parallelism ``tp`` with sequence
@@ -287,9 +288,12 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
     ``ep``: expert parallelism, as the recipes run it: Megatron ``expert_model_parallel_size=ep`` with
     ``expert_tensor_parallel_size=1`` (actor, reference, critic) and vLLM ``expert_parallel_size=ep`` (vLLM's
     ``enable_expert_parallel``: EP = TP x DP, so ``ep`` must equal ``tp``). Needs the MoE assets
-    (``ensure_assets(moe=True)``)."""
-    if tp not in (1, 2):
-        raise ValueError(f"tp={tp}: the CPU runs are tested at 1 and 2 ranks")
+    (``ensure_assets(moe=True)``).
+
+    ``dp``: data parallelism: ``tp * dp`` ranks, Megatron's data-parallel ranks each with its share of the batch and
+    ``dp`` vLLM replicas (each its own server, engine and worker), every one of them synced."""
+    if tp not in (1, 2) or dp not in (1, 2) or tp * dp > 2:
+        raise ValueError(f"tp={tp}, dp={dp}: the CPU runs are tested at 1 and 2 ranks")
     if ep not in (1, tp):
         raise ValueError(f"ep={ep}, tp={tp}: vLLM's expert parallelism spans its TP ranks (ep = 1 or ep = tp)")
     ckpt = workdir / "ckpt"
@@ -333,7 +337,7 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         f"reward.custom_reward_function.name={reward}",
         "reward.num_workers=1",
         "trainer.nnodes=1",
-        f"trainer.n_gpus_per_node={tp}",
+        f"trainer.n_gpus_per_node={tp * dp}",
         "trainer.logger=[console,file]",
         f"trainer.total_training_steps={steps}",
         f"trainer.save_freq={steps}",
@@ -342,14 +346,14 @@ def cpu_overrides(recipe: str, assets: Assets, workdir: pathlib.Path, *, steps: 
         f"trainer.default_local_dir={ckpt}",
         f"trainer.resume_mode={'auto' if resume else 'disable'}",
         "trainer.device=cpu",
-        f"+ray_kwargs.ray_init.num_gpus={tp}",
+        f"+ray_kwargs.ray_init.num_gpus={tp * dp}",
         # Ray's logical CPUs are scheduling slots, not cores: every actor verl and TransferQueue place asks
         # one (TransferQueue controller.py:943 and simple_storage.py:722 `@ray.remote(num_cpus=1)`, verl's
         # task runner, worker group, reward and agent-loop workers, vLLM server, load balancer: 8 for GRPO,
         # 9 with a critic), plus 2 for the short Ray tasks verl runs beside them (single_controller/ray/
         # base.py:524 get_master_addr_port). The cores the run uses are the machine's: OMP_NUM_THREADS=1 per
         # process, and no idle worker prestarted per slot (cpu_env).
-        f"ray_kwargs.ray_init.num_cpus={ray_cpu_slots(recipe, tp)}",
+        f"ray_kwargs.ray_init.num_cpus={ray_cpu_slots(recipe, tp, dp)}",
         "+ray_kwargs.ray_init.include_dashboard=false",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         # tiny runs: judge the guard on every step (a step has a few dozen verify steps)
@@ -611,6 +615,7 @@ def run_recipe(
     tp: int = 1,
     ep: int = 1,
     drafter_dump: bool = False,
+    dp: int = 1,
 ) -> RecipeResult:
     """Run ``recipe`` (a name in :data:`RECIPES`) through verl's real trainer on CPU.
 
@@ -637,6 +642,7 @@ def run_recipe(
         tp: ranks (``trainer.n_gpus_per_node``): Megatron TP with sequence parallelism and vLLM TP
             (:func:`cpu_overrides`); 2 needs assets built with ``mamba_num_groups=2``.
         ep: expert parallelism (Megatron EP with ETP=1, vLLM EP; 1 or ``tp``): needs MoE assets.
+        dp: data parallelism (``tp * dp`` ranks, ``dp`` vLLM replicas; :func:`cpu_overrides`).
         drafter_dump: every vLLM rank writes what it received and its drafter's tensors after each update into
             ``workdir/<tag>.drafter/`` (:data:`verl_mtp_cpu.events.ENV_DRAFTER_DUMP`).
 
@@ -655,7 +661,7 @@ def run_recipe(
     log_path, metrics_path, events_path = files["log"], files["metrics"], files["events"]
     for p in (metrics_path, events_path, workdir / f"{tag}.result.json"):
         p.unlink(missing_ok=True)
-    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp, ep=ep)
+    overrides = cpu_overrides(recipe, assets, workdir, steps=steps, resume=resume, reward=reward, tp=tp, ep=ep, dp=dp)
     cmd = [sys.executable, "-m", ENTRIES[entry], "--config-path", str(RECIPE_DIR), "--config-name", recipe,
            *overrides, *extra_overrides]
     orig_tmp = None
@@ -670,7 +676,7 @@ def run_recipe(
     if dump is not None:
         shutil.rmtree(dump, ignore_errors=True)
     env = {**inherited, **cpu_env(metrics_path, events_path, entry=entry, break_sync=break_sync, drafter_dump=dump,
-                                   tp=tp)}
+                                   tp=tp * dp)}
     try:
         run = run_trainer(cmd, cwd=workdir, env=env, log_path=log_path, metrics_path=metrics_path,
                           events_path=events_path, timeout_s=timeout_s,

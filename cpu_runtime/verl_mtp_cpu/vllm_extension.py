@@ -107,8 +107,17 @@ class CPUMTPColocateWorkerExtension(_base()):
         folder.mkdir(parents=True, exist_ok=True)
         drafter = self._get_drafter_model()
         loaded = {n: t.detach().clone() for n, t in drafter_tensors(drafter, self.model_runner.model).items()}
-        torch.save({"rank": _tp_rank(), "update": _UPDATES, "received": self._verl_cpu_received, "drafter": loaded},
-                   folder / f"rank{_tp_rank()}.update{_UPDATES}.pt")
+        record = {"rank": _tp_rank(), "update": _UPDATES, "pid": os.getpid(), "received": self._verl_cpu_received,
+                  "drafter": loaded}
+        # data parallelism: every replica's rank R writes update N; the first takes the plain name, the others add
+        # their pid (created exclusively, so two replicas never write one file)
+        path = folder / f"rank{_tp_rank()}.update{_UPDATES}.pt"
+        try:
+            f = open(path, "xb")
+        except FileExistsError:
+            f = open(folder / f"rank{_tp_rank()}.update{_UPDATES}.pid{os.getpid()}.pt", "xb")
+        with f:
+            torch.save(record, f)
 
     def update_weights_from_ipc(self, *args, **kwargs):
         global _UPDATES
