@@ -46,7 +46,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
-from trainer_runs import RESUMED_OBJECTIVE, RUN_TIMEOUT_S as _ONE_RUN_S, demo_result  # noqa: E402
+from trainer_runs import RESUMED_OBJECTIVE, RUN_TIMEOUT_S as _ONE_RUN_S, demo_result, load_safetensors  # noqa: E402
 
 #: a test's limit: waiting for its runs (started with the session, see tests/trainer_runs.py), the demo first
 RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
@@ -104,13 +104,7 @@ def ppo_online(trainer_runs):
 
 
 def _tensors(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    assert out, f"no safetensors in {folder}"
-    return {k: v.float() for k, v in out.items()}
+    return {k: v.float() for k, v in load_safetensors(folder).items()}
 
 
 def _split(tensors):

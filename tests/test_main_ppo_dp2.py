@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
-from trainer_runs import DP2_STEPS  # noqa: E402
+from trainer_runs import DP2_STEPS, load_safetensors  # noqa: E402
 
 #: vLLM's first-draft acceptance (pooled over the steps' drafts) vs the trainer's drafted estimate: within this plus
 #: 3 binomial standard errors of the pooled rate (as the other runs' tests)
@@ -29,16 +29,6 @@ TRACKING = 0.1
 @pytest.fixture(scope="module")
 def online_dp2(trainer_runs):
     return trainer_runs.result("online_dp2")
-
-
-def _tensors(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    assert out, f"no safetensors in {folder}"
-    return out
 
 
 def test_dp2_every_vllm_replica_holds_the_trainers_mtp_export_after_every_update(online_dp2):
@@ -58,7 +48,7 @@ def test_dp2_every_vllm_replica_holds_the_trainers_mtp_export_after_every_update
     dump = online_dp2.workdir / f"{online_dp2.log_path.name.removesuffix('.log')}.drafter"
     exports = {}
     for update in range(2, DP2_STEPS + 2):
-        want = exports[update] = {k: v for k, v in _tensors(online_dp2.hf_checkpoint(update - 1)).items()
+        want = exports[update] = {k: v for k, v in load_safetensors(online_dp2.hf_checkpoint(update - 1)).items()
                                   if k.startswith("mtp.")}
         full = drafter_layout(want)
         records = [torch.load(p) for p in sorted(dump.glob(f"rank0.update{update}*.pt"))]

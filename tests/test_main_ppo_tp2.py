@@ -28,6 +28,7 @@ pytest.importorskip("verl")
 pytest.importorskip("vllm")
 
 from trainer_runs import RUN_TIMEOUT_S as _ONE_RUN_S, TP2_FAIL_UPDATE, TP2_STEPS, demo_result  # noqa: E402
+from trainer_runs import load_safetensors as _tensors  # noqa: E402
 
 RUN_TIMEOUT_S = 2 * _ONE_RUN_S + 600
 #: vLLM's measured first-draft acceptance (pooled over the steps' drafts) vs the trainer's estimate (weighted the
@@ -57,16 +58,6 @@ def online_tp2(trainer_runs):
 @pytest.fixture(scope="module")
 def online(demo_run):
     return demo_result(demo_run, "online")
-
-
-def _tensors(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    assert out, f"no safetensors in {folder}"
-    return out
 
 
 def _split(tensors):

@@ -256,6 +256,17 @@ RUNS = {
     "online_dp2": (_online_dp2, ("assets",), TP2_SLOTS),
 }
 
+def load_safetensors(folder: pathlib.Path) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder`` (a saved step's HF model folder), as stored."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    assert out, f"no safetensors in {folder}"
+    return out
+
+
 #: the demo processes in flight (stopped at the session's end)
 _PROCS: list[subprocess.Popen] = []
 

@@ -128,6 +128,15 @@ def startup(log: pathlib.Path) -> dict:
     return out
 
 
+def _stacks(lines):
+    """py-spy's raw lines (``frame;frame;... count``) as ``(frames, count)``, each frame ``function (file)`` without
+    its line number; other lines skipped."""
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if stack and count.isdigit():
+            yield [re.sub(r":\d+\)$", ")", f.strip()) for f in stack.split(";") if f.strip()], int(count)
+
+
 def spy(lines) -> dict:
     """py-spy's raw samples (``frame;frame;... count``, each frame ``function (file:line)``) as each function's
     samples on the stack (``inclusive``, once per stack) and on its top (``self``), functions named without their
@@ -135,13 +144,8 @@ def spy(lines) -> dict:
     inclusive: dict[str, int] = {}
     self_: dict[str, int] = {}
     total = 0
-    for line in lines:
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
+    for frames, n in _stacks(lines):
         total += n
-        frames = [re.sub(r":\d+\)$", ")", f.strip()) for f in stack.split(";") if f.strip()]
         for f in set(frames):
             inclusive[f] = inclusive.get(f, 0) + n
         if frames:
@@ -172,15 +176,11 @@ def triton_compile(lines) -> dict:
     launched the kernel (:func:`_launcher`), and the samples in all."""
     by: dict[str, int] = {}
     total = 0
-    for line in lines:
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
-        frames = [re.sub(r":\d+\)$", ")", f.strip()) for f in stack.split(";") if f.strip()]
+    for frames, n in _stacks(lines):
+        total += n
         if TRITON_COMPILE in frames:
             key = _launcher(frames)
-            by[key] = by.get(key, 0) + int(count)
+            by[key] = by.get(key, 0) + n
     return {"samples": total, "by_launcher": by}
 
 
