@@ -334,10 +334,10 @@ def main(argv=None) -> int:
         if a.interval <= 0:
             ap.error(f"--interval must be > 0, got {a.interval}")
         return sample(a.out, a.interval, a.seconds)
-    samples = _read_jsonl(a.samples)
+    samples = read_jsonl(a.samples)
     workers: set[str] = set()
     if a.events:
-        events = _read_jsonl(a.events)
+        events = read_jsonl(a.events)
         workers = sync_pids(events)
         if not workers:
             ap.error(f"--events {a.events}: no sync event with a pid")
@@ -383,14 +383,14 @@ def _engine_cores(ap: argparse.ArgumentParser, log_path: str) -> set[str]:
     return cores
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str) -> list[dict]:
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def _phases_cli(ap: argparse.ArgumentParser, a) -> int:
-    samples, events = _read_jsonl(a.samples), _read_jsonl(a.events)
-    metrics = {int(r["step"]): r["data"] for r in _read_jsonl(a.metrics) if "step" in r}
+    samples, events = read_jsonl(a.samples), read_jsonl(a.events)
+    metrics = {int(r["step"]): r["data"] for r in read_jsonl(a.metrics) if "step" in r}
     cores = _engine_cores(ap, a.log)
     rows = step_phases(samples, events, metrics, cores, a.minimum)
     if not rows:

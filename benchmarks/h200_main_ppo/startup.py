@@ -38,6 +38,11 @@ import pathlib
 import re
 import sys
 
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # proc_cpu.py beside this script
+    sys.path.insert(0, str(HERE))
+from proc_cpu import read_jsonl  # noqa: E402
+
 #: milestone -> (pattern on a log line, what is read: "at" (the line's seconds since the run started) or "value"
 #: (the pattern's first group), which occurrence (0: the first))
 MILESTONES = {
@@ -272,9 +277,7 @@ def cmd_spy(a) -> int:
 
 
 def cmd_procs(a) -> int:
-    path = pathlib.Path(a.samples)
-    rows = [json.loads(x) for x in _read_lines(str(path)) if x.strip()]
-    got = procs(rows, a.until, a.min_cpu_s)
+    got = procs(read_jsonl(a.samples), a.until, a.min_cpu_s)
     print(f"| process (first {a.until:g} s of main_ppo) | busy from s | to s | CPU s |")
     print("|---|---|---|---|")
     for p in got:
