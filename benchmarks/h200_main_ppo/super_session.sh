@@ -127,7 +127,11 @@ PIPE
 derisk)
   # the tiny checkpoint of .h200/assets in verl's trainer with the TE stack (mode online, the plugin's rollout server,
   # its trainer estimates beside vLLM's rate), then the GPU tests: a short lease's check of the code the Super-widths
-  # leases run. LEASE_LEFT: the lease's seconds left (default 900); extra arguments go to run.py run
+  # leases run. LEASE_LEFT: the lease's seconds left (default 900); extra arguments go to run.py run. RUNS=2: the
+  # same run again on the warm machine (into run2/: what a run's start-up costs with this machine's compile caches,
+  # the second run on a node), each run leaving 300 s for each one after it and TAIL seconds (default 330: the GPU
+  # tests) after the last; triton_<i>.txt: the kernels in Triton's cache after run i (and whether inductor's folder
+  # got any: run.py names TRITON_CACHE_DIR so that it gets none)
   END=$(( $(date +%s) + ${LEASE_LEFT:-900} ))
   install
   shift 1
@@ -136,9 +140,19 @@ set -x
 cd $PWD
 date -u +%FT%TZ > $S/t_start
 rm -rf /tmp/h2assets && cp -r .h200/assets /tmp/h2assets
-B=\$(( $END - \$(date +%s) - 330 ))
-[ \$B -gt 200 ] && python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out $S/run \
-  --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver.log 2>&1
+for i in \$(seq 1 ${RUNS:-1}); do
+  R=$S/run\$([ \$i -gt 1 ] && echo \$i)
+  B=\$(( $END - \$(date +%s) - ${TAIL:-330} - 300 * (${RUNS:-1} - i) ))
+  [ \$B -gt 200 ] || break
+  bash benchmarks/h200_main_ppo/spy_warmup.sh \$R $S/spy_warmup\$([ \$i -gt 1 ] && echo \$i).txt & SP=\$!
+  python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out \$R \
+    --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver\$([ \$i -gt 1 ] && echo \$i).log 2>&1
+  pkill -P \$SP 2>/dev/null; kill \$SP 2>/dev/null
+  { date -u +%FT%TZ; echo "triton cache \$TRITON_CACHE_DIR:"
+    find \$TRITON_CACHE_DIR -name '*.json' ! -name '__grp__*' 2>/dev/null | xargs -r -n1 basename | sort | uniq -c
+    echo "inductor's triton folder: \$(find /tmp/torchinductor_* -path '*triton*' -name '*.json' 2>/dev/null | wc -l) kernels"
+  } > $S/triton_\$i.txt
+done
 date -u +%FT%TZ > $S/t_run
 [ \$(( $END - \$(date +%s) )) -gt 120 ] && timeout \$(( $END - \$(date +%s) - 30 )) \
   python3 tests/gpu/run_all.py > $S/gpu_tests.log 2>&1
@@ -198,12 +212,12 @@ poll)
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
   # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* failed run pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* triton_* failed run run2 pack roll mem dg 2>/dev/null) \
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   # the last step verl's trainer logged in each mode so far, and whether the pipeline has ended
-  for f in $S/run/*.log; do
+  for f in $S/run/*.log $S/run2/*.log; do
     [ -f $f ] && echo "$(basename $f .log): last step $(grep -o 'training/global_step:[0-9]*' $f | tail -1 | cut -d: -f2)"
   done
   [ -f $S/t_end ] && echo "pipeline ended $(cat $S/t_end)"
