@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_main_ppo/super_session.sh wait [SECONDS]                         (sleeps until the pipeline ends, then poll)
 #   bash benchmarks/h200_main_ppo/super_session.sh cache                                  (compile caches and the causal_conv1d wheel to $OUT/cache; carry them back as .h200-cache)
 #   bash benchmarks/h200_main_ppo/super_session.sh restore                                (a call carrying .h200-cache alone)
+#   bash benchmarks/h200_main_ppo/super_session.sh prebuild                               (causal_conv1d in the background, after te_parts.py put .te-stage/t01)
 # Pipeline: install (verl stack: .h200/device_install.sh; TE stack: /tmp/te/te_on_h200.sh), super_assets.py
 # (pretraining on this GPU, seeded), then run.py run --stack te for each mode, in that order, one at a time.
 # `bench` instead: super_assets.py --mtp-steps 0 (the drafter trained with the trunk on the policy's own mixture),
@@ -44,6 +45,12 @@ install() {
   if [ -f $S/.installed ]; then echo "installed already on this machine"; return 0; fi
   restore_caches || echo "the carried caches did not extract (status $?): every kernel builds again"
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
+  # a `prebuild` still building causal_conv1d in the background: its wheel, once there, replaces the build below
+  if [ -f /tmp/cc1d.pid ] && [ ! -f /tmp/cc1d.rc ]; then
+    echo "waiting for the causal_conv1d prebuild"
+    while [ ! -f /tmp/cc1d.rc ] && kill -0 $(cat /tmp/cc1d.pid) 2>/dev/null; do sleep 2; done
+  fi
+  [ -f /tmp/cc1d.rc ] && echo "causal_conv1d prebuild: status $(cat /tmp/cc1d.rc); $(tail -2 /tmp/cc1d.log | head -1)"
   # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
   # shared tool's build (~71-80 s), the tool's other steps and its import check as they are
   TE=/tmp/te/te_on_h200.sh
@@ -257,9 +264,22 @@ cache)
   ls -la /tmp/cache.tgz
   mkdir -p "$OUT/cache" && split -b 15M -a 1 /tmp/cache.tgz "$OUT/cache/cache.tgz.part"; ls -la "$OUT/cache"
   ;;
+prebuild)
+  # causal_conv1d built for sm_90 in the background while the other staging calls run (otherwise ~70-80 s of every
+  # lease's install, after the staging): in the call that puts the TE part holding the shared tool's
+  # build_causal_conv1d.sh (te_parts.py put .te-stage/t01 && super_session.sh prebuild); its wheel goes to /tmp/cc1d,
+  # where `install` finds it (and `cache` returns it)
+  [ -f /tmp/te/build_causal_conv1d.sh ] || { echo "no /tmp/te/build_causal_conv1d.sh: put the TE part holding it first"; exit 6; }
+  ls /tmp/cc1d/causal_conv1d-*.whl >/dev/null 2>&1 && { echo "a causal_conv1d wheel is already in /tmp/cc1d"; exit 0; }
+  rm -f /tmp/cc1d.rc; mkdir -p /tmp/cc1d /tmp/cc1d.build
+  setsid nohup bash -c "MAX_JOBS=16 OUT=/tmp/cc1d.build bash /tmp/te/build_causal_conv1d.sh /tmp/cc1d.site \
+    > /tmp/cc1d.log 2>&1 && cp /tmp/cc1d.build/causal_conv1d-*.whl /tmp/cc1d/; echo \$? > /tmp/cc1d.rc" \
+    > /dev/null 2>&1 < /dev/null &
+  echo $! > /tmp/cc1d.pid; echo "causal_conv1d building in the background: pid $!"
+  ;;
 restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
   restore_caches
   ;;
-*) echo "usage: super_session.sh start|bench|derisk|drift|poll|wait|cache|restore"; exit 2 ;;
+*) echo "usage: super_session.sh start|bench|derisk|drift|poll|wait|cache|restore|prebuild"; exit 2 ;;
 esac
