@@ -33,14 +33,50 @@ LOG = """\
 
 def test_milestones_read_vllms_phases_and_verls_first_step_from_the_runs_log():
     got = startup.milestones(LOG.splitlines())
-    assert got == {"vllm_model_loaded_at": 10.0, "vllm_ssd_warmup_at": 12.5, "vllm_compile_profile_s": 61.25,
+    assert got == {"megatron_worker_at": None, "vllm_server_at": 10.0,
+                   "vllm_model_loaded_at": 10.0, "vllm_ssd_warmup_at": 12.5, "vllm_compile_profile_s": 61.25,
                    "vllm_drafter_compile_profile_s": 5.5, "vllm_graphs_s": 19.0, "vllm_init_engine_s": 100.5,
-                   "vllm_ready_at": 110.0, "step1_logged_at": 250.0}
+                   "vllm_ready_at": 110.0, "agent_loops_at": None, "step1_logged_at": 250.0}
     # a run logged at verl's WARN (no vLLM INFO lines), mode off (no drafter): what is missing reads as None
     warn = startup.milestones([LOG.splitlines()[-2]])
     assert warn["step1_logged_at"] == 250.0 and warn["vllm_init_engine_s"] is None
     off = startup.milestones(LOG.splitlines()[:3])
     assert off["vllm_compile_profile_s"] == 61.25 and off["vllm_drafter_compile_profile_s"] is None
+
+
+def test_milestones_time_verls_processes_by_their_first_lines():
+    lines = ["[   5.0s] \x1b[36m(WorkerDict pid=3)\x1b[0m model built",
+             "[   9.0s] \x1b[36m(WorkerDict pid=3)\x1b[0m again",
+             "[  20.0s] \x1b[36m(MTPvLLMHttpServer pid=4)\x1b[0m ['serve',",
+             "[  40.0s] \x1b[36m(AgentLoopWorkerTQ pid=8)\x1b[0m Using dataset class: RLHFDataset",
+             "[  41.0s] \x1b[36m(AgentLoopWorker pid=9)\x1b[0m Using dataset class: RLHFDataset"]
+    got = startup.milestones(lines)
+    assert (got["megatron_worker_at"], got["vllm_server_at"], got["agent_loops_at"]) == (5.0, 20.0, 40.0)
+
+
+def test_a_leases_second_run_is_named_by_the_lease_and_its_folder(tmp_path):
+    first, second = tmp_path / "lease" / "run" / "online.log", tmp_path / "lease" / "run2" / "online.log"
+    assert (startup.run_name(first), startup.run_name(second)) == ("lease", "lease/run2")
+    assert startup.lease_folder(second) == tmp_path / "lease"
+    assert startup.run_name(tmp_path / "x" / "online.log") == "online"
+
+
+def test_the_committed_warm_machine_lease_gives_the_quoted_start_up_figures():
+    # RESULTS.md, "Start-up on a warm machine": the same run twice on one H200 (the tiny checkpoint, the TE stack),
+    # the second with the first one's Triton and vLLM caches in place
+    lease = ROOT / "benchmarks" / "results" / "h200_startup_warm"
+    cold, warm = startup.startup(lease / "run" / "online.log"), startup.startup(lease / "run2" / "online.log")
+    assert (cold["vllm_compile_profile_s"], warm["vllm_compile_profile_s"]) == (84.15, 3.02)
+    assert (cold["vllm_init_engine_s"], warm["vllm_init_engine_s"]) == (139.36, 12.1)
+    assert (cold["vllm_graphs_s"], warm["vllm_graphs_s"]) == (20.0, 5.0)
+    assert (cold["vllm_server_at"], cold["vllm_model_loaded_at"], cold["vllm_ready_at"]) == (163.4, 249.4, 388.7)
+    assert (warm["vllm_server_at"], warm["vllm_model_loaded_at"], warm["vllm_ready_at"]) == (167.6, 212.7, 224.8)
+    assert (cold["megatron_worker_at"], warm["megatron_worker_at"], warm["agent_loops_at"]) == (122.1, 126.3, 261.4)
+    assert cold["step1_logged_at"] is None and warm["step1_logged_at"] is None  # neither reached step 1
+    # the first run's kernels went to Triton's named cache, vLLM's worker's among them, none to inductor's folder
+    kernels = (lease / "triton_1.txt").read_text()
+    assert " _chunk_scan_fwd_kernel.json" in kernels and " fused_moe_kernel.json" in kernels
+    assert "inductor's triton folder: 0 kernels" in kernels
 
 
 def test_the_committed_short_online_lease_gives_the_quoted_start_up_figures():

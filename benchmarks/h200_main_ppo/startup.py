@@ -4,10 +4,11 @@
 started) beside its ``summary.json``, and ``super_session.sh`` keeps the pretraining's ``assets.json`` and
 ``assets.log`` one folder up. From them, per run:
 
+- when verl's Megatron worker and vLLM's server logged their first lines (the processes start one after another);
 - when vLLM loaded the model, the seconds of its compile and profiling run (the first one holds vLLM's "Warming up
   Mamba2 SSD Triton kernels": Triton's autotuning of the SSD kernels), of its CUDA-graph capture, of its whole
   engine start (``init engine ... took``), and when that ended (lines logged at vLLM's INFO level:
-  ``VLLM_LOGGING_LEVEL=INFO``; runs logged at verl's WARN lack them);
+  ``VLLM_LOGGING_LEVEL=INFO``; runs logged at verl's WARN lack them), and when verl's agent-loop workers logged;
 - when verl logged step 1, and step 1's own phases (its first log-prob pass, reference, update: Megatron's first
   kernels run there);
 - the pretraining script's seconds and its first logged step's.
@@ -46,6 +47,10 @@ from proc_cpu import read_jsonl  # noqa: E402
 #: milestone -> (pattern on a log line, what is read: "at" (the line's seconds since the run started) or "value"
 #: (the pattern's first group), which occurrence (0: the first))
 MILESTONES = {
+    # verl's processes, each at its first line: the Megatron worker, vLLM's server (its engine core and worker log
+    # under it), then, once vLLM is up, verl's agent-loop workers (the rollout starts after them)
+    "megatron_worker_at": (r"\(WorkerDict pid=", "at", 0),
+    "vllm_server_at": (r"vLLMHttpServer pid=", "at", 0),
     "vllm_model_loaded_at": (r"Model loading took", "at", 0),
     "vllm_ssd_warmup_at": (r"Warming up Mamba2 SSD Triton kernels", "at", 0),
     "vllm_compile_profile_s": (r"torch\.compile and initial profiling/warmup run together took ([0-9.]+) s", "value", 0),
@@ -54,6 +59,7 @@ MILESTONES = {
     "vllm_graphs_s": (r"Graph capturing finished in ([0-9.]+) secs", "value", 0),
     "vllm_init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s", "value", 0),
     "vllm_ready_at": (r"init engine \(profile, create kv cache, warmup model\) took", "at", 0),
+    "agent_loops_at": (r"\(AgentLoopWorker\w* pid=", "at", 0),
     "step1_logged_at": (r"\bstep:1 - ", "at", 0),
 }
 #: step 1's phases, verl's timing keys
@@ -120,8 +126,17 @@ def pretraining(folder: pathlib.Path) -> dict:
 
 
 def lease_folder(log: pathlib.Path) -> pathlib.Path:
-    """The folder of the lease whose run wrote ``log`` (``<lease>/run/<mode>.log`` as the results keep it)."""
-    return log.parent.parent if log.parent.name == "run" else log.parent
+    """The folder of the lease whose run wrote ``log`` (``<lease>/run/<mode>.log`` as the results keep it; a lease's
+    second run on its warm machine in ``<lease>/run2/``)."""
+    return log.parent.parent if re.fullmatch(r"run\d*", log.parent.name) else log.parent
+
+
+def run_name(log: pathlib.Path) -> str:
+    """A run's column: its lease (``<lease>/run/``), the lease and its run (``<lease>/run2/``), else the log's name."""
+    parent = log.parent.name
+    if parent == "run":
+        return lease_folder(log).name
+    return f"{lease_folder(log).name}/{parent}" if re.fullmatch(r"run\d+", parent) else log.stem
 
 
 def startup(log: pathlib.Path) -> dict:
@@ -243,8 +258,7 @@ def cmd_milestones(a) -> int:
         if not p.is_file():
             raise SystemExit(f"no such log: {path}")
         res[path] = startup(p)
-    names = [lease_folder(pathlib.Path(p)).name if pathlib.Path(p).parent.name == "run" else pathlib.Path(p).stem
-             for p in a.logs]
+    names = [run_name(pathlib.Path(p)) for p in a.logs]
     print("| seconds | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for row in ROWS:
