@@ -269,13 +269,14 @@ prebuild)
   # lease's install, after the staging): in the call that puts the TE part holding the shared tool's
   # build_causal_conv1d.sh (te_parts.py put .te-stage/t01 && super_session.sh prebuild); its wheel goes to /tmp/cc1d,
   # where `install` finds it (and `cache` returns it)
-  [ -f /tmp/te/build_causal_conv1d.sh ] || { echo "no /tmp/te/build_causal_conv1d.sh: put the TE part holding it first"; exit 6; }
-  ls /tmp/cc1d/causal_conv1d-*.whl >/dev/null 2>&1 && { echo "a causal_conv1d wheel is already in /tmp/cc1d"; exit 0; }
-  rm -f /tmp/cc1d.rc; mkdir -p /tmp/cc1d /tmp/cc1d.build
-  setsid nohup bash -c "MAX_JOBS=16 OUT=/tmp/cc1d.build bash /tmp/te/build_causal_conv1d.sh /tmp/cc1d.site \
-    > /tmp/cc1d.log 2>&1 && cp /tmp/cc1d.build/causal_conv1d-*.whl /tmp/cc1d/; echo \$? > /tmp/cc1d.rc" \
-    > /dev/null 2>&1 < /dev/null &
-  echo $! > /tmp/cc1d.pid; echo "causal_conv1d building in the background: pid $!"
+  # (TE_STAGE, CC1D: other folders than /tmp/te and /tmp/cc1d, for tests; `install` reads /tmp/cc1d)
+  T=${TE_STAGE:-/tmp/te}; C=${CC1D:-/tmp/cc1d}
+  [ -f $T/build_causal_conv1d.sh ] || { echo "no $T/build_causal_conv1d.sh: put the TE part holding it first"; exit 6; }
+  ls $C/causal_conv1d-*.whl >/dev/null 2>&1 && { echo "a causal_conv1d wheel is already in $C"; exit 0; }
+  rm -f $C.rc; mkdir -p $C $C.build
+  setsid nohup bash -c "MAX_JOBS=16 OUT=$C.build bash $T/build_causal_conv1d.sh $C.site > $C.log 2>&1 \
+    && cp $C.build/causal_conv1d-*.whl $C/; echo \$? > $C.rc" > /dev/null 2>&1 < /dev/null &
+  echo $! > $C.pid; echo "causal_conv1d building in the background: pid $!"
   ;;
 restore)
   ls .h200-cache/cache.tgz.part* >/dev/null 2>&1 || { echo "no .h200-cache/cache.tgz.part* in this call's tree"; exit 6; }
