@@ -36,7 +36,8 @@ def test_milestones_read_vllms_phases_and_verls_first_step_from_the_runs_log():
     assert got == {"megatron_worker_at": None, "vllm_server_at": 10.0,
                    "vllm_model_loaded_at": 10.0, "vllm_ssd_warmup_at": 12.5, "vllm_compile_profile_s": 61.25,
                    "vllm_drafter_compile_profile_s": 5.5, "vllm_graphs_s": 19.0, "vllm_init_engine_s": 100.5,
-                   "vllm_ready_at": 110.0, "agent_loops_at": None, "step1_logged_at": 250.0}
+                   "vllm_ready_at": 110.0, "agent_loops_at": None, "first_rollout_done_at": None,
+                   "step1_logged_at": 250.0}
     # a run logged at verl's WARN (no vLLM INFO lines), mode off (no drafter): what is missing reads as None
     warn = startup.milestones([LOG.splitlines()[-2]])
     assert warn["step1_logged_at"] == 250.0 and warn["vllm_init_engine_s"] is None
@@ -49,9 +50,14 @@ def test_milestones_time_verls_processes_by_their_first_lines():
              "[   9.0s] \x1b[36m(WorkerDict pid=3)\x1b[0m again",
              "[  20.0s] \x1b[36m(MTPvLLMHttpServer pid=4)\x1b[0m ['serve',",
              "[  40.0s] \x1b[36m(AgentLoopWorkerTQ pid=8)\x1b[0m Using dataset class: RLHFDataset",
-             "[  41.0s] \x1b[36m(AgentLoopWorker pid=9)\x1b[0m Using dataset class: RLHFDataset"]
+             "[  41.0s] \x1b[36m(AgentLoopWorker pid=9)\x1b[0m Using dataset class: RLHFDataset",
+             "[  30.0s] (MTPvLLMHttpServer pid=4) INFO [async_llm.py:983] Engines are idle, requests have been drained",
+             "[  50.0s] (MTPvLLMHttpServer pid=4) INFO [async_llm.py:983] Engines are idle, requests have been drained",
+             "[  60.0s] (MTPvLLMHttpServer pid=4) INFO [async_llm.py:983] Engines are idle, requests have been drained"]
     got = startup.milestones(lines)
     assert (got["megatron_worker_at"], got["vllm_server_at"], got["agent_loops_at"]) == (5.0, 20.0, 40.0)
+    # the first drain is vLLM's sleep after its start-up, the second the first rollout's end
+    assert got["first_rollout_done_at"] == 50.0
 
 
 def test_a_leases_second_run_is_named_by_the_lease_and_its_folder(tmp_path):
@@ -72,7 +78,9 @@ def test_the_committed_warm_machine_lease_gives_the_quoted_start_up_figures():
     assert (cold["vllm_server_at"], cold["vllm_model_loaded_at"], cold["vllm_ready_at"]) == (163.4, 249.4, 388.7)
     assert (warm["vllm_server_at"], warm["vllm_model_loaded_at"], warm["vllm_ready_at"]) == (167.6, 212.7, 224.8)
     assert (cold["megatron_worker_at"], warm["megatron_worker_at"], warm["agent_loops_at"]) == (122.1, 126.3, 261.4)
-    assert cold["step1_logged_at"] is None and warm["step1_logged_at"] is None  # neither reached step 1
+    # run 2 finished its first rollout; neither logged step 1
+    assert (cold["first_rollout_done_at"], warm["first_rollout_done_at"]) == (None, 273.5)
+    assert cold["step1_logged_at"] is None and warm["step1_logged_at"] is None
     # the first run's kernels went to Triton's named cache, vLLM's worker's among them, none to inductor's folder
     kernels = (lease / "triton_1.txt").read_text()
     assert " _chunk_scan_fwd_kernel.json" in kernels and " fused_moe_kernel.json" in kernels
@@ -86,6 +94,7 @@ def test_the_committed_short_online_lease_gives_the_quoted_start_up_figures():
     old = startup.startup(MODES / "online_nolp" / "run" / "online.log")
     assert (new["vllm_compile_profile_s"], old["vllm_compile_profile_s"]) == (62.6, 76.74)
     assert (new["vllm_init_engine_s"], new["vllm_ready_at"], new["step1_logged_at"]) == (105.91, 284.3, 398.3)
+    assert new["first_rollout_done_at"] == 316.5
     assert (round(new["step1_log_prob_s"], 1), round(old["step1_log_prob_s"], 1)) == (13.8, 53.3)
     assert (round(new["step1_update_s"], 1), round(old["step1_update_s"], 1)) == (63.0, 80.5)
     assert (new["pretraining_s"], new["pretraining_step1_s"], old["pretraining_step1_s"]) == (195.3, 57.2, 92.4)

@@ -8,7 +8,8 @@ started) beside its ``summary.json``, and ``super_session.sh`` keeps the pretrai
 - when vLLM loaded the model, the seconds of its compile and profiling run (the first one holds vLLM's "Warming up
   Mamba2 SSD Triton kernels": Triton's autotuning of the SSD kernels), of its CUDA-graph capture, of its whole
   engine start (``init engine ... took``), and when that ended (lines logged at vLLM's INFO level:
-  ``VLLM_LOGGING_LEVEL=INFO``; runs logged at verl's WARN lack them), and when verl's agent-loop workers logged;
+  ``VLLM_LOGGING_LEVEL=INFO``; runs logged at verl's WARN lack them), when verl's agent-loop workers logged, and
+  when vLLM went to sleep after the first rollout;
 - when verl logged step 1, and step 1's own phases (its first log-prob pass, reference, update: Megatron's first
   kernels run there);
 - the pretraining script's seconds and its first logged step's.
@@ -60,6 +61,8 @@ MILESTONES = {
     "vllm_init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s", "value", 0),
     "vllm_ready_at": (r"init engine \(profile, create kv cache, warmup model\) took", "at", 0),
     "agent_loops_at": (r"\(AgentLoopWorker\w* pid=", "at", 0),
+    # vLLM drained and put to sleep: first after its start-up, then after each rollout
+    "first_rollout_done_at": (r"Engines are idle, requests have been drained", "at", 1),
     "step1_logged_at": (r"\bstep:1 - ", "at", 0),
 }
 #: step 1's phases, verl's timing keys

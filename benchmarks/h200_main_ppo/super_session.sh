@@ -46,9 +46,12 @@ install() {
   restore_caches || echo "the carried caches did not extract (status $?): every kernel builds again"
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   # a `prebuild` still building causal_conv1d in the background: its wheel, once there, replaces the build below
+  # (at most 300 s: a build still running then is stopped and the build below runs instead)
   if [ -f /tmp/cc1d.pid ] && [ ! -f /tmp/cc1d.rc ]; then
     echo "waiting for the causal_conv1d prebuild"
-    while [ ! -f /tmp/cc1d.rc ] && kill -0 $(cat /tmp/cc1d.pid) 2>/dev/null; do sleep 2; done
+    for _ in $(seq 150); do { [ -f /tmp/cc1d.rc ] || ! kill -0 $(cat /tmp/cc1d.pid) 2>/dev/null; } && break; sleep 2; done
+    [ -f /tmp/cc1d.rc ] || { kill -- -$(cat /tmp/cc1d.pid) 2>/dev/null; rm -f /tmp/cc1d/causal_conv1d-*.whl
+      echo "causal_conv1d prebuild stopped after 300 s"; }
   fi
   [ -f /tmp/cc1d.rc ] && echo "causal_conv1d prebuild: status $(cat /tmp/cc1d.rc); $(tail -2 /tmp/cc1d.log | head -1)"
   # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
@@ -135,10 +138,11 @@ derisk)
   # the tiny checkpoint of .h200/assets in verl's trainer with the TE stack (mode online, the plugin's rollout server,
   # its trainer estimates beside vLLM's rate), then the GPU tests: a short lease's check of the code the Super-widths
   # leases run. LEASE_LEFT: the lease's seconds left (default 900); extra arguments go to run.py run. RUNS=2: the
-  # same run again on the warm machine (into run2/: what a run's start-up costs with this machine's compile caches,
-  # the second run on a node), each run leaving 300 s for each one after it and TAIL seconds (default 330: the GPU
-  # tests) after the last; triton_<i>.txt: the kernels in Triton's cache after run i (and whether inductor's folder
-  # got any: run.py names TRITON_CACHE_DIR so that it gets none)
+  # same run again on the warm machine (into run2/, with its own verl work folder: what a run's start-up costs with
+  # this machine's compile caches, the second run on a node), each run leaving 300 s for each one after it and TAIL
+  # seconds (default 330: the GPU tests) after the last, and stopping 75 s before the lease's end whatever TAIL
+  # (run.py --end; `wait` polls 45 s before it); triton_<i>.txt: the kernels in Triton's cache after run i (and
+  # whether inductor's folder got any: run.py names TRITON_CACHE_DIR so that it gets none)
   END=$(( $(date +%s) + ${LEASE_LEFT:-900} ))
   install
   shift 1
@@ -148,12 +152,14 @@ cd $PWD
 date -u +%FT%TZ > $S/t_start
 rm -rf /tmp/h2assets && cp -r .h200/assets /tmp/h2assets
 for i in \$(seq 1 ${RUNS:-1}); do
-  R=$S/run\$([ \$i -gt 1 ] && echo \$i)
+  R=$S/run\$([ \$i -gt 1 ] && echo \$i); W=/tmp/h200_main_ppo\$([ \$i -gt 1 ] && echo /run\$i)
   B=\$(( $END - \$(date +%s) - ${TAIL:-330} - 300 * (${RUNS:-1} - i) ))
   [ \$B -gt 200 ] || break
+  rm -f \$R/*.log
   bash benchmarks/h200_main_ppo/spy_warmup.sh \$R $S/spy_warmup\$([ \$i -gt 1 ] && echo \$i).txt & SP=\$!
-  python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out \$R \
-    --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 $* > $S/driver\$([ \$i -gt 1 ] && echo \$i).log 2>&1
+  python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out \$R --workdir \$W \
+    --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 --end $END $* \
+    > $S/driver\$([ \$i -gt 1 ] && echo \$i).log 2>&1
   pkill -P \$SP 2>/dev/null; kill \$SP 2>/dev/null
   { date -u +%FT%TZ; echo "triton cache \$TRITON_CACHE_DIR:"
     find \$TRITON_CACHE_DIR -name '*.json' ! -name '__grp__*' 2>/dev/null | xargs -r -n1 basename | sort | uniq -c
@@ -214,7 +220,9 @@ wait)
 poll)
   # one archive (the device returns at most 8 files): the pipeline's logs, verl's per-step metrics and the plugin's
   # sync events of every mode so far, so a lease that ends mid-run still brings back every finished step
-  mkdir -p $S/pack && for d in /tmp/h200_main_ppo/*/; do m=$(basename $d)
+  # (derisk's later runs: /tmp/h200_main_ppo/run<i>/<mode>/, packed as run<i>_<mode>_*)
+  mkdir -p $S/pack && for d in /tmp/h200_main_ppo/*/ /tmp/h200_main_ppo/run*/*/; do m=${d#/tmp/h200_main_ppo/}
+    m=${m%/}; m=${m//\//_}
     for f in metrics events; do [ -f $d$f.jsonl ] && cp $d$f.jsonl $S/pack/${m}_$f.jsonl; done; done
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
@@ -273,9 +281,12 @@ prebuild)
   T=${TE_STAGE:-/tmp/te}; C=${CC1D:-/tmp/cc1d}
   [ -f $T/build_causal_conv1d.sh ] || { echo "no $T/build_causal_conv1d.sh: put the TE part holding it first"; exit 6; }
   ls $C/causal_conv1d-*.whl >/dev/null 2>&1 && { echo "a causal_conv1d wheel is already in $C"; exit 0; }
+  [ -f $C.pid ] && [ ! -f $C.rc ] && kill -0 $(cat $C.pid) 2>/dev/null && { echo "causal_conv1d is building already"; exit 0; }
+  # the build sees the image's packages only (the start call's install fills /tmp/site meanwhile); its status is
+  # written whole (install and the tests read it once the file is there)
   rm -f $C.rc; mkdir -p $C $C.build
-  setsid nohup bash -c "MAX_JOBS=16 OUT=$C.build bash $T/build_causal_conv1d.sh $C.site > $C.log 2>&1 \
-    && cp $C.build/causal_conv1d-*.whl $C/; echo \$? > $C.rc" > /dev/null 2>&1 < /dev/null &
+  setsid nohup env PYTHONPATH= bash -c "MAX_JOBS=16 OUT=$C.build bash $T/build_causal_conv1d.sh $C.site > $C.log 2>&1 \
+    && cp $C.build/causal_conv1d-*.whl $C/; echo \$? > $C.rc.tmp && mv $C.rc.tmp $C.rc" > /dev/null 2>&1 < /dev/null &
   echo $! > $C.pid; echo "causal_conv1d building in the background: pid $!"
   ;;
 restore)
