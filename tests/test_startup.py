@@ -58,6 +58,11 @@ def test_milestones_time_verls_processes_by_their_first_lines():
     assert (got["megatron_worker_at"], got["vllm_server_at"], got["agent_loops_at"]) == (5.0, 20.0, 40.0)
     # the first drain is vLLM's sleep after its start-up, the second the first rollout's end
     assert got["first_rollout_done_at"] == 50.0
+    # two rollout replicas: the other server's start-up drain is not the first rollout's end
+    other = lines[5].replace("pid=4", "pid=5").replace("30.0s", "31.0s")
+    two = [*lines[:6], other, *lines[6:]]
+    assert two[5:8] == [lines[5], other, lines[6]]
+    assert startup.milestones(two)["first_rollout_done_at"] == 50.0
 
 
 def test_a_leases_second_run_is_named_by_the_lease_and_its_folder(tmp_path):

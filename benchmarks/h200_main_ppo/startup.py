@@ -76,19 +76,24 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: vLLM's worker process as its lines are prefixed: ``Worker``, or ``Worker_TP1_EP1`` and the like with parallelism
 #: (not verl's ``WorkerDict``)
 _WORKER = re.compile(r"\(Worker(?:_[A-Za-z0-9_]+)? pid=(\d+)\)")
+#: vLLM's server process (verl's ``vLLMHttpServer`` actor, one per rollout replica): a line it logs outside a worker
+#: is counted in it
+_SERVER = re.compile(r"vLLMHttpServer pid=(\d+)\)")
 
 
 def milestones(lines) -> dict:
     """The log's milestones (:data:`MILESTONES`); ``None`` where the log has no such line. A milestone's occurrences
-    are counted in the process that logged its first one (vLLM's ``Worker pid=``): with vLLM's tensor parallelism each
-    worker logs its own compile line, and the drafter's is its first worker's second."""
+    are counted in the process that logged its first one (vLLM's ``Worker pid=``, else its server's): with vLLM's
+    tensor parallelism each worker logs its own compile line, and the drafter's is its first worker's second; with
+    several rollout replicas each server drains once after its start-up, and the first rollout's end is the first
+    server's second drain (a run that validates before training would drain once more before it)."""
     seen: dict[str, list[tuple[float, str | None]]] = {name: [] for name in MILESTONES}
     compiled = {name: re.compile(pattern) for name, (pattern, _, _) in MILESTONES.items()}
     for raw in lines:
         line = _ANSI.sub("", raw)
         at = _AT.match(line)
-        worker = _WORKER.search(line)
-        pid = worker.group(1) if worker else None
+        proc = _WORKER.search(line) or _SERVER.search(line)
+        pid = proc.group(1) if proc else None
         for name, (_, what, _) in MILESTONES.items():
             m = compiled[name].search(line)
             if m is None:

@@ -46,12 +46,17 @@ install() {
   restore_caches || echo "the carried caches did not extract (status $?): every kernel builds again"
   bash .h200/device_install.sh > $S/install.log 2>&1 || { cat $S/install.log; exit 3; }
   # a `prebuild` still building causal_conv1d in the background: its wheel, once there, replaces the build below
-  # (at most 300 s: a build still running then is stopped and the build below runs instead)
-  if [ -f /tmp/cc1d.pid ] && [ ! -f /tmp/cc1d.rc ]; then
+  # (at most 300 s: a build still running then is stopped and the build below runs instead; none when a carried
+  # wheel is there already)
+  if [ -f /tmp/cc1d.pid ] && [ ! -f /tmp/cc1d.rc ] && ! ls /tmp/cc1d/causal_conv1d-*.whl >/dev/null 2>&1; then
     echo "waiting for the causal_conv1d prebuild"
     for _ in $(seq 150); do { [ -f /tmp/cc1d.rc ] || ! kill -0 $(cat /tmp/cc1d.pid) 2>/dev/null; } && break; sleep 2; done
-    [ -f /tmp/cc1d.rc ] || { kill -- -$(cat /tmp/cc1d.pid) 2>/dev/null; rm -f /tmp/cc1d/causal_conv1d-*.whl
-      echo "causal_conv1d prebuild stopped after 300 s"; }
+    if [ ! -f /tmp/cc1d.rc ]; then
+      if kill -0 $(cat /tmp/cc1d.pid) 2>/dev/null; then
+        kill -- -$(cat /tmp/cc1d.pid) 2>/dev/null; echo "causal_conv1d prebuild stopped after 300 s"
+      else echo "causal_conv1d prebuild ended without a status"; fi
+      rm -f /tmp/cc1d/causal_conv1d-*.whl
+    fi
   fi
   [ -f /tmp/cc1d.rc ] && echo "causal_conv1d prebuild: status $(cat /tmp/cc1d.rc); $(tail -2 /tmp/cc1d.log | head -1)"
   # causal_conv1d built for sm_90 by an earlier lease (`cache` returns it in /tmp/cc1d): installed instead of the
