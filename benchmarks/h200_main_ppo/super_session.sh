@@ -157,14 +157,14 @@ cd $PWD
 date -u +%FT%TZ > $S/t_start
 rm -rf /tmp/h2assets && cp -r .h200/assets /tmp/h2assets
 for i in \$(seq 1 ${RUNS:-1}); do
-  R=$S/run\$([ \$i -gt 1 ] && echo \$i); W=/tmp/h200_main_ppo\$([ \$i -gt 1 ] && echo /run\$i)
+  N=\$([ \$i -gt 1 ] && echo \$i); R=$S/run\$N; W=/tmp/h200_main_ppo\${N:+/run\$N}
   B=\$(( $END - \$(date +%s) - ${TAIL:-330} - 300 * (${RUNS:-1} - i) ))
   [ \$B -gt 200 ] || break
   rm -f \$R/*.log
-  bash benchmarks/h200_main_ppo/spy_warmup.sh \$R $S/spy_warmup\$([ \$i -gt 1 ] && echo \$i).txt & SP=\$!
+  bash benchmarks/h200_main_ppo/spy_warmup.sh \$R $S/spy_warmup\$N.txt & SP=\$!
   python3 benchmarks/h200_main_ppo/run.py run --stack te --assets /tmp/h2assets --out \$R --workdir \$W \
     --modes online --budget \$B --run-timeout \$(( B - 10 )) --silence-s 300 --end $END $* \
-    > $S/driver\$([ \$i -gt 1 ] && echo \$i).log 2>&1
+    > $S/driver\$N.log 2>&1
   pkill -P \$SP 2>/dev/null; kill \$SP 2>/dev/null
   { date -u +%FT%TZ; echo "triton cache \$TRITON_CACHE_DIR:"
     find \$TRITON_CACHE_DIR -name '*.json' ! -name '__grp__*' 2>/dev/null | xargs -r -n1 basename | sort | uniq -c
@@ -232,12 +232,12 @@ poll)
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
   # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* triton_* failed run run2 pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* triton_* failed run* pack roll mem dg 2>/dev/null) \
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
   # the last step verl's trainer logged in each mode so far, and whether the pipeline has ended
-  for f in $S/run/*.log $S/run2/*.log; do
+  for f in $S/run*/*.log; do
     [ -f $f ] && echo "$(basename $f .log): last step $(grep -o 'training/global_step:[0-9]*' $f | tail -1 | cut -d: -f2)"
   done
   [ -f $S/t_end ] && echo "pipeline ended $(cat $S/t_end)"
