@@ -30,6 +30,7 @@ from verl_mtp_plugin.acceptance.estimate import (
     DRAFTED_EXPECTED_KEY,
     DRAFTED_POSITIONS_KEY,
     DRAFTED_SUMS,
+    combine_estimates,
     draft_schedule,
     pool_drafted,
     response_runs,
@@ -851,3 +852,57 @@ def test_drafted_estimate_on_a_packed_row_of_unequal_responses(megatron_env):
     assert alone[DRAFTED_EXPECTED_KEY] == pytest.approx(est[DRAFTED_EXPECTED_KEY], abs=1e-12)
     assert not any(n in alone for pair in DRAFTED_SUMS.values() for n in pair)
     assert pool_drafted({DRAFTED_EXPECTED_KEY: 0.4}) == {DRAFTED_EXPECTED_KEY: 0.4}  # no sums: left as it is
+
+
+def test_micro_batches_combined_are_the_whole_batchs_estimate(megatron_env):
+    """The engine probes every micro-batch of a pass and combines them (:func:`combine_estimates`): two
+    micro-batches of two responses each give the drafted rates and positions of the four responses probed at once
+    (accepted first drafts over verify steps of all of them, not the mean of the two rates) and, where every position
+    is probed, the means over positions of the whole batch."""
+    model, batch, mask = _two_depths(7, batch=4, seed=9)
+    halves = [{k: (v[rows] if k != "attention_mask" else v) for k, v in batch.items()} for rows in (slice(0, 2),
+                                                                                                    slice(2, 4))]
+    probe_all = dict(max_positions=1000, max_drafted_positions=10**6)
+    with AcceptanceProbe(model) as probe:
+        with torch.no_grad():
+            whole = probe.estimate(_forward(model, batch), mask, **probe_all)
+            parts = []
+            for half in halves:
+                parts.append(probe.estimate(_forward(model, half), half["response_mask"], **probe_all))
+    got = combine_estimates([parts[0], {}, parts[1]])  # a micro-batch without an estimate adds nothing
+    for key in (DRAFTED_EXPECTED_KEY, DRAFTED_ARGMAX_KEY, EXPECTED_KEY, GREEDY_KEY, ARGMAX_DRAFT_KEY,
+                "mtp_expected_accept_rate_depth2", "mtp_expected_accept_length_k2"):
+        assert got[key] == pytest.approx(whole[key], abs=1e-5), key
+    assert got[DRAFTED_POSITIONS_KEY] == whole[DRAFTED_POSITIONS_KEY] == 4 * (SEQ - PROMPT - 1)
+    assert got[POSITIONS_KEY] == whole[POSITIONS_KEY]
+    for pair in DRAFTED_SUMS.values():
+        assert [got[n] for n in pair] == pytest.approx([whole[n] for n in pair], abs=1e-4)
+    # the halves differ, so the pooled rate is not the mean of theirs unless their verify steps are equal
+    rates = [p[DRAFTED_EXPECTED_KEY] for p in parts]
+    assert abs(rates[0] - rates[1]) > 1e-3
+    assert pool_drafted(got)[DRAFTED_EXPECTED_KEY] == pytest.approx(whole[DRAFTED_EXPECTED_KEY], abs=1e-5)
+
+
+def test_combine_estimates_pools_sums_and_weights_means_by_positions():
+    hits, steps = DRAFTED_SUMS[DRAFTED_EXPECTED_KEY]
+    a = {EXPECTED_KEY: 0.8, POSITIONS_KEY: 100.0, hits: 9.0, steps: 10.0, DRAFTED_EXPECTED_KEY: 0.9,
+         DRAFTED_POSITIONS_KEY: 30.0, "mtp_expected_accept_length_k1": 1.8}
+    b = {EXPECTED_KEY: 0.2, POSITIONS_KEY: 300.0, hits: 10.0, steps: 40.0, DRAFTED_EXPECTED_KEY: 0.25,
+         DRAFTED_POSITIONS_KEY: 50.0, "mtp_expected_accept_length_k1": 1.2}
+    got = combine_estimates([a, b])
+    assert got[EXPECTED_KEY] == pytest.approx(0.35)  # (0.8 x 100 + 0.2 x 300) / 400
+    assert got[POSITIONS_KEY] == 400.0 and got[DRAFTED_POSITIONS_KEY] == 80.0
+    assert (got[hits], got[steps], got[DRAFTED_EXPECTED_KEY]) == (19.0, 50.0, pytest.approx(0.38))  # not 0.575
+    for k in (1, 2, 3):  # from the combined rate, not averaged
+        assert got[f"mtp_expected_accept_length_k{k}"] == pytest.approx(expected_accept_length(0.35, k))
+    assert DRAFTED_ARGMAX_KEY not in got  # no part had it
+    assert combine_estimates([]) == combine_estimates([{}, {}]) == {}
+    assert combine_estimates([{}, a]) == a and combine_estimates([a]) is not a
+
+
+def test_drafted_budget_shares_the_pass_among_its_micro_batches():
+    from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, drafted_budget
+
+    assert drafted_budget(1) == drafted_budget(None) == drafted_budget(0) == DRAFTED_POSITIONS == 16384
+    assert drafted_budget(12) == 1365 and drafted_budget(3, total=10) == 3
+    assert drafted_budget(10**6) == 1  # at least one whole response per micro-batch

@@ -240,6 +240,31 @@ def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overr
         validate_verl_config(_config("grpo_online", tmp_path, *overrides, *extra, "trainer.default_hdfs_dir=hdfs://x"))
 
 
+def test_start_up_check_refuses_a_critic_resume_without_its_optimizer(tmp_path):
+    """PPO resumed with the critic's weights but not its optimizer: verl's engine would put the critic back at its
+    base weights on the first update (the actor's engine refreshes them, verl's value-model engine does not), so the
+    start-up check refuses it naming the critic's key; verl's default (optimizer loaded) passes, and so does a
+    checkpoint without a critic folder (a GRPO run's, whose critic starts afresh) or resume_mode=disable."""
+    from verl_mtp_plugin.policy import MTPConfigError
+    from verl_mtp_plugin.trainer.config import validate_verl_config
+
+    model_only = "critic.checkpoint.load_contents=[model,extra]"
+    _checkpoint(tmp_path, 2, "online")
+    assert validate_verl_config(_config("ppo_online", tmp_path, model_only)).mode.value == "online"  # no critic/
+    (tmp_path / "global_step_2" / "critic").mkdir()
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(_config("ppo_online", tmp_path, model_only))
+    assert "critic.checkpoint.load_contents=[model,extra] loads the critic's weights" in str(e.value)
+    assert "keep optimizer in critic.checkpoint.load_contents" in str(e.value)
+    assert "actor_rollout_ref" not in str(e.value)  # the actor's resume is fine: one error, the critic's
+    assert validate_verl_config(_config("ppo_online", tmp_path)).mode.value == "online"  # verl's default contents
+    validate_verl_config(_config("ppo_online", tmp_path, model_only, "trainer.resume_mode=disable"))
+    # the actor's and the critic's problems are named together
+    with pytest.raises(MTPConfigError) as e:
+        validate_verl_config(_config("ppo_frozen", tmp_path, model_only))
+    assert "saved in MTP mode online" in str(e.value) and "critic.checkpoint.load_contents" in str(e.value)
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (["trainer.resume_mode=latest"], "trainer.resume_mode='latest': allowed values are auto, disable, resume_path"),
     (["trainer.resume_mode=null"], "trainer.resume_mode=None: allowed values are auto, disable, resume_path"),

@@ -374,9 +374,15 @@ def test_pre_wrap_hook_validates_each_chunk_for_its_mode(megatron_env):
 
 
 def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
-    megatron_env, registered, hf_dir, ppo_loss_fn
+    megatron_env, registered, hf_dir, ppo_loss_fn, monkeypatch
 ):
     from verl.utils.py_functional import rename_dict
+
+    import verl_mtp_plugin.engine.megatron as engine_mod
+
+    budgets = []  # each micro-batch's share of the pass's drafted-estimate budget, from verl's num_micro_batch
+    share = engine_mod.drafted_budget
+    monkeypatch.setattr(engine_mod, "drafted_budget", lambda n: budgets.append(n) or share(n))
 
     ddp = tiny_ddp(detach=True)
     calls = mtp_calls(ddp)
@@ -391,6 +397,7 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
     handle = ddp.module.register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append((kwargs.get("labels"), kwargs.get("loss_mask"))), with_kwargs=True
     )
+    budgets.clear()
     output, before, phase = run_pass(online, ppo_loss_fn, forward_only=False)
     handle.remove()
     assert phase is Phase.TRAIN and len(calls) == 2  # two micro-batches, MTP ran in each
@@ -417,7 +424,13 @@ def test_online_update_trains_mtp_on_response_tokens_isolated_from_the_trunk(
         "mtp_losses/mtp_1_loss", "mtp_accuracy/mtp_1_top1", "mtp_objective/mtp_1_hard_ce", *ACCEPTANCE_METRICS
     }
     assert metrics["mtp_objective/mtp_1_hard_ce"] == metrics["mtp_losses/mtp_1_loss"]  # megatron's own loss
-    # the in-trainer acceptance estimate (first micro-batch), logged as actor/mtp_expected_accept_rate
+    # the in-trainer acceptance estimate, logged as actor/mtp_expected_accept_rate; every micro-batch probed: the
+    # drafted form's positions are the drafting positions of both micro-batches' responses
+    from verl_mtp_plugin.acceptance.estimate import acceptance_positions, response_runs
+
+    drafting = [sum(n for *_, n in response_runs(acceptance_positions(mask, 1))) for _, mask in seen]
+    assert len(drafting) == 2 and min(drafting) > 0 and budgets == [2, 2]
+    assert metrics["mtp_drafted_num_positions"] == [float(sum(drafting))]
     rate = metrics["mtp_expected_accept_rate"][0]
     assert 0.0 <= rate <= 1.0 and 0.0 <= metrics["mtp_greedy_accept_rate"][0] <= 1.0
     assert metrics["mtp_expected_accept_length_k3"][0] == pytest.approx(1 + rate + rate**2 + rate**3)
@@ -466,7 +479,7 @@ def test_online_objective_trains_mtp_isolated_and_logs_its_value(megatron_env, r
     value = obj_m[f"mtp_objective/mtp_1_{objective}"][0]
     assert "mtp_objective/mtp_1_hard_ce" not in obj_m
     assert 0.0 < value < (1.0 if objective == "tv" else 10.0)
-    if objective == "tv":  # 1 - the overlap; the estimate is the overlap on the first micro-batch only
+    if objective == "tv":  # 1 - the overlap; the estimate is the overlap on at most 128 positions per micro-batch
         assert abs((1.0 - value) - obj_m["mtp_expected_accept_rate"][0]) < 0.25
 
 

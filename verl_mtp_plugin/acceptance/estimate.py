@@ -30,6 +30,7 @@ __all__ = [
     "argmax_draft_acceptance",
     "check_temperature",
     "chunk_rows",
+    "combine_estimates",
     "draft_schedule",
     "DRAFTED_ARGMAX_KEY",
     "DRAFTED_EXPECTED_KEY",
@@ -123,6 +124,45 @@ def group_size(group) -> int:
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     torch.distributed.all_reduce(t, op=op, group=group)
     return t
+
+
+def combine_estimates(parts) -> dict:
+    """One rank's estimate of a pass from its micro-batches' (each :meth:`AcceptanceProbe.estimate`'s dict; ``{}``
+    where a micro-batch had nothing to estimate): the drafted sums and positions added (so the drafted rates are
+    accepted first drafts over verify steps of every probed response, as vLLM's rate pools its rollout's), the means
+    over positions weighted by each micro-batch's :data:`POSITIONS_KEY` (the per-depth rates too) and the expected
+    accept lengths taken from the combined rate. :func:`pool_drafted` then pools the drafted sums over the
+    data-parallel ranks.
+
+    Args:
+        parts: the micro-batches' estimates, in any order.
+
+    Returns:
+        dict: the combined estimate with the sums of :data:`DRAFTED_SUMS` (``{}`` when no part has any).
+    """
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    if len(parts) == 1:
+        return dict(parts[0])
+    sum_names = {n for pair in DRAFTED_SUMS.values() for n in pair} | {DRAFTED_POSITIONS_KEY, POSITIONS_KEY}
+    lengths = {ACCEPT_LENGTH_KEY.format(k=k) for k in ACCEPT_LENGTH_KS}
+    out: dict = {}
+    for name in sum_names:
+        if any(name in p for p in parts):
+            out[name] = float(sum(float(p.get(name, 0.0)) for p in parts))
+    for key, (accepted, steps) in DRAFTED_SUMS.items():
+        if out.get(steps, 0.0) > 0:
+            out[key] = out[accepted] / out[steps]
+    means = {k for p in parts for k in p} - sum_names - lengths - set(DRAFTED_SUMS)
+    for key in sorted(means):
+        pairs = [(float(p[key]), float(p.get(POSITIONS_KEY, 0.0))) for p in parts if key in p]
+        weight = sum(w for _, w in pairs)
+        out[key] = sum(v * w for v, w in pairs) / weight if weight > 0 else sum(v for v, _ in pairs) / len(pairs)
+    if EXPECTED_KEY in out:
+        for k in ACCEPT_LENGTH_KS:
+            out[ACCEPT_LENGTH_KEY.format(k=k)] = expected_accept_length(out[EXPECTED_KEY], k)
+    return out
 
 
 def pool_drafted(acc: dict, group=None) -> dict:

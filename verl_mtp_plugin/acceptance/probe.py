@@ -37,17 +37,24 @@ from verl_mtp_plugin.acceptance.estimate import (
 from verl_mtp_plugin.control import model_has_mtp, unwrap_model
 from verl_mtp_plugin.policy import MTPConfigError
 
-__all__ = ["AcceptanceProbe"]
+__all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "drafted_budget"]
 
-#: The drafted estimate's default budget: drafting positions of whole responses per forward. The engine probes the
-#: first micro-batch of a pass; at the recipes' ``ppo_max_token_len_per_gpu`` (18,432 tokens) this is most or all of
-#: its responses (responses differ, so an estimate from fewer varies with which). Cost: per depth, this many rows of
-#: MTP and of main logits (at Super's widths ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per depth, not
-#: measured on a GPU) and the schedule's loop over the longest response on the host
+#: The drafted estimate's budget: drafting positions of whole responses per forward, and the engine's per pass,
+#: shared among the pass's micro-batches (:func:`drafted_budget`: each probes that share of its responses, evenly
+#: spaced, so the estimate covers the whole batch, not the responses of one micro-batch). Cost: per depth, this many
+#: rows of MTP and of main logits per pass (at Super's widths ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per
+#: depth, not measured on a GPU) and the schedule's loop over each micro-batch's longest probed response on the host
 DRAFTED_POSITIONS = 16384
 #: Rows (positions) whose main and MTP logits are computed at once
 DRAFTED_CHUNK = 256
 
+
+
+def drafted_budget(num_micro_batches, total: int = DRAFTED_POSITIONS) -> int:
+    """Each micro-batch's share of a pass's drafted-estimate budget: ``total // num_micro_batches``, at least 1
+    (a micro-batch then probes at least one whole response). ``num_micro_batches`` below 1 or None counts as 1."""
+    n = 1 if num_micro_batches is None else max(1, int(num_micro_batches))
+    return max(1, int(total) // n)
 
 class AcceptanceProbe:
     """Estimate MTP acceptance from a training forward of a megatron ``HybridModel`` (or ``GPTModel``).
@@ -70,7 +77,7 @@ class AcceptanceProbe:
     :meth:`release`, the next forward or :meth:`close`. On a pipeline stage without the MTP block,
     :meth:`estimate` returns ``{}``.
 
-    Parallelism: data and expert parallelism need nothing (each rank estimates its own micro-batch;
+    Parallelism: data and expert parallelism need nothing (each rank estimates its own micro-batches;
     average across DP like other metrics). Tensor parallelism: vocabulary-sharded logits (the
     forward's default) or gathered ones; softmaxes, argmaxes and sums are reduced over the TP group,
     so every TP rank returns the same numbers (tested with TP=2 on gloo). Sequence parallelism: the

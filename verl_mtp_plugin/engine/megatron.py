@@ -63,7 +63,8 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import BaseEngine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-from verl_mtp_plugin.acceptance.estimate import pool_drafted
+from verl_mtp_plugin.acceptance.estimate import combine_estimates, pool_drafted
+from verl_mtp_plugin.acceptance.probe import drafted_budget
 from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
@@ -187,16 +188,18 @@ def _bshd_attention_mask(seq_len: int, device) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temperature: float,
-                 draft_k: int | None = None):
+                 draft_k: int | None = None, drafted_positions: int | None = None):
     """Around one forward: capture the MTP block's output and write the acceptance estimate to ``sink``."""
     if sink is None or token_mask is None:
         yield
         return
     from verl_mtp_plugin.acceptance import AcceptanceProbe
 
+    budget = drafted_budget(1) if drafted_positions is None else drafted_positions
     with AcceptanceProbe(model, temperature=temperature) as probe:
         yield
-        sink.update(probe.estimate(None, token_mask, max_positions=128, draft_k=draft_k))
+        sink.update(probe.estimate(None, token_mask, max_positions=128, draft_k=draft_k,
+                                   max_drafted_positions=budget))
 
 
 def hybrid_forward_micro_batch(
@@ -214,6 +217,7 @@ def hybrid_forward_micro_batch(
     acceptance_temperature: float = 1.0,
     acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
+    acceptance_drafted_positions: int | None = None,
 ):
     """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
 
@@ -236,13 +240,15 @@ def hybrid_forward_micro_batch(
         forced_max_seqlen (int | None): verl's BSHD padding target.
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
             (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`: the mean over at most 128 response positions,
-            and the drafted form over whole responses of up to 16,384 positions, under no_grad) of this
-            micro-batch is written into it.
+            and the drafted form over whole responses of about ``acceptance_drafted_positions`` positions, under
+            no_grad) of this micro-batch is written into it.
         acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
             ``chained_tv`` objective) assumes.
         acceptance_draft_k (int | None): vLLM's drafts per verify step, the drafted estimate's ``k``; None: the
             model's MTP depths.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
+        acceptance_drafted_positions (int | None): the drafted estimate's budget in this micro-batch (whole
+            responses, evenly spaced); None: the probe's default (16,384).
 
     Returns:
         dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
@@ -280,7 +286,7 @@ def hybrid_forward_micro_batch(
             kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
         with (
             _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
-                         acceptance_draft_k),
+                         acceptance_draft_k, acceptance_drafted_positions),
             mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                                 loss_mask=kwargs.get("loss_mask"), packed_seq_params=psp),
         ):
@@ -315,7 +321,7 @@ def hybrid_forward_micro_batch(
         kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
     with (
         _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
-                     acceptance_draft_k),
+                     acceptance_draft_k, acceptance_drafted_positions),
         mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                             loss_mask=kwargs.get("loss_mask")),
     ):
@@ -359,6 +365,7 @@ def forward_micro_batch(
     acceptance_temperature: float = 1.0,
     acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
+    acceptance_drafted_positions: int | None = None,
 ):
     """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
 
@@ -369,7 +376,8 @@ def forward_micro_batch(
         phase: ``train``, ``logprob`` or ``ref``.
         mode: ``off``, ``frozen``, ``online`` or ``joint``.
         logits_processor, logits_processor_args, data_format, pad_to_length_bucket, acceptance,
-            acceptance_temperature, acceptance_draft_k, objective: see :func:`hybrid_forward_micro_batch`.
+            acceptance_temperature, acceptance_draft_k, objective, acceptance_drafted_positions: see
+            :func:`hybrid_forward_micro_batch`.
 
     Returns:
         what :func:`hybrid_forward_micro_batch` returns.
@@ -389,6 +397,7 @@ def forward_micro_batch(
         acceptance_temperature=acceptance_temperature,
         acceptance_draft_k=acceptance_draft_k,
         objective=objective,
+        acceptance_drafted_positions=acceptance_drafted_positions,
     )
 
 
@@ -570,8 +579,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             reset_mtp_metrics()
             reset_objective_metrics()
         self._mtp_phase = phase
-        # the in-trainer acceptance estimate: first micro-batch of a pass that runs MTP (cost budget)
-        self._mtp_acceptance = {} if runs else None
+        # the in-trainer acceptance estimate of a pass that runs MTP: one dict per micro-batch, combined after it
+        self._mtp_acceptance = [] if runs else None
         try:
             yield phase
         finally:
@@ -603,7 +612,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
                 objective, int(n_micro), group=mpu.get_data_parallel_group(with_context_parallel=True)))
         # the drafted estimate over the data-parallel ranks' responses, as vLLM's rate pools its rollout's (verl then
         # averages equal values); every rank of the stage calls, as above
-        acc = pool_drafted(getattr(self, "_mtp_acceptance", None) or {},
+        acc = pool_drafted(combine_estimates(getattr(self, "_mtp_acceptance", None) or ()),
                            group=mpu.get_data_parallel_group(with_context_parallel=True))
         metrics.update({k: v for k, v in acc.items() if k in ACCEPTANCE_METRICS})
         if metrics and self.is_mp_src_rank_with_outputs() and isinstance(output, dict):
@@ -656,9 +665,13 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         return output
 
     def _next_acceptance_sink(self) -> dict | None:
-        """The dict the next micro-batch writes its acceptance estimate to (only the first one)."""
-        sink = getattr(self, "_mtp_acceptance", None)
-        return sink if sink is not None and not sink else None
+        """The dict the next micro-batch writes its acceptance estimate to (None in a pass without MTP): every
+        micro-batch of the pass gets its own, :func:`combine_estimates` joins them after the pass."""
+        sinks = getattr(self, "_mtp_acceptance", None)
+        if sinks is None:
+            return None
+        sinks.append({})
+        return sinks[-1]
 
     # ---- one micro-batch -----------------------------------------------------------------------------
     def forward_step(
@@ -720,6 +733,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             acceptance_temperature=_first_float(batch["temperature"]),
             acceptance_draft_k=self.mtp_settings.draft_k,
             objective=self.mtp_settings.objective,
+            acceptance_drafted_positions=drafted_budget(tu.get_non_tensor_data(batch, key="num_micro_batch",
+                                                                               default=1)),
         )
         return output, partial(postprocess_micro_batch_func, data=batch)
 

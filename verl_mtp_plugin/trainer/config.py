@@ -23,7 +23,8 @@ verl keys read (verl 0.9.1 names):
 * ``critic.{enable,strategy,model.path,model.mtp.enable}``, ``algorithm.adv_estimator`` (verl's
   ``need_critic``) and ``critic.megatron.{vanilla_mbridge,virtual_pipeline_model_parallel_size,
   override_transformer_config.mtp_hybrid_override_pattern}``: a Megatron critic on a Nemotron-H
-  checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`)
+  checkpoint with MTP layers must clear the Bridge's MTP pattern (see :func:`_critic_errors`);
+  ``critic.checkpoint.load_contents`` on a resume (:func:`_critic_resume_errors`)
 * ``trainer.use_v1``, ``trainer.v1.trainer_mode`` (the plugin's trainers ``mtp_sync``,
   ``mtp_colocate_async``, ``mtp_separate_async`` need the v1 trainer) and the plugin's own block
   ``verl_mtp_plugin.mtp_guard.*`` (:class:`~verl_mtp_plugin.rollout.monitor.desync_guard.MTPGuardConfig`)
@@ -131,18 +132,48 @@ def _resume_errors(config: Any, mode: MTPMode) -> list[str]:
     if folder is None:
         return []
     actor = os.path.join(folder, "actor")
-    contents = get_key(config, f"{_ACTOR}.checkpoint.load_contents")
-    if contents is None:
-        from verl.trainer.config import CheckpointConfig
-
-        contents = CheckpointConfig().load_contents  # verl's default
-    load_model, load_optimizer = cr.load_flags_from_contents(as_list(contents))
+    load_model, load_optimizer = cr.load_flags_from_contents(_load_contents(config, _ACTOR))
+    errors = []
     try:
         cr.check_resume(saved_mode=cr.read_checkpoint_mode(actor), mode=mode.value, load_model=load_model,
                         load_optimizer=load_optimizer, where=actor)
     except cr.ResumeRefused as e:
-        return [str(e)]
-    return []
+        errors.append(str(e))
+    return errors + _critic_resume_errors(config, os.path.join(folder, "critic"))
+
+
+def _load_contents(config: Any, role: str) -> list[str]:
+    """``<role>.checkpoint.load_contents`` as a list (verl's default where unset)."""
+    contents = get_key(config, f"{role}.checkpoint.load_contents")
+    if contents is None:
+        from verl.trainer.config import CheckpointConfig
+
+        contents = CheckpointConfig().load_contents  # verl's default
+    return as_list(contents)
+
+
+def _critic_resume_errors(config: Any, critic: str) -> list[str]:
+    """A Megatron critic resumed from ``critic`` with its weights but not its optimizer: verl's engine (the plugin's
+    refresh of the fp32 master weights is the actor's, whose engine it owns) would lose the resume at the first
+    update, without a word."""
+    if not _critic_in_use(config) or str(get_key(config, f"{_CRITIC}.strategy", "") or "") != BACKEND:
+        return []
+    if not os.path.isdir(critic):
+        return []
+    from verl_mtp_plugin.compat import checkpoint_resume as cr
+
+    contents = _load_contents(config, _CRITIC)
+    load_model, load_optimizer = cr.load_flags_from_contents(contents)
+    if not load_model or load_optimizer:
+        return []
+    key = f"{_CRITIC}.checkpoint.load_contents"
+    return [
+        f"{key}=[{','.join(contents)}] loads the critic's weights from {critic} without its optimizer: verl 0.9.1's "
+        "Megatron engine leaves the optimizer's fp32 master weights at the values they were built from, and the "
+        "critic's first update copies them back over the loaded weights (the resumed critic is lost without a word; "
+        "the plugin refreshes them for the actor only). The critic has no MTP part, so its optimizer loads in every "
+        f"MTP mode: keep optimizer in {key} (e.g. [model,optimizer,extra])"
+    ]
 
 
 def _load_hf_config(path: Any, trust_remote_code: bool):
