@@ -113,6 +113,8 @@ INTEGRATION_TESTS = {
     "test_h200_run_overrides.py": {"test_a_checkpoint_cut_by_the_time_cap_is_marked_and_compare_warns"},
     "test_gpu_run_all.py": "*",  # imports in a Python process as a GPU image has them
     "test_harness_loop.py": "*",  # shell commands in place of verl's trainer
+    "test_import_profile.py": {"test_run_times_each_statement_in_fresh_processes_per_round_and_report_reads_them",
+                               "test_a_statement_that_fails_or_hangs_is_recorded_and_the_next_one_runs"},
     "test_layers.py": "*",  # collects the suite in a pytest process
     "test_layout.py": {"test_core_module_imports_neither_verl_nor_vllm", "test_each_edge_sub_package_imports_alone"},
     "test_objective.py": {"test_tensor_parallel_two_ranks_equal_one"},

@@ -124,8 +124,12 @@ start)
 set -x
 cd $PWD
 date -u +%FT%TZ > $S/t_start
+# what each of verl's processes pays to import its libraries on this host (import_profile.py), while the GPU
+# pretrains; stopped before main_ppo starts, so it takes nothing from the run's start-up
+python3 benchmarks/h200_main_ppo/import_profile.py run $S/imports > $S/imports.log 2>&1 & IP=\$!
 [ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
 date -u +%FT%TZ > $S/t_assets
+pkill -P \$IP 2>/dev/null; kill \$IP 2>/dev/null
 # every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
 python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
 # py-spy's samples of vLLM's worker through its profiling run (the Mamba2 SSD warm-up), when py-spy is carried; an
@@ -232,7 +236,8 @@ poll)
   [ -d /tmp/dg ] && mkdir -p $S/dg && cp /tmp/dg/pretrain.json $S/dg/ 2>/dev/null && for d in /tmp/dg/seed*/; do
     [ -f ${d}done.json ] && cp ${d}done.json $S/dg/$(basename $d)_done.json; done
   # tar stops without finishing the archive on a -C into a missing folder (the drift lease has no /tmp/super)
-  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* triton_* failed run* pack roll mem dg 2>/dev/null) \
+  tar czf "$OUT/sess.tgz" -C $S $(cd $S && ls -d *.log *.jsonl spy_* t_* triton_* failed run* pack roll mem dg imports \
+    2>/dev/null) \
     $([ -f /tmp/super/assets.json ] && echo -C /tmp/super assets.json) 2>/dev/null
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   ls $S; tail -5 $S/assets.log 2>/dev/null; echo ---; tail -25 $S/driver.log $S/rollout.log 2>/dev/null
