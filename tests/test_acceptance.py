@@ -897,12 +897,50 @@ def test_combine_estimates_pools_sums_and_weights_means_by_positions():
         assert got[f"mtp_expected_accept_length_k{k}"] == pytest.approx(expected_accept_length(0.35, k))
     assert DRAFTED_ARGMAX_KEY not in got  # no part had it
     assert combine_estimates([]) == combine_estimates([{}, {}]) == {}
-    assert combine_estimates([{}, a]) == a and combine_estimates([a]) is not a
+    alone = combine_estimates([{}, a])
+    assert {k: alone[k] for k in a} == pytest.approx(a) and combine_estimates([a]) is not a
+    # weighted by the positions each micro-batch counted before its subsample, where the probe says them
+    from verl_mtp_plugin.acceptance.estimate import ELIGIBLE_KEY
+
+    got = combine_estimates([{**a, ELIGIBLE_KEY: 900.0}, {**b, ELIGIBLE_KEY: 100.0}])
+    assert got[EXPECTED_KEY] == pytest.approx(0.74) and got[ELIGIBLE_KEY] == 1000.0  # (0.8 x 900 + 0.2 x 100) / 1000
+    # a drafted rate without its sums is weighted like a mean, with one part or several
+    bare = [{EXPECTED_KEY: 0.5, POSITIONS_KEY: 10.0, DRAFTED_ARGMAX_KEY: 0.6},
+            {EXPECTED_KEY: 0.5, POSITIONS_KEY: 30.0, DRAFTED_ARGMAX_KEY: 0.2}]
+    assert combine_estimates(bare)[DRAFTED_ARGMAX_KEY] == pytest.approx(0.3)
+    assert combine_estimates(bare[:1])[DRAFTED_ARGMAX_KEY] == pytest.approx(0.6)
+
+
+def _probe_pass(budget, micro_batches):
+    """Run a pass's micro-batches ``[(responses, tokens per response)]`` through :class:`DraftedBudget` with the
+    probe's rule for whole responses (``_drafted``: about the share, evenly spaced, at least one when the share is
+    above 0); return the positions each micro-batch probed."""
+    used = []
+    for responses, length in micro_batches:
+        tokens = responses * length
+        share = budget.take(tokens, responses)
+        keep = 0 if share == 0 else min(responses, max(1, responses * share // tokens))
+        used.append(keep * length)
+        budget.spent(used[-1])
+    return used
 
 
 def test_drafted_budget_shares_the_pass_among_its_micro_batches():
-    from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, drafted_budget
+    from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, DraftedBudget
 
-    assert drafted_budget(1) == drafted_budget(None) == drafted_budget(0) == DRAFTED_POSITIONS == 16384
-    assert drafted_budget(12) == 1365 and drafted_budget(3, total=10) == 3
-    assert drafted_budget(10**6) == 1  # at least one whole response per micro-batch
+    assert DRAFTED_POSITIONS == 16384
+    # a pass within the budget: every response of every micro-batch
+    assert _probe_pass(DraftedBudget(12 * 400), [(4, 400)] * 3) == [1600] * 3
+    # 12 micro-batches of 8 responses of 400 tokens (38,400 tokens): about the budget, from every micro-batch
+    used = _probe_pass(DraftedBudget(96 * 400), [(8, 400)] * 12)
+    assert all(u > 0 for u in used) and abs(sum(used) - 16384) <= 400
+    # 8 micro-batches of 2 responses of 8,192 tokens: the shares accrue until they cover a response, so the pass
+    # probes two responses (16,384 positions), not one per micro-batch (65,536)
+    used = _probe_pass(DraftedBudget(16 * 8192), [(2, 8192)] * 8)
+    assert sum(used) == 16384 and used.count(8192) == 2 and used[3] == used[7] == 8192
+    # uneven micro-batches: within one response of the budget
+    used = _probe_pass(DraftedBudget(20000, budget=5000), [(10, 100), (1, 3000), (40, 200), (5, 1000)])
+    assert abs(sum(used) - 5000) <= 3000 and used[0] > 0 and used[2] > 0
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="budget"):
+            DraftedBudget(100, budget=bad)

@@ -243,8 +243,9 @@ def test_start_up_check_refuses_an_optimizer_resume_across_modes(tmp_path, overr
 def test_start_up_check_refuses_a_critic_resume_without_its_optimizer(tmp_path):
     """PPO resumed with the critic's weights but not its optimizer: verl's engine would put the critic back at its
     base weights on the first update (the actor's engine refreshes them, verl's value-model engine does not), so the
-    start-up check refuses it naming the critic's key; verl's default (optimizer loaded) passes, and so does a
-    checkpoint without a critic folder (a GRPO run's, whose critic starts afresh) or resume_mode=disable."""
+    start-up check refuses it naming the critic's key; verl's default (optimizer loaded) passes, and so do a
+    checkpoint without a critic folder (one saved without a critic: the critic starts afresh), a fresh critic
+    ([extra]) and resume_mode=disable."""
     from verl_mtp_plugin.policy import MTPConfigError
     from verl_mtp_plugin.trainer.config import validate_verl_config
 
@@ -257,7 +258,9 @@ def test_start_up_check_refuses_a_critic_resume_without_its_optimizer(tmp_path):
     assert "critic.checkpoint.load_contents=[model,extra] loads the critic's weights" in str(e.value)
     assert "keep optimizer in critic.checkpoint.load_contents" in str(e.value)
     assert "actor_rollout_ref" not in str(e.value)  # the actor's resume is fine: one error, the critic's
+    assert "critic.checkpoint.load_contents=[extra] starts a fresh one" in str(e.value)
     assert validate_verl_config(_config("ppo_online", tmp_path)).mode.value == "online"  # verl's default contents
+    validate_verl_config(_config("ppo_online", tmp_path, "critic.checkpoint.load_contents=[extra]"))
     validate_verl_config(_config("ppo_online", tmp_path, model_only, "trainer.resume_mode=disable"))
     # the actor's and the critic's problems are named together
     with pytest.raises(MTPConfigError) as e:

@@ -62,9 +62,11 @@ def test_the_mode_lease_profiles_imports_while_the_checkpoint_pretrains_and_stop
     script = (REPO / "benchmarks" / "h200_main_ppo" / "super_session.sh").read_text()
     start = script[script.index("\nstart)"):]
     start = start[:start.index("\n  ;;")]
-    order = [start.index(s) for s in ("t_start", "import_profile.py run $S/imports", "super_assets.py", "t_assets",
-                                      "pkill -P \\$IP", "run.py run")]
+    order = [start.index(s) for s in ("t_start", "rm -rf $S/imports", "setsid python3 benchmarks/h200_main_ppo/"
+                                      "import_profile.py run $S/imports", "super_assets.py", "t_assets")]
+    order += [start.rindex("kill -- -\\$IP"), start.index("run.py run")]
     assert order == sorted(order)
+    assert start.count("kill -- -\\$IP") == 2  # also when the pretraining fails
     poll = script[script.index("\npoll)"):]
     tar = poll[poll.index("tar czf"):poll.index("assets.json", poll.index("tar czf"))]
     assert " imports" in tar  # the poll's archive brings the profile back

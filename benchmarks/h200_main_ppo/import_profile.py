@@ -3,9 +3,10 @@
 verl starts its processes one after another at start-up (the driver, its task runner, the actor workers, vLLM's
 server, the agent loops); each imports torch and verl first, and on the GPU leases each took ~24-29 s from its start
 to its first line (RESULTS, "Start-up on a warm machine"). ``run`` times ``python -X importtime`` of what they
-import, one fresh process per statement, in two rounds (the first may read the files from disk, the second finds
-them in the page cache, as verl's later processes do). ``super_session.sh start`` runs it in the background while
-the checkpoint pretrains (the GPU busy, the host's cores mostly idle) and stops it before ``main_ppo`` starts.
+import, one fresh process per statement, in two rounds (their spread; the pretraining has read most of the files
+by then, as verl's processes find them). ``super_session.sh start`` runs it in the background while the checkpoint
+pretrains (the GPU busy, one of the host's cores busy with the pretraining's loop) and stops it before ``main_ppo``
+starts: the figures are a host's with one busy core, not an idle one's.
 
     python benchmarks/h200_main_ppo/import_profile.py run OUT [--rounds 2] [--timeout 300]
 
@@ -65,9 +66,10 @@ def environment() -> dict:
 
 def run(out: pathlib.Path, statements: dict[str, str], rounds: int, timeout: float, python: str) -> list[dict]:
     """Each statement in a fresh ``python -X importtime -c`` process, ``rounds`` times over the list; the process's
-    stderr kept as ``<name>_<round>.importtime``, one row per process appended to ``walls.jsonl`` (so a profile
-    stopped midway keeps what ran)."""
+    stderr kept as ``<name>_<round>.importtime``, one row per process written to ``walls.jsonl`` as it ends (so a
+    profile stopped midway keeps what ran; a new profile starts the file afresh)."""
     out.mkdir(parents=True, exist_ok=True)
+    (out / "walls.jsonl").write_text("")  # this profile's rows only
     env, rows = environment(), []
     for rnd in range(1, rounds + 1):
         for name, stmt in statements.items():

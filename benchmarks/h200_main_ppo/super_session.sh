@@ -126,10 +126,12 @@ cd $PWD
 date -u +%FT%TZ > $S/t_start
 # what each of verl's processes pays to import its libraries on this host (import_profile.py), while the GPU
 # pretrains; stopped before main_ppo starts, so it takes nothing from the run's start-up
-python3 benchmarks/h200_main_ppo/import_profile.py run $S/imports > $S/imports.log 2>&1 & IP=\$!
-[ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || exit 5
+# (a process group of its own: stopping it stops the import it is timing too; a warm machine's earlier one removed)
+rm -rf $S/imports
+setsid python3 benchmarks/h200_main_ppo/import_profile.py run $S/imports > $S/imports.log 2>&1 & IP=\$!
+[ -f /tmp/super/assets.json ] || python3 benchmarks/h200_main_ppo/super_assets.py /tmp/super ${SUPER_ASSETS_ARGS:-} > $S/assets.log 2>&1 || { kill -- -\$IP 2>/dev/null; exit 5; }
 date -u +%FT%TZ > $S/t_assets
-pkill -P \$IP 2>/dev/null; kill \$IP 2>/dev/null
+kill -- -\$IP 2>/dev/null
 # every process's CPU use through the run (which process holds the rollout: proc_cpu.py summary)
 python3 benchmarks/h200_main_ppo/proc_cpu.py sample $S/proc_cpu.jsonl --interval 0.5 & PC=\$!
 # py-spy's samples of vLLM's worker through its profiling run (the Mamba2 SSD warm-up), when py-spy is carried; an

@@ -22,6 +22,7 @@ __all__ = [
     "CHUNK_BYTES",
     "DEPTH_EXPECTED_KEY",
     "DEPTH_GREEDY_KEY",
+    "ELIGIBLE_KEY",
     "EXPECTED_KEY",
     "GREEDY_KEY",
     "POSITIONS_KEY",
@@ -59,6 +60,9 @@ ARGMAX_DRAFT_KEY = "mtp_argmax_draft_accept_rate"
 ACCEPT_LENGTH_KEY = "mtp_expected_accept_length_k{k}"
 #: Number of positions the estimate used (after subsampling).
 POSITIONS_KEY = "mtp_accept_num_positions"
+#: Number of positions that counted before subsampling (not logged): what :func:`combine_estimates` weighs a
+#: micro-batch's means by.
+ELIGIBLE_KEY = "_accept_eligible_positions"
 #: Per-depth rates for models with more than one MTP depth (``d >= 2``).
 DEPTH_EXPECTED_KEY = "mtp_expected_accept_rate_depth{d}"
 DEPTH_GREEDY_KEY = "mtp_greedy_accept_rate_depth{d}"
@@ -130,8 +134,9 @@ def combine_estimates(parts) -> dict:
     """One rank's estimate of a pass from its micro-batches' (each :meth:`AcceptanceProbe.estimate`'s dict; ``{}``
     where a micro-batch had nothing to estimate): the drafted sums and positions added (so the drafted rates are
     accepted first drafts over verify steps of every probed response, as vLLM's rate pools its rollout's), the means
-    over positions weighted by each micro-batch's :data:`POSITIONS_KEY` (the per-depth rates too) and the expected
-    accept lengths taken from the combined rate. :func:`pool_drafted` then pools the drafted sums over the
+    over positions weighted by each micro-batch's counted positions (:data:`ELIGIBLE_KEY`, else the positions it
+    used), the per-depth rates too, and the expected accept lengths taken from the combined rate. A drafted rate
+    that comes without its sums is weighted like a mean. :func:`pool_drafted` then pools the drafted sums over the
     data-parallel ranks.
 
     Args:
@@ -143,22 +148,27 @@ def combine_estimates(parts) -> dict:
     parts = [p for p in parts if p]
     if not parts:
         return {}
-    if len(parts) == 1:
-        return dict(parts[0])
-    sum_names = {n for pair in DRAFTED_SUMS.values() for n in pair} | {DRAFTED_POSITIONS_KEY, POSITIONS_KEY}
+    sum_names = {n for pair in DRAFTED_SUMS.values() for n in pair} | {DRAFTED_POSITIONS_KEY, POSITIONS_KEY,
+                                                                        ELIGIBLE_KEY}
     lengths = {ACCEPT_LENGTH_KEY.format(k=k) for k in ACCEPT_LENGTH_KS}
     out: dict = {}
     for name in sum_names:
         if any(name in p for p in parts):
             out[name] = float(sum(float(p.get(name, 0.0)) for p in parts))
+    pooled = set()
     for key, (accepted, steps) in DRAFTED_SUMS.items():
         if out.get(steps, 0.0) > 0:
             out[key] = out[accepted] / out[steps]
-    means = {k for p in parts for k in p} - sum_names - lengths - set(DRAFTED_SUMS)
+            pooled.add(key)
+    means = {k for p in parts for k in p} - sum_names - lengths - pooled
+
+    def weight(p: dict) -> float:
+        return float(p.get(ELIGIBLE_KEY, p.get(POSITIONS_KEY, 0.0)))
+
     for key in sorted(means):
-        pairs = [(float(p[key]), float(p.get(POSITIONS_KEY, 0.0))) for p in parts if key in p]
-        weight = sum(w for _, w in pairs)
-        out[key] = sum(v * w for v, w in pairs) / weight if weight > 0 else sum(v for v, _ in pairs) / len(pairs)
+        pairs = [(float(p[key]), weight(p)) for p in parts if key in p]
+        total = sum(w for _, w in pairs)
+        out[key] = sum(v * w for v, w in pairs) / total if total > 0 else sum(v for v, _ in pairs) / len(pairs)
     if EXPECTED_KEY in out:
         for k in ACCEPT_LENGTH_KS:
             out[ACCEPT_LENGTH_KEY.format(k=k)] = expected_accept_length(out[EXPECTED_KEY], k)

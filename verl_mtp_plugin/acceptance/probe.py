@@ -20,6 +20,7 @@ from verl_mtp_plugin.acceptance.estimate import (
     DRAFTED_EXPECTED_KEY,
     DRAFTED_POSITIONS_KEY,
     DRAFTED_SUMS,
+    ELIGIBLE_KEY,
     EXPECTED_KEY,
     GREEDY_KEY,
     POSITIONS_KEY,
@@ -37,24 +38,51 @@ from verl_mtp_plugin.acceptance.estimate import (
 from verl_mtp_plugin.control import model_has_mtp, unwrap_model
 from verl_mtp_plugin.policy import MTPConfigError
 
-__all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "drafted_budget"]
+__all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "DraftedBudget"]
 
 #: The drafted estimate's budget: drafting positions of whole responses per forward, and the engine's per pass,
-#: shared among the pass's micro-batches (:func:`drafted_budget`: each probes that share of its responses, evenly
-#: spaced, so the estimate covers the whole batch, not the responses of one micro-batch). Cost: per depth, this many
-#: rows of MTP and of main logits per pass (at Super's widths ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per
-#: depth, not measured on a GPU) and the schedule's loop over each micro-batch's longest probed response on the host
+#: shared among the pass's micro-batches by their response tokens (:class:`DraftedBudget`), so the probed responses
+#: spread over the whole batch, not the responses of one micro-batch. Cost: per depth, about this many rows of MTP and
+#: of main logits per pass (at Super's widths ~2 x 16,384 x 4,096 x 131,072 x 2 FLOP = 35 TFLOP per depth, not
+#: measured on a GPU) and the schedule's loop over each probed micro-batch's longest probed response on the host
 DRAFTED_POSITIONS = 16384
 #: Rows (positions) whose main and MTP logits are computed at once
 DRAFTED_CHUNK = 256
 
 
+class DraftedBudget:
+    """The drafted estimate's budget of one pass, shared among its micro-batches in proportion to their response
+    tokens: every micro-batch adds ``budget / pass tokens`` of its tokens to a credit, and probes whole responses
+    (evenly spaced) for about the credit once it covers one of its average responses, which the positions it used
+    then pay off. So a pass probes about ``budget`` drafting positions (at most about one response more) spread
+    over all its micro-batches, and every response when the pass has no more tokens than the budget.
 
-def drafted_budget(num_micro_batches, total: int = DRAFTED_POSITIONS) -> int:
-    """Each micro-batch's share of a pass's drafted-estimate budget: ``total // num_micro_batches``, at least 1
-    (a micro-batch then probes at least one whole response). ``num_micro_batches`` below 1 or None counts as 1."""
-    n = 1 if num_micro_batches is None else max(1, int(num_micro_batches))
-    return max(1, int(total) // n)
+    Args:
+        pass_tokens (float): the pass's response tokens on this rank (verl's ``loss_mask``).
+        budget (int): drafting positions per pass (default :data:`DRAFTED_POSITIONS`).
+    """
+
+    def __init__(self, pass_tokens: float, budget: int = DRAFTED_POSITIONS):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be an int >= 1, got {budget!r}")
+        self.budget = budget
+        total = max(float(pass_tokens), 0.0)
+        self.fraction = 1.0 if total <= budget else budget / total
+        self.credit = 0.0
+
+    def take(self, tokens: float, sequences: int) -> int:
+        """Before a micro-batch's forward: the drafting positions it may probe (``max_drafted_positions`` of
+        :meth:`AcceptanceProbe.estimate`; 0: none) for its ``tokens`` response tokens in ``sequences`` sequences."""
+        if self.fraction >= 1.0:
+            return self.budget  # the whole pass fits: every response of every micro-batch
+        self.credit += self.fraction * max(float(tokens), 0.0)
+        average = max(float(tokens), 0.0) / max(int(sequences), 1)
+        return int(self.credit) if self.credit >= max(average, 1.0) else 0
+
+    def spent(self, positions: float) -> None:
+        """After that forward: the drafting positions it used (the estimate's ``mtp_drafted_num_positions``)."""
+        if self.fraction < 1.0:
+            self.credit -= float(positions)
 
 class AcceptanceProbe:
     """Estimate MTP acceptance from a training forward of a megatron ``HybridModel`` (or ``GPTModel``).
@@ -344,7 +372,8 @@ class AcceptanceProbe:
 
         Returns:
             dict[str, float]: :data:`EXPECTED_KEY`, :data:`GREEDY_KEY`, :data:`ARGMAX_DRAFT_KEY`,
-            ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY`, per-depth rates for
+            ``mtp_expected_accept_length_k{1,2,3}``, :data:`POSITIONS_KEY` (and the positions that counted before
+            the subsample, :data:`~verl_mtp_plugin.acceptance.estimate.ELIGIBLE_KEY`: not a metric), per-depth rates for
             depths ``>= 2``, and the first-draft rates over the positions vLLM drafts at
             (:data:`DRAFTED_EXPECTED_KEY`, :data:`DRAFTED_ARGMAX_KEY`, :data:`DRAFTED_POSITIONS_KEY`) with their
             sums (:data:`~verl_mtp_plugin.acceptance.estimate.DRAFTED_SUMS`: not metrics, what
@@ -392,6 +421,7 @@ class AcceptanceProbe:
                         for k in ACCEPT_LENGTH_KS:
                             out[ACCEPT_LENGTH_KEY.format(k=k)] = expected_accept_length(alpha, k)
                         out[POSITIONS_KEY] = float(bi.numel())
+                        out[ELIGIBLE_KEY] = float(valid.sum())
                     else:
                         out[DEPTH_EXPECTED_KEY.format(d=d)] = alpha
                         out[DEPTH_GREEDY_KEY.format(d=d)] = greedy

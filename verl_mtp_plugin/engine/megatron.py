@@ -64,7 +64,8 @@ from verl.workers.engine.base import BaseEngine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
 from verl_mtp_plugin.acceptance.estimate import combine_estimates, pool_drafted
-from verl_mtp_plugin.acceptance.probe import drafted_budget
+from verl_mtp_plugin.acceptance.estimate import DRAFTED_POSITIONS_KEY
+from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, DraftedBudget
 from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
@@ -92,6 +93,14 @@ ACCEPTANCE_METRICS = (
     "mtp_drafted_argmax_draft_accept_rate",
     "mtp_drafted_num_positions",
 )
+
+
+def _response_tokens(data) -> float:
+    """Response tokens of a verl batch or micro-batch (its ``loss_mask``, nested or padded); 0 without one."""
+    mask = data.get("loss_mask", None) if data is not None else None
+    if mask is None:
+        return 0.0
+    return float((mask.values() if mask.is_nested else mask).sum())
 
 
 def _first_float(value) -> float:
@@ -195,7 +204,7 @@ def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temp
         return
     from verl_mtp_plugin.acceptance import AcceptanceProbe
 
-    budget = drafted_budget(1) if drafted_positions is None else drafted_positions
+    budget = DRAFTED_POSITIONS if drafted_positions is None else drafted_positions
     with AcceptanceProbe(model, temperature=temperature) as probe:
         yield
         sink.update(probe.estimate(None, token_mask, max_positions=128, draft_k=draft_k,
@@ -248,7 +257,7 @@ def hybrid_forward_micro_batch(
             model's MTP depths.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
         acceptance_drafted_positions (int | None): the drafted estimate's budget in this micro-batch (whole
-            responses, evenly spaced); None: the probe's default (16,384).
+            responses, evenly spaced; 0: no drafted estimate); None: the probe's default (16,384).
 
     Returns:
         dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
@@ -564,9 +573,10 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
 
     # ---- one pass ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def mtp_pass(self, forward_only: bool):
+    def mtp_pass(self, forward_only: bool, data: TensorDict | None = None):
         """Scope of one ``forward_backward_batch``: sets the phase ``forward_step`` reads and starts the
-        MTP tracker clean when this phase runs MTP.
+        MTP tracker clean when this phase runs MTP; with ``data`` (the pass's batch on this rank), the acceptance
+        estimate's budget is shared among its micro-batches by their response tokens (:class:`DraftedBudget`).
 
         Yields:
             Phase: the phase of this pass.
@@ -581,6 +591,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         self._mtp_phase = phase
         # the in-trainer acceptance estimate of a pass that runs MTP: one dict per micro-batch, combined after it
         self._mtp_acceptance = [] if runs else None
+        self._mtp_budget = DraftedBudget(_response_tokens(data)) if runs and data is not None else None
         try:
             yield phase
         finally:
@@ -659,19 +670,26 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         return outputs
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False) -> Any:
-        with self.mtp_pass(forward_only) as phase:
+        with self.mtp_pass(forward_only, data) as phase:
             output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             self.add_mtp_metrics(output, data, phase)
         return output
 
-    def _next_acceptance_sink(self) -> dict | None:
-        """The dict the next micro-batch writes its acceptance estimate to (None in a pass without MTP): every
-        micro-batch of the pass gets its own, :func:`combine_estimates` joins them after the pass."""
+    def _next_acceptance_sink(self, batch: TensorDict) -> tuple[dict | None, int | None]:
+        """The dict the next micro-batch writes its acceptance estimate to (None in a pass without MTP) and its share
+        of the pass's drafted budget: every micro-batch of the pass gets its own dict, :func:`combine_estimates`
+        joins them after the pass. The micro-batch before pays its share with the positions it used."""
         sinks = getattr(self, "_mtp_acceptance", None)
         if sinks is None:
-            return None
+            return None, None
+        budget = getattr(self, "_mtp_budget", None)
+        if budget is None:  # a pass entered without its batch: every micro-batch at the whole budget
+            sinks.append({})
+            return sinks[-1], None
+        if sinks:
+            budget.spent(sinks[-1].get(DRAFTED_POSITIONS_KEY, 0.0))
         sinks.append({})
-        return sinks[-1]
+        return sinks[-1], budget.take(_response_tokens(batch), int(batch["input_ids"].shape[0]))
 
     # ---- one micro-batch -----------------------------------------------------------------------------
     def forward_step(
@@ -700,6 +718,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
                 raise MTPConfigError("multi-modal inputs are not supported by model_type=nemotron_h_mtp")
 
         input_ids = batch["input_ids"]
+        sink, share = self._next_acceptance_sink(batch)
         temperature = batch["temperature"]
         if not isinstance(temperature, torch.Tensor):
             temperature = torch.tensor([temperature] * input_ids.shape[0], device=input_ids.device)
@@ -729,12 +748,11 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             logits_processor_args={"label": input_ids.clone(), "temperature": temperature},
             data_format=data_format,
             pad_to_length_bucket=pad_to_length_bucket,
-            acceptance=self._next_acceptance_sink(),
+            acceptance=sink,
             acceptance_temperature=_first_float(batch["temperature"]),
             acceptance_draft_k=self.mtp_settings.draft_k,
             objective=self.mtp_settings.objective,
-            acceptance_drafted_positions=drafted_budget(tu.get_non_tensor_data(batch, key="num_micro_batch",
-                                                                               default=1)),
+            acceptance_drafted_positions=share,
         )
         return output, partial(postprocess_micro_batch_func, data=batch)
 

@@ -172,7 +172,8 @@ def _critic_resume_errors(config: Any, critic: str) -> list[str]:
         "Megatron engine leaves the optimizer's fp32 master weights at the values they were built from, and the "
         "critic's first update copies them back over the loaded weights (the resumed critic is lost without a word; "
         "the plugin refreshes them for the actor only). The critic has no MTP part, so its optimizer loads in every "
-        f"MTP mode: keep optimizer in {key} (e.g. [model,optimizer,extra])"
+        f"MTP mode: keep optimizer in {key} (e.g. [model,optimizer,extra]); a checkpoint saved without the critic's "
+        f"optimizer cannot resume the critic: {key}=[extra] starts a fresh one"
     ]
 
 
