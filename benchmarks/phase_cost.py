@@ -9,6 +9,7 @@ each; ``BENCH_TINY=1`` shrinks their shapes so they run on a CPU (timings then m
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import statistics
@@ -497,6 +498,120 @@ def estimate(args) -> dict:
     return res
 
 
+def _estimate_pass_arguments(ap):
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16, help="sequences of the pass")
+    ap.add_argument("--micro-batches", type=int, default=4, help="equal micro-batches the pass is cut into")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--drafted", type=int, default=16384, help="the drafted estimate's budget per pass")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: CPU time is not inflated by spinning threads on a busy machine)")
+    ap.add_argument("--json", default=None, help="also write every call's figures here")
+
+
+def estimate_pass(args) -> dict:
+    """Cost of the in-trainer acceptance estimate per MTP pass of several micro-batches, as the plugin's engine runs
+    it, side by side in one run: ``first``, the first micro-batch alone at the whole drafted budget (the engine before
+    2026-12-07, 128 positions for the means); ``every``, every micro-batch at its :class:`DraftedBudget` shares of the
+    pass's 128 positions and drafted budget, combined (``combine_estimates``). Each round runs one pass per arm (the order alternating), each micro-batch's forward
+    (no_grad, MTP run, probe attached) untimed, the estimate calls and the combination timed; the forwards' time is
+    given for scale."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+
+    from verl_mtp_plugin.acceptance import AcceptanceProbe
+    from verl_mtp_plugin.acceptance.estimate import (DRAFTED_EXPECTED_KEY, DRAFTED_POSITIONS_KEY,
+                                                     combine_estimates)
+    from verl_mtp_plugin.acceptance.probe import DraftedBudget
+    from verl_mtp_plugin.control import hybrid_forward
+    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch
+
+    if args.batch % args.micro_batches:
+        raise SystemExit(f"--batch {args.batch} is not a multiple of --micro-batches {args.micro_batches}")
+    init_megatron(seed=1234)
+    h = args.hidden
+    model = build_tiny_hybrid(
+        hidden_size=h, vocab_size=args.vocab, ffn_hidden_size=4 * h, num_attention_heads=8, num_query_groups=4,
+        moe_ffn_hidden_size=h, moe_shared_expert_intermediate_size=h, moe_latent_size=h // 2, mamba_head_dim=32,
+        max_sequence_length=args.seq,
+    )
+    batch = make_batch(batch=args.batch, seq=args.seq, vocab=args.vocab, prompt_len=args.prompt, seed=0)
+    rows = args.batch // args.micro_batches
+    micro = [{k: (v[i:i + rows] if k != "attention_mask" else v) for k, v in batch.items()}
+             for i in range(0, args.batch, rows)]
+    pass_tokens = float(batch["response_mask"].sum())
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+
+    def one_pass(arm: str) -> dict:
+        spent = {"cpu": 0.0, "wall": 0.0}
+        forwards = {"cpu": 0.0, "wall": 0.0}
+        budget = DraftedBudget(pass_tokens, budget=args.drafted) if arm == "every" else None
+        parts = []
+        for i, mb in enumerate(micro):
+            with AcceptanceProbe(model) as probe, torch.no_grad():
+                t0 = {k: f() for k, f in clocks.items()}
+                logits = hybrid_forward(model, mb["input_ids"], mb["position_ids"], mb["attention_mask"],
+                                        run_mtp_forward=True, loss_mask=mb["response_mask"])
+                t1 = {k: f() for k, f in clocks.items()}
+                if arm == "every":
+                    tokens = float(mb["response_mask"].sum())
+                    est = probe.estimate(logits, mb["response_mask"], max_positions=budget.mean_positions(tokens),
+                                         max_drafted_positions=budget.take(tokens, rows))
+                    budget.spent(est.get(DRAFTED_POSITIONS_KEY, 0.0))
+                    parts.append(est)
+                elif i == 0:
+                    parts.append(probe.estimate(logits, mb["response_mask"], max_positions=128,
+                                                max_drafted_positions=args.drafted))
+                t2 = {k: f() for k, f in clocks.items()}
+            for k in clocks:
+                forwards[k] += t1[k] - t0[k]
+                spent[k] += t2[k] - t1[k]
+        t0 = {k: f() for k, f in clocks.items()}
+        est = combine_estimates(parts)
+        for k, f in clocks.items():
+            spent[k] += f() - t0[k]
+        return {"arm": arm, "estimate_cpu_s": spent["cpu"], "estimate_wall_s": spent["wall"],
+                "forwards_cpu_s": forwards["cpu"], "forwards_wall_s": forwards["wall"],
+                "drafted_positions": est.get(DRAFTED_POSITIONS_KEY, 0.0),
+                "drafted_rate": est.get(DRAFTED_EXPECTED_KEY)}
+
+    for _ in range(args.warmup):
+        one_pass("first")
+        one_pass("every")
+    calls = []
+    for r in range(args.rounds):
+        for arm in (("first", "every") if r % 2 == 0 else ("every", "first")):
+            calls.append({"round": r + 1, **one_pass(arm)})
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, device cpu, load average at end {os.getloadavg()[0]:.1f}")
+    print(f"pass: {args.batch} x seq {args.seq} (prompt {args.prompt}) in {args.micro_batches} micro-batches, "
+          f"{pass_tokens:.0f} response tokens; drafted budget {args.drafted} per pass; {args.rounds} rounds after "
+          f"{args.warmup} warm-up, arms alternating")
+    out = {"calls": calls}
+    for arm in ("first", "every"):
+        mine = [c for c in calls if c["arm"] == arm]
+        med = {k: statistics.median(c[k] for c in mine) for k in ("estimate_cpu_s", "estimate_wall_s",
+                                                                    "forwards_cpu_s")}
+        out[arm] = med
+        print(f"[{arm:5s}] estimate per pass median cpu {med['estimate_cpu_s'] * 1e3:8.1f} ms, wall "
+              f"{med['estimate_wall_s'] * 1e3:8.1f} ms ({100 * med['estimate_cpu_s'] / med['forwards_cpu_s']:.1f}% "
+              f"of the pass's forwards, cpu {med['forwards_cpu_s'] * 1e3:.0f} ms); drafted positions "
+              f"{mine[-1]['drafted_positions']:.0f}, rate {mine[-1]['drafted_rate']:.4f}; cpu each: "
+              f"{', '.join(f'{c['estimate_cpu_s'] * 1e3:.1f}' for c in mine)}")
+    ratio = out["every"]["estimate_cpu_s"] / out["first"]["estimate_cpu_s"]
+    print(f"every / first (median cpu): {ratio:.2f}")
+    out["ratio_cpu"] = ratio
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 # gpu-all ------------------------------------------------------------------------------------------
 
 
@@ -700,6 +815,7 @@ COMMANDS = {
     "logprob": (logprob, None, lambda args: logprob()),
     "train": (train, None, lambda args: train()),
     "estimate": (estimate, _estimate_arguments, None),
+    "estimate-pass": (estimate_pass, _estimate_pass_arguments, None),
     "gpu-all": (gpu_all, _gpu_all_arguments, lambda args: gpu_all(tuple(args.which) or GPU_ALL)),
     "memory": (memory, _memory_arguments, _memory_run),
 }

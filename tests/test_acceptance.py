@@ -944,3 +944,10 @@ def test_drafted_budget_shares_the_pass_among_its_micro_batches():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="budget"):
             DraftedBudget(100, budget=bad)
+    # the means' 128 positions per pass, shared by tokens too (at least 16 per micro-batch)
+    from verl_mtp_plugin.acceptance.probe import MEAN_POSITIONS
+
+    b = DraftedBudget(12 * 3200)
+    assert MEAN_POSITIONS == 128 and b.mean_positions(3200) == 16 and b.mean_positions(12 * 3200) == 128
+    assert [DraftedBudget(1000).mean_positions(t) for t in (500, 250, 100)] == [64, 32, 16]
+    assert DraftedBudget(0).mean_positions(0) == 128

@@ -7,6 +7,7 @@ of one forward; :meth:`AcceptanceProbe.estimate` turns them and the main logits 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from verl_mtp_plugin.acceptance.estimate import (
 from verl_mtp_plugin.control import model_has_mtp, unwrap_model
 from verl_mtp_plugin.policy import MTPConfigError
 
-__all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "DraftedBudget"]
+__all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "DraftedBudget", "MEAN_POSITIONS"]
 
 #: The drafted estimate's budget: drafting positions of whole responses per forward, and the engine's per pass,
 #: shared among the pass's micro-batches by their response tokens (:class:`DraftedBudget`), so the probed responses
@@ -48,6 +49,11 @@ __all__ = ["AcceptanceProbe", "DRAFTED_POSITIONS", "DraftedBudget"]
 DRAFTED_POSITIONS = 16384
 #: Rows (positions) whose main and MTP logits are computed at once
 DRAFTED_CHUNK = 256
+#: The means over positions' budget per pass (``max_positions`` of :meth:`AcceptanceProbe.estimate`), shared among
+#: the pass's micro-batches by their response tokens (:meth:`DraftedBudget.mean_positions`)
+MEAN_POSITIONS = 128
+#: The least positions a micro-batch's means use
+MIN_MEAN_POSITIONS = 16
 
 
 class DraftedBudget:
@@ -67,6 +73,7 @@ class DraftedBudget:
             raise ValueError(f"budget must be an int >= 1, got {budget!r}")
         self.budget = budget
         total = max(float(pass_tokens), 0.0)
+        self.pass_tokens = total
         self.fraction = 1.0 if total <= budget else budget / total
         self.credit = 0.0
 
@@ -78,6 +85,14 @@ class DraftedBudget:
         self.credit += self.fraction * max(float(tokens), 0.0)
         average = max(float(tokens), 0.0) / max(int(sequences), 1)
         return int(self.credit) if self.credit >= max(average, 1.0) else 0
+
+    def mean_positions(self, tokens: float) -> int:
+        """The positions a micro-batch of ``tokens`` response tokens gives the means over positions: its share of
+        :data:`MEAN_POSITIONS` by tokens, at least :data:`MIN_MEAN_POSITIONS`."""
+        if self.pass_tokens <= 0:
+            return MEAN_POSITIONS
+        share = math.ceil(MEAN_POSITIONS * max(float(tokens), 0.0) / self.pass_tokens)
+        return max(MIN_MEAN_POSITIONS, min(MEAN_POSITIONS, share))
 
     def spent(self, positions: float) -> None:
         """After that forward: the drafting positions it used (the estimate's ``mtp_drafted_num_positions``)."""

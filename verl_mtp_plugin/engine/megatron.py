@@ -65,7 +65,7 @@ from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHe
 
 from verl_mtp_plugin.acceptance.estimate import combine_estimates, pool_drafted
 from verl_mtp_plugin.acceptance.estimate import DRAFTED_POSITIONS_KEY
-from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, DraftedBudget
+from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, MEAN_POSITIONS, DraftedBudget
 from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
 from verl_mtp_plugin.loss_mask import pack_token_mask, pad_token_mask, response_lengths, token_mask_from_response_mask
@@ -197,18 +197,18 @@ def _bshd_attention_mask(seq_len: int, device) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _maybe_probe(model, sink: dict | None, token_mask: torch.Tensor | None, temperature: float,
-                 draft_k: int | None = None, drafted_positions: int | None = None):
+                 draft_k: int | None = None, budget: tuple[int, int] | None = None):
     """Around one forward: capture the MTP block's output and write the acceptance estimate to ``sink``."""
     if sink is None or token_mask is None:
         yield
         return
     from verl_mtp_plugin.acceptance import AcceptanceProbe
 
-    budget = DRAFTED_POSITIONS if drafted_positions is None else drafted_positions
+    positions, drafted = (MEAN_POSITIONS, DRAFTED_POSITIONS) if budget is None else budget
     with AcceptanceProbe(model, temperature=temperature) as probe:
         yield
-        sink.update(probe.estimate(None, token_mask, max_positions=128, draft_k=draft_k,
-                                   max_drafted_positions=budget))
+        sink.update(probe.estimate(None, token_mask, max_positions=positions, draft_k=draft_k,
+                                   max_drafted_positions=drafted))
 
 
 def hybrid_forward_micro_batch(
@@ -226,7 +226,7 @@ def hybrid_forward_micro_batch(
     acceptance_temperature: float = 1.0,
     acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
-    acceptance_drafted_positions: int | None = None,
+    acceptance_budget: tuple[int, int] | None = None,
 ):
     """One micro-batch through a (wrapped) HybridModel in verl's engine layout.
 
@@ -248,16 +248,17 @@ def hybrid_forward_micro_batch(
         pad_to_length_bucket (int | None): verl's ``pad_to_length`` bucket (THD only).
         forced_max_seqlen (int | None): verl's BSHD padding target.
         acceptance (dict | None): when given and MTP runs here, the in-trainer acceptance estimate
-            (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`: the mean over at most 128 response positions,
-            and the drafted form over whole responses of about ``acceptance_drafted_positions`` positions, under
-            no_grad) of this micro-batch is written into it.
+            (:class:`verl_mtp_plugin.acceptance.AcceptanceProbe`: the means over at most ``acceptance_budget[0]``
+            response positions, the drafted form over whole responses of about ``acceptance_budget[1]`` positions,
+            under no_grad) of this micro-batch is written into it.
         acceptance_temperature (float): the rollout temperature the estimate (and the ``soft_ce`` / ``tv`` /
             ``chained_tv`` objective) assumes.
         acceptance_draft_k (int | None): vLLM's drafts per verify step, the drafted estimate's ``k``; None: the
             model's MTP depths.
         objective (str): the MTP loss when MTP runs here (:func:`verl_mtp_plugin.objective.mtp_objective_scope`).
-        acceptance_drafted_positions (int | None): the drafted estimate's budget in this micro-batch (whole
-            responses, evenly spaced; 0: no drafted estimate); None: the probe's default (16,384).
+        acceptance_budget (tuple[int, int] | None): this micro-batch's ``(positions of the means, drafting
+            positions)`` (:class:`~verl_mtp_plugin.acceptance.probe.DraftedBudget`; 0 drafting positions: no drafted
+            estimate); None: ``(128, 16384)``.
 
     Returns:
         dict[str, Tensor] of nested ``[b, n_i]`` tensors (``log_probs``, ``entropy``, ...) when a
@@ -295,7 +296,7 @@ def hybrid_forward_micro_batch(
             kwargs["loss_mask"] = pack_token_mask(mtp_token_mask, psp.cu_seqlens_q_padded).to(ids.device)
         with (
             _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
-                         acceptance_draft_k, acceptance_drafted_positions),
+                         acceptance_draft_k, acceptance_budget),
             mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                                 loss_mask=kwargs.get("loss_mask"), packed_seq_params=psp),
         ):
@@ -330,7 +331,7 @@ def hybrid_forward_micro_batch(
         kwargs["loss_mask"] = pad_token_mask(mtp_token_mask, ids.shape[1]).to(ids.device)
     with (
         _maybe_probe(model, acceptance if mtp_here else None, kwargs.get("loss_mask"), acceptance_temperature,
-                     acceptance_draft_k, acceptance_drafted_positions),
+                     acceptance_draft_k, acceptance_budget),
         mtp_objective_scope(model, objective if mtp_here else "hard_ce", temperature=acceptance_temperature,
                             loss_mask=kwargs.get("loss_mask")),
     ):
@@ -374,7 +375,7 @@ def forward_micro_batch(
     acceptance_temperature: float = 1.0,
     acceptance_draft_k: int | None = None,
     objective: str = "hard_ce",
-    acceptance_drafted_positions: int | None = None,
+    acceptance_budget: tuple[int, int] | None = None,
 ):
     """The engine's per-micro-batch forward: phase + mode -> ``run_mtp_forward`` -> model.
 
@@ -385,7 +386,7 @@ def forward_micro_batch(
         phase: ``train``, ``logprob`` or ``ref``.
         mode: ``off``, ``frozen``, ``online`` or ``joint``.
         logits_processor, logits_processor_args, data_format, pad_to_length_bucket, acceptance,
-            acceptance_temperature, acceptance_draft_k, objective, acceptance_drafted_positions: see
+            acceptance_temperature, acceptance_draft_k, objective, acceptance_budget: see
             :func:`hybrid_forward_micro_batch`.
 
     Returns:
@@ -406,7 +407,7 @@ def forward_micro_batch(
         acceptance_temperature=acceptance_temperature,
         acceptance_draft_k=acceptance_draft_k,
         objective=objective,
-        acceptance_drafted_positions=acceptance_drafted_positions,
+        acceptance_budget=acceptance_budget,
     )
 
 
@@ -675,10 +676,11 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             self.add_mtp_metrics(output, data, phase)
         return output
 
-    def _next_acceptance_sink(self, batch: TensorDict) -> tuple[dict | None, int | None]:
+    def _next_acceptance_sink(self, batch: TensorDict) -> tuple[dict | None, tuple[int, int] | None]:
         """The dict the next micro-batch writes its acceptance estimate to (None in a pass without MTP) and its share
-        of the pass's drafted budget: every micro-batch of the pass gets its own dict, :func:`combine_estimates`
-        joins them after the pass. The micro-batch before pays its share with the positions it used."""
+        of the pass's budget (positions of the means, drafting positions): every micro-batch of the pass gets its own
+        dict, :func:`combine_estimates` joins them after the pass. The micro-batch before pays its drafted share with
+        the positions it used."""
         sinks = getattr(self, "_mtp_acceptance", None)
         if sinks is None:
             return None, None
@@ -689,7 +691,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         if sinks:
             budget.spent(sinks[-1].get(DRAFTED_POSITIONS_KEY, 0.0))
         sinks.append({})
-        return sinks[-1], budget.take(_response_tokens(batch), int(batch["input_ids"].shape[0]))
+        tokens = _response_tokens(batch)
+        return sinks[-1], (budget.mean_positions(tokens), budget.take(tokens, int(batch["input_ids"].shape[0])))
 
     # ---- one micro-batch -----------------------------------------------------------------------------
     def forward_step(
@@ -752,7 +755,7 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
             acceptance_temperature=_first_float(batch["temperature"]),
             acceptance_draft_k=self.mtp_settings.draft_k,
             objective=self.mtp_settings.objective,
-            acceptance_drafted_positions=share,
+            acceptance_budget=share,
         )
         return output, partial(postprocess_micro_batch_func, data=batch)
 
