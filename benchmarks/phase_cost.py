@@ -550,22 +550,23 @@ def estimate_pass(args) -> dict:
     def one_pass(arm: str) -> dict:
         spent = {"cpu": 0.0, "wall": 0.0}
         forwards = {"cpu": 0.0, "wall": 0.0}
-        budget = DraftedBudget(pass_tokens, budget=args.drafted) if arm == "every" else None
+        budget = DraftedBudget(pass_tokens, budget=args.drafted, pass_sequences=args.batch) if arm == "every" else None
         parts = []
         for i, mb in enumerate(micro):
             with AcceptanceProbe(model) as probe, torch.no_grad():
                 t0 = {k: f() for k, f in clocks.items()}
-                logits = hybrid_forward(model, mb["input_ids"], mb["position_ids"], mb["attention_mask"],
+                hybrid_forward(model, mb["input_ids"], mb["position_ids"], mb["attention_mask"],
                                         run_mtp_forward=True, loss_mask=mb["response_mask"])
                 t1 = {k: f() for k, f in clocks.items()}
                 if arm == "every":
                     tokens = float(mb["response_mask"].sum())
-                    est = probe.estimate(logits, mb["response_mask"], max_positions=budget.mean_positions(tokens),
+                    # the engine's call: main logits rows recomputed from the captured hidden states (None)
+                    est = probe.estimate(None, mb["response_mask"], max_positions=budget.mean_positions(tokens),
                                          max_drafted_positions=budget.take(tokens, rows))
                     budget.spent(est.get(DRAFTED_POSITIONS_KEY, 0.0))
                     parts.append(est)
                 elif i == 0:
-                    parts.append(probe.estimate(logits, mb["response_mask"], max_positions=128,
+                    parts.append(probe.estimate(None, mb["response_mask"], max_positions=128,
                                                 max_drafted_positions=args.drafted))
                 t2 = {k: f() for k, f in clocks.items()}
             for k in clocks:

@@ -936,8 +936,16 @@ def test_drafted_budget_shares_the_pass_among_its_micro_batches():
     assert all(u > 0 for u in used) and abs(sum(used) - 16384) <= 400
     # 8 micro-batches of 2 responses of 8,192 tokens: the shares accrue until they cover a response, so the pass
     # probes two responses (16,384 positions), not one per micro-batch (65,536)
-    used = _probe_pass(DraftedBudget(16 * 8192), [(2, 8192)] * 8)
-    assert sum(used) == 16384 and used.count(8192) == 2 and used[3] == used[7] == 8192
+    for seqs in (16, None):  # the pass's average response as the threshold, or each micro-batch's
+        used = _probe_pass(DraftedBudget(16 * 8192, pass_sequences=seqs), [(2, 8192)] * 8)
+        assert sum(used) == 16384 and used.count(8192) == 2 and used[3] == used[7] == 8192
+    # responses longer than the budget: the pass still probes one (the threshold is at most the budget)
+    used = _probe_pass(DraftedBudget(4 * 20000, pass_sequences=4), [(1, 20000)] * 4)
+    assert used == [0, 0, 0, 20000]
+    # long- and short-response micro-batches in turn: both kinds probed (one threshold for the pass)
+    pass_ = [(1, 4000), (8, 100)] * 4
+    used = _probe_pass(DraftedBudget(4 * 4800, budget=9600, pass_sequences=36), pass_)
+    assert used == [4000, 0, 0, 800, 4000, 0, 0, 800]  # 9,600: the budget
     # uneven micro-batches: within one response of the budget
     used = _probe_pass(DraftedBudget(20000, budget=5000), [(10, 100), (1, 3000), (40, 200), (5, 1000)])
     assert abs(sum(used) - 5000) <= 3000 and used[0] > 0 and used[2] > 0
@@ -948,6 +956,6 @@ def test_drafted_budget_shares_the_pass_among_its_micro_batches():
     from verl_mtp_plugin.acceptance.probe import MEAN_POSITIONS
 
     b = DraftedBudget(12 * 3200)
-    assert MEAN_POSITIONS == 128 and b.mean_positions(3200) == 16 and b.mean_positions(12 * 3200) == 128
-    assert [DraftedBudget(1000).mean_positions(t) for t in (500, 250, 100)] == [64, 32, 16]
+    assert MEAN_POSITIONS == 128 and b.mean_positions(3200) == 11 and b.mean_positions(12 * 3200) == 128
+    assert [DraftedBudget(1000).mean_positions(t) for t in (500, 250, 100, 1)] == [64, 32, 13, 1]
     assert DraftedBudget(0).mean_positions(0) == 128

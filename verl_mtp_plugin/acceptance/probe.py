@@ -50,31 +50,34 @@ DRAFTED_POSITIONS = 16384
 #: Rows (positions) whose main and MTP logits are computed at once
 DRAFTED_CHUNK = 256
 #: The means over positions' budget per pass (``max_positions`` of :meth:`AcceptanceProbe.estimate`), shared among
-#: the pass's micro-batches by their response tokens (:meth:`DraftedBudget.mean_positions`)
+#: the pass's micro-batches by their response tokens (:meth:`DraftedBudget.mean_positions`: at least one each)
 MEAN_POSITIONS = 128
-#: The least positions a micro-batch's means use
-MIN_MEAN_POSITIONS = 16
 
 
 class DraftedBudget:
-    """The drafted estimate's budget of one pass, shared among its micro-batches in proportion to their response
-    tokens: every micro-batch adds ``budget / pass tokens`` of its tokens to a credit, and probes whole responses
-    (evenly spaced) for about the credit once it covers one of its average responses, which the positions it used
-    then pay off. So a pass probes about ``budget`` drafting positions (at most about one response more) spread
-    over all its micro-batches, and every response when the pass has no more tokens than the budget.
+    """The acceptance estimate's budget of one pass, shared among its micro-batches in proportion to their response
+    tokens. Drafted form: every micro-batch adds ``budget / pass tokens`` of its tokens to a credit and, once the
+    credit covers the pass's average response (at most the budget), probes whole responses (evenly spaced, at least
+    one) for about the credit, which the positions it used then pay off; so a pass probes about ``budget`` drafting
+    positions (over by what the last probed responses exceed the credit) spread over its micro-batches whatever their
+    response lengths, and every response when the pass has no more tokens than the budget. Means over positions:
+    each micro-batch its share of :data:`MEAN_POSITIONS` (:meth:`mean_positions`).
 
     Args:
         pass_tokens (float): the pass's response tokens on this rank (verl's ``loss_mask``).
         budget (int): drafting positions per pass (default :data:`DRAFTED_POSITIONS`).
+        pass_sequences (int | None): the pass's sequences on this rank; None: each micro-batch's own average
+            response is the threshold.
     """
 
-    def __init__(self, pass_tokens: float, budget: int = DRAFTED_POSITIONS):
+    def __init__(self, pass_tokens: float, budget: int = DRAFTED_POSITIONS, pass_sequences: int | None = None):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"budget must be an int >= 1, got {budget!r}")
         self.budget = budget
         total = max(float(pass_tokens), 0.0)
         self.pass_tokens = total
         self.fraction = 1.0 if total <= budget else budget / total
+        self.threshold = None if not pass_sequences else min(max(total / int(pass_sequences), 1.0), float(budget))
         self.credit = 0.0
 
     def take(self, tokens: float, sequences: int) -> int:
@@ -83,21 +86,24 @@ class DraftedBudget:
         if self.fraction >= 1.0:
             return self.budget  # the whole pass fits: every response of every micro-batch
         self.credit += self.fraction * max(float(tokens), 0.0)
-        average = max(float(tokens), 0.0) / max(int(sequences), 1)
-        return int(self.credit) if self.credit >= max(average, 1.0) else 0
+        threshold = self.threshold
+        if threshold is None:
+            threshold = min(max(max(float(tokens), 0.0) / max(int(sequences), 1), 1.0), float(self.budget))
+        return max(1, int(self.credit)) if self.credit >= threshold * (1 - 1e-9) else 0
 
     def mean_positions(self, tokens: float) -> int:
         """The positions a micro-batch of ``tokens`` response tokens gives the means over positions: its share of
-        :data:`MEAN_POSITIONS` by tokens, at least :data:`MIN_MEAN_POSITIONS`."""
+        :data:`MEAN_POSITIONS` by tokens, rounded up (at least 1; a pass of n micro-batches uses at most 128 + n)."""
         if self.pass_tokens <= 0:
             return MEAN_POSITIONS
         share = math.ceil(MEAN_POSITIONS * max(float(tokens), 0.0) / self.pass_tokens)
-        return max(MIN_MEAN_POSITIONS, min(MEAN_POSITIONS, share))
+        return max(1, min(MEAN_POSITIONS, share))
 
     def spent(self, positions: float) -> None:
         """After that forward: the drafting positions it used (the estimate's ``mtp_drafted_num_positions``)."""
         if self.fraction < 1.0:
             self.credit -= float(positions)
+
 
 class AcceptanceProbe:
     """Estimate MTP acceptance from a training forward of a megatron ``HybridModel`` (or ``GPTModel``).

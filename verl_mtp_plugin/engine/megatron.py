@@ -592,7 +592,8 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         self._mtp_phase = phase
         # the in-trainer acceptance estimate of a pass that runs MTP: one dict per micro-batch, combined after it
         self._mtp_acceptance = [] if runs else None
-        self._mtp_budget = DraftedBudget(_response_tokens(data)) if runs and data is not None else None
+        self._mtp_budget = (DraftedBudget(_response_tokens(data), pass_sequences=int(data["input_ids"].shape[0]))
+                            if runs and data is not None else None)
         try:
             yield phase
         finally:
