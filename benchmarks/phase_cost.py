@@ -373,6 +373,20 @@ def _estimate_arguments(ap):
                     help="torch intra-op threads (1: CPU time is not inflated by spinning threads on a busy machine)")
 
 
+def _estimate_model(args):
+    """The estimate benchmarks' real megatron-core HybridModel (``M*-E/*E``) at ``--hidden`` / ``--vocab`` /
+    ``--seq``, megatron initialised."""
+    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron
+
+    init_megatron(seed=1234)
+    h = args.hidden
+    return build_tiny_hybrid(
+        hidden_size=h, vocab_size=args.vocab, ffn_hidden_size=4 * h, num_attention_heads=8, num_query_groups=4,
+        moe_ffn_hidden_size=h, moe_shared_expert_intermediate_size=h, moe_latent_size=h // 2, mamba_head_dim=32,
+        max_sequence_length=args.seq,
+    )
+
+
 def estimate(args) -> dict:
     """Cost of the in-trainer MTP acceptance estimate, side by side in one run.
 
@@ -387,22 +401,10 @@ def estimate(args) -> dict:
 
     from verl_mtp_plugin.acceptance import EXPECTED_KEY, GREEDY_KEY, AcceptanceProbe, acceptance_positions
     from verl_mtp_plugin.control import hybrid_forward
-    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch, reset_mtp_globals
+    from verl_mtp_plugin.testing import make_batch, reset_mtp_globals
 
-    init_megatron(seed=1234)
+    model = _estimate_model(args)
     h = args.hidden
-    model = build_tiny_hybrid(
-        hidden_size=h,
-        vocab_size=args.vocab,
-        ffn_hidden_size=4 * h,
-        num_attention_heads=8,
-        num_query_groups=4,
-        moe_ffn_hidden_size=h,
-        moe_shared_expert_intermediate_size=h,
-        moe_latent_size=h // 2,
-        mamba_head_dim=32,
-        max_sequence_length=args.seq,
-    )
     batch = make_batch(batch=args.batch, seq=args.seq, vocab=args.vocab, prompt_len=args.prompt, seed=0)
     mask = batch["response_mask"]
     labels = torch.roll(batch["input_ids"], -1, dims=1)
@@ -529,17 +531,11 @@ def estimate_pass(args) -> dict:
                                                      combine_estimates)
     from verl_mtp_plugin.acceptance.probe import DraftedBudget
     from verl_mtp_plugin.control import hybrid_forward
-    from verl_mtp_plugin.testing import build_tiny_hybrid, init_megatron, make_batch
+    from verl_mtp_plugin.testing import make_batch
 
     if args.batch % args.micro_batches:
         raise SystemExit(f"--batch {args.batch} is not a multiple of --micro-batches {args.micro_batches}")
-    init_megatron(seed=1234)
-    h = args.hidden
-    model = build_tiny_hybrid(
-        hidden_size=h, vocab_size=args.vocab, ffn_hidden_size=4 * h, num_attention_heads=8, num_query_groups=4,
-        moe_ffn_hidden_size=h, moe_shared_expert_intermediate_size=h, moe_latent_size=h // 2, mamba_head_dim=32,
-        max_sequence_length=args.seq,
-    )
+    model = _estimate_model(args)
     batch = make_batch(batch=args.batch, seq=args.seq, vocab=args.vocab, prompt_len=args.prompt, seed=0)
     rows = args.batch // args.micro_batches
     micro = [{k: (v[i:i + rows] if k != "attention_mask" else v) for k, v in batch.items()}

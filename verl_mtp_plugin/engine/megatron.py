@@ -63,8 +63,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.base import BaseEngine
 from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-from verl_mtp_plugin.acceptance.estimate import combine_estimates, pool_drafted
-from verl_mtp_plugin.acceptance.estimate import DRAFTED_POSITIONS_KEY
+from verl_mtp_plugin.acceptance.estimate import DRAFTED_POSITIONS_KEY, combine_estimates, pool_drafted
 from verl_mtp_plugin.acceptance.probe import DRAFTED_POSITIONS, MEAN_POSITIONS, DraftedBudget
 from verl_mtp_plugin.compat import checkpoint_resume as resume_compat
 from verl_mtp_plugin.control import freeze_mtp, hybrid_forward, unwrap_model, validate_model_for_mode
@@ -686,12 +685,11 @@ class NemotronHMTPMegatronEngine(MegatronEngineWithLMHead):
         if sinks is None:
             return None, None
         budget = getattr(self, "_mtp_budget", None)
-        if budget is None:  # a pass entered without its batch: every micro-batch at the whole budget
-            sinks.append({})
-            return sinks[-1], None
-        if sinks:
+        if budget is not None and sinks:
             budget.spent(sinks[-1].get(DRAFTED_POSITIONS_KEY, 0.0))
         sinks.append({})
+        if budget is None:  # a pass entered without its batch: every micro-batch at the whole budget
+            return sinks[-1], None
         tokens = _response_tokens(batch)
         return sinks[-1], (budget.mean_positions(tokens), budget.take(tokens, int(batch["input_ids"].shape[0])))
 
