@@ -128,6 +128,25 @@ def test_main_ppo_finds_the_shipped_recipes_through_the_package(tmp_path, monkey
     assert verl_relative_config_path(["-cp", "mine"]) == ["-cp", str(tmp_path / "mine")]
 
 
+
+def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_path, monkeypatch, capsys):
+    """`verl-mtp check recipes/.../grpo_online.yaml` and `python -m verl_mtp_plugin.trainer.config --config-path
+    recipes/...` resolve a relative path as main_ppo does: the working directory's, else the installed package's."""
+    from verl_mtp_plugin.cli import check_recipe_file
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path
+    from verl_mtp_plugin.trainer.config import main as config_main
+
+    monkeypatch.chdir(tmp_path)  # outside the checkout: only the package has recipes/
+    documented = "recipes/nemotron3_super_mtp/config"
+    report = check_recipe_file(f"{documented}/grpo_online.yaml")
+    assert report.splitlines()[0].startswith(f"{CONFIG_DIR / 'grpo_online.yaml'}: OK"), report[:300]
+    assert resolve_path(f"{documented}/grpo_online", suffixes=("", ".yaml")) == str(CONFIG_DIR / "grpo_online")
+    assert config_main(["--config-path", documented, "--config-name", "grpo_frozen"]) == 0
+    assert "mode: frozen" in capsys.readouterr().out
+    (tmp_path / documented).mkdir(parents=True)  # a folder of the user's own at that path wins
+    assert resolve_path(documented) == str(tmp_path / documented)
+    assert resolve_path("/abs/x") == "/abs/x"
+
 SHIPPED = ["grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online"]
 SUPER = "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16"
 # (recipe, overrides, keys the error must name): what would fail at model build or be silently dropped

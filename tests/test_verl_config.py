@@ -124,6 +124,16 @@ def test_a_second_k_in_speculative_config_is_refused(verl_base, hf_dirs):
     assert s.speculative_config["num_speculative_tokens"] == 2
 
 
+def test_speculation_on_a_rollout_other_than_vllm_is_refused(verl_base, hf_dirs):
+    """The drafter sync is vLLM's worker extension: another rollout engine with MTP speculation is refused naming
+    the key; without speculation the rollout engine is verl's business."""
+    msg = errors_of(make(verl_base, hf_dirs, actor_rollout_ref__rollout__name="sglang"))
+    assert "actor_rollout_ref.rollout.name='sglang': the plugin's MTP drafter sync supports vLLM only" in msg
+    assert "mtp.enable_rollout=false" in msg
+    validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__rollout__name="sglang",
+                              actor_rollout_ref__model__mtp__enable_rollout=False))
+
+
 def test_speculation_behind_verls_back_gets_level_2_sleep(verl_base, hf_dirs):
     """vLLM speculation through engine_kwargs only: verl 0.9.1 does not know MTP rollout is on and
     sleeps vLLM at level 2 (drafter weights discarded, acceptance 0 after wake-up)."""
@@ -275,6 +285,23 @@ def test_frozen_drafter_sync_while_mtp_trains(verl_base, hf_dirs):
     assert "allowed values" in errors_of(make(verl_base, hf_dirs, **{env: "sometimes"}))
     frozen = make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False, **{env: "frozen"})
     assert validate_verl_config(frozen).drafter_sync == "frozen"
+    assert not [w for w in validate_verl_config(frozen).warnings if "VERL_MTP_DRAFTER_SYNC" in w]
+
+
+def test_mode_frozen_without_the_frozen_drafter_sync_is_warned_about(verl_base, hf_dirs, monkeypatch):
+    """Mode frozen with the drafter sync left at online: correct, but the drafter reloads unchanged weights every
+    sync; the start-up check says so naming the key (a warning: `verl-mtp check --strict` refuses it)."""
+    monkeypatch.delenv("VERL_MTP_DRAFTER_SYNC", raising=False)
+    env = "ray_kwargs__ray_init__runtime_env__env_vars__VERL_MTP_DRAFTER_SYNC"
+    for value, shown in ((None, "online (unset)"), ("online", "online")):
+        extra = {} if value is None else {env: value}
+        settings = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False,
+                                             **extra))
+        (w,) = [w for w in settings.warnings if "VERL_MTP_DRAFTER_SYNC" in w]
+        assert f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_MTP_DRAFTER_SYNC={shown} in mode frozen" in w
+        assert "VERL_MTP_DRAFTER_SYNC=frozen to load them once" in w
+    online = validate_verl_config(make(verl_base, hf_dirs))  # mode online reloads by design: no warning
+    assert not [w for w in online.warnings if "VERL_MTP_DRAFTER_SYNC" in w]
 
 
 def test_drafter_sync_staging_place_is_checked_at_start_up(verl_base, hf_dirs):

@@ -61,9 +61,11 @@ def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: 
     import os
 
     from verl_mtp_plugin.policy import format_table
+    from verl_mtp_plugin.recipe_paths import resolve_path
     from verl_mtp_plugin.trainer.config import compose_recipe, startup_check
 
-    path = os.path.abspath(path)
+    # a relative path: the working directory's, else the installed package's (the documented recipes/... path)
+    path = os.path.abspath(resolve_path(path, suffixes=("", ".yaml")))
     name = os.path.basename(path)
     cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
     settings = startup_check(cfg)  # the check both training entry points run

@@ -9,9 +9,10 @@ the shipped folder when no such folder exists under verl's ``verl/trainer`` or t
 
 from __future__ import annotations
 
+import os
 import pathlib
 
-__all__ = ["CONFIG_DIR", "PACKAGE_DIR", "RECIPE_DIR", "RECIPES", "shipped"]
+__all__ = ["CONFIG_DIR", "PACKAGE_DIR", "RECIPE_DIR", "RECIPES", "resolve_path", "shipped"]
 
 #: the package folder: ``recipes/...`` relative to it is the shipped recipes folder
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -26,3 +27,17 @@ RECIPES = ("grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online
 def shipped(config_name: str) -> bool:
     """Whether ``config_name`` (``--config-name``, with or without ``.yaml``) is a shipped recipe."""
     return config_name.removesuffix(".yaml") in RECIPES
+
+
+def resolve_path(path: str, *, first: tuple[str, ...] = (), suffixes: tuple[str, ...] = ("",)) -> str:
+    """A relative recipe path as users write it: the first of ``first``, ``<working directory>/<path>`` and
+    ``<package>/<path>`` that exists (with one of ``suffixes`` appended), so the documented
+    ``recipes/nemotron3_super_mtp/config`` means the shipped folder from a checkout and from an installed wheel.
+    Absolute paths and URLs are returned as given; when none exists, the first candidate."""
+    if os.path.isabs(path) or "://" in path:
+        return path
+    candidates = [*first, os.path.abspath(path), os.path.join(PACKAGE_DIR, path)]
+    for c in candidates:
+        if any(os.path.exists(c + s) for s in suffixes):
+            return os.path.normpath(c)
+    return os.path.normpath(candidates[0])

@@ -534,6 +534,14 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
             f"{drafter_sync_key}=frozen while MTP trains (mode '{mode}'): vLLM's drafter would keep the "
             f"first weights it received and draft with a stale MTP block; set it to online or drop it"
         )
+    sync_warnings = []
+    if mode is MTPMode.FROZEN and speculation and plugin_sync and drafter_sync in (None, "online"):
+        sync_warnings.append(
+            f"{drafter_sync_key}={drafter_sync or 'online (unset)'} in mode frozen: vLLM's drafter reloads its MTP "
+            "weights from every weight sync although they never change (Nemotron 3 Super: 5.5 GiB of MTP weights per sync, "
+            f"docs/weight-sync.md); set {_RAY_ENV}.{DRAFTER_SYNC_ENV}=frozen to load them once (the shipped "
+            "frozen recipes do)"
+        )
     try:
         verl_config.compilation_config(config)
     except MTPConfigError as e:
@@ -579,7 +587,7 @@ def validate_verl_config(config: Any, *, hf_config: Any = None) -> ResolvedMTPSe
                                trained_depth=depth, schedule=schedule)
         if spec
         else ()
-    ) + tuple(training_memory_warnings(config, mode=mode))
+    ) + tuple(sync_warnings) + tuple(training_memory_warnings(config, mode=mode))
     note = whole_logits_note(config, mode=mode, trained_depth=depth, vocab_size=getattr(hf_config, "vocab_size", None))
     if note:
         logger.warning("verl_mtp_plugin: %s", note)
@@ -1272,7 +1280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-name", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    cfg = compose_recipe(args.config_path, args.config_name, args.overrides)
+    from verl_mtp_plugin.recipe_paths import resolve_path
+
+    # a relative --config-path: the working directory's, else the installed package's (recipes/...)
+    cfg = compose_recipe(resolve_path(args.config_path), args.config_name, args.overrides)
     try:
         settings = startup_check(cfg)
     except MTPConfigError as e:

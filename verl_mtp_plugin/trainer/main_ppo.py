@@ -153,16 +153,12 @@ def verl_relative_config_path(argv: list[str]) -> list[str]:
 
     import verl.trainer.main_ppo as verl_main
 
-    from verl_mtp_plugin.recipe_paths import CONFIG_DIR, PACKAGE_DIR, shipped
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path, shipped
 
     base = os.path.dirname(os.path.abspath(verl_main.__file__))
 
     def fix(path: str) -> str:
-        if os.path.isabs(path) or "://" in path:
-            return path
-        candidates = [os.path.join(base, path), os.path.abspath(path), os.path.join(PACKAGE_DIR, path)]
-        found = next((c for c in candidates if os.path.isdir(c)), candidates[0])
-        return os.path.normpath(found)
+        return resolve_path(path, first=(os.path.join(base, path),))
 
     out, i, has_path, name = [], 0, False, None
     while i < len(argv):
