@@ -133,6 +133,7 @@ def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_pat
     """`verl-mtp check recipes/.../grpo_online.yaml` and `python -m verl_mtp_plugin.trainer.config --config-path
     recipes/...` resolve a relative path as main_ppo does: the working directory's, else the installed package's."""
     from verl_mtp_plugin.cli import check_recipe_file
+    from verl_mtp_plugin.policy import MTPConfigError
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path
     from verl_mtp_plugin.trainer.config import main as config_main
 
@@ -143,6 +144,13 @@ def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_pat
     assert resolve_path(f"{documented}/grpo_online", suffixes=("", ".yaml")) == str(CONFIG_DIR / "grpo_online")
     assert config_main(["--config-path", documented, "--config-name", "grpo_frozen"]) == 0
     assert "mode: frozen" in capsys.readouterr().out
+    assert check_recipe_file("grpo_frozen").startswith(f"{CONFIG_DIR / 'grpo_frozen.yaml'}: OK")  # a shipped name
+    # a recipe that is nowhere: refused naming the path and the shipped names, no Hydra traceback
+    with pytest.raises(MTPConfigError, match=r"no recipe nope\.yaml in .*grpo_online"):
+        check_recipe_file("nope.yaml")
+    capsys.readouterr()
+    assert config_main(["--config-path", "nowhere", "--config-name", "grpo_online"]) == 1
+    assert f"no recipe grpo_online.yaml in {tmp_path / 'nowhere'}" in capsys.readouterr().err
     (tmp_path / documented).mkdir(parents=True)  # a folder of the user's own at that path wins
     assert resolve_path(documented) == str(tmp_path / documented)
     assert resolve_path("/abs/x") == "/abs/x"

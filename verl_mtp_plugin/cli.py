@@ -61,10 +61,13 @@ def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: 
     import os
 
     from verl_mtp_plugin.policy import format_table
-    from verl_mtp_plugin.recipe_paths import resolve_path
+    from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path, shipped
     from verl_mtp_plugin.trainer.config import compose_recipe, startup_check
 
-    # a relative path: the working directory's, else the installed package's (the documented recipes/... path)
+    # a relative path: the working directory's, else the installed package's (the documented recipes/... path);
+    # a shipped recipe's name (grpo_online) when no such file is here
+    if shipped(path) and not os.path.exists(path) and not os.path.exists(path + ".yaml"):
+        path = str(CONFIG_DIR / (path.removesuffix(".yaml") + ".yaml"))
     path = os.path.abspath(resolve_path(path, suffixes=("", ".yaml")))
     name = os.path.basename(path)
     cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
@@ -143,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_phases)
 
     c = sub.add_parser("check", help="validate a verl recipe YAML with the plugin's rules")
-    c.add_argument("config", help="a recipe YAML (composed on top of verl's ppo_trainer)")
+    c.add_argument("config", help="a recipe YAML (composed on top of verl's ppo_trainer), or a shipped recipe's name "
+                                  "(grpo_online)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. actor_rollout_ref.model.mtp.enable=false")
     c.add_argument("--strict", action="store_true", help="refuse (exit 2) settings that only cost rollout speed")
     c.set_defaults(fn=_cmd_check)

@@ -1251,6 +1251,14 @@ def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | Non
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from verl_mtp_plugin.recipe_paths import RECIPES
+
+    name = config_name.removesuffix(".yaml")
+    if not os.path.isfile(os.path.join(config_dir, name + ".yaml")):
+        raise MTPConfigError(
+            f"no recipe {name}.yaml in {os.path.abspath(config_dir)} (a relative path is looked up in the working "
+            f"directory, then in the installed package; the shipped recipes: {', '.join(RECIPES)})"
+        )
     GlobalHydra.instance().clear()
     with _quiet_msc_config_source(), initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
         return compose(config_name=config_name, overrides=list(overrides or []))
@@ -1282,9 +1290,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from verl_mtp_plugin.recipe_paths import resolve_path
 
-    # a relative --config-path: the working directory's, else the installed package's (recipes/...)
-    cfg = compose_recipe(resolve_path(args.config_path), args.config_name, args.overrides)
     try:
+        # a relative --config-path: the working directory's, else the installed package's (recipes/...)
+        cfg = compose_recipe(resolve_path(args.config_path), args.config_name, args.overrides)
         settings = startup_check(cfg)
     except MTPConfigError as e:
         print(f"verl_mtp_plugin: {e}", file=sys.stderr)
