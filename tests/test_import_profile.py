@@ -70,3 +70,31 @@ def test_the_mode_lease_profiles_imports_while_the_checkpoint_pretrains_and_stop
     poll = script[script.index("\npoll)"):]
     tar = poll[poll.index("tar czf"):poll.index("assets.json", poll.index("tar czf"))]
     assert " imports" in tar  # the poll's archive brings the profile back
+
+
+def test_report_reads_committed_gzipped_output_and_marks_a_missing_one(tmp_path):
+    """The committed results keep ``-X importtime`` output gzipped; a process whose output did not come back is shown
+    as n/a, not as 0 s of imports."""
+    import gzip
+
+    (tmp_path / "walls.jsonl").write_text('{"name": "torch", "round": 1, "rc": 0, "wall_s": 2.5}\n'
+                                          '{"name": "vllm", "round": 1, "rc": 0, "wall_s": 9.0}\n')
+    (tmp_path / "torch_1.importtime.gz").write_bytes(gzip.compress(SAMPLE.encode()))
+    rows = {r["name"]: r for r in ip.report(tmp_path, top=2)}
+    assert rows["torch"]["import_s"] == pytest.approx(0.0021 + 1.857, abs=1e-3)  # rounded to ms
+    assert rows["torch"]["top"] == [["torch", 1.8], ["numpy", 0.05]]
+    assert rows["vllm"]["import_s"] is None and rows["vllm"]["top"] == []
+
+
+def test_the_committed_h100_profile_gives_the_figures_results_quotes():
+    """RESULTS, "What verl's processes and the plugin's driver import": the figures come from the committed files."""
+    base = REPO / "benchmarks" / "results" / "h100_imports"
+    one = {r["name"]: r for r in ip.report(base / "round1", top=6)}
+    assert round(one["verl_engines"]["wall_s"], 2) == 26.01 and round(one["verl_engines"]["import_s"], 2) == 23.80
+    assert dict(one["verl_engines"]["top"])["torch"] == pytest.approx(8.76, abs=0.005)
+    assert one["vllm"]["import_s"] is None  # its output did not come back from the device
+    drivers = ip.report(base / "driver_rounds", top=6) + [one["verl_driver"], one["plugin_check"]]
+    walls = {name: sorted(round(r["wall_s"], 2) for r in drivers if r["name"] == name)
+             for name in ("verl_driver", "plugin_check")}
+    assert walls == {"verl_driver": [14.28, 15.92, 17.13], "plugin_check": [29.34, 29.57, 32.53]}
+    assert "6 passed, 1 skipped" in (base / "gpu_tests.log").read_text()
