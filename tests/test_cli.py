@@ -131,7 +131,7 @@ def test_main_ppo_finds_the_shipped_recipes_through_the_package(tmp_path, monkey
 
 def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_path, monkeypatch, capsys):
     """`verl-mtp check recipes/.../grpo_online.yaml` and `python -m verl_mtp_plugin.trainer.config --config-path
-    recipes/...` resolve a relative path as main_ppo does: the working directory's, else the installed package's."""
+    recipes/...` resolve a relative path as main_ppo does (verl/trainer's, the working directory's, the package's)."""
     from verl_mtp_plugin.cli import check_recipe_file
     from verl_mtp_plugin.policy import MTPConfigError
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path
@@ -141,10 +141,12 @@ def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_pat
     documented = "recipes/nemotron3_super_mtp/config"
     report = check_recipe_file(f"{documented}/grpo_online.yaml")
     assert report.splitlines()[0].startswith(f"{CONFIG_DIR / 'grpo_online.yaml'}: OK"), report[:300]
-    assert resolve_path(f"{documented}/grpo_online", suffixes=("", ".yaml")) == str(CONFIG_DIR / "grpo_online")
+    assert resolve_path(f"{documented}/grpo_online", directory=False) == str(CONFIG_DIR / "grpo_online")
     assert config_main(["--config-path", documented, "--config-name", "grpo_frozen"]) == 0
     assert "mode: frozen" in capsys.readouterr().out
     assert check_recipe_file("grpo_frozen").startswith(f"{CONFIG_DIR / 'grpo_frozen.yaml'}: OK")  # a shipped name
+    (tmp_path / "grpo_frozen").mkdir()  # a folder of that name (an output folder, say) is not a recipe file
+    assert check_recipe_file("grpo_frozen").startswith(f"{CONFIG_DIR / 'grpo_frozen.yaml'}: OK")
     # a recipe that is nowhere: refused naming the path and the shipped names, no Hydra traceback
     with pytest.raises(MTPConfigError, match=r"no recipe nope\.yaml in .*grpo_online"):
         check_recipe_file("nope.yaml")
@@ -154,6 +156,15 @@ def test_the_checks_find_the_documented_recipe_path_outside_the_checkout(tmp_pat
     (tmp_path / documented).mkdir(parents=True)  # a folder of the user's own at that path wins
     assert resolve_path(documented) == str(tmp_path / documented)
     assert resolve_path("/abs/x") == "/abs/x"
+    # verl's own relative paths keep meaning verl/trainer/<path> for the checks as for main_ppo, a file there does
+    # not stand for a folder, and a path that is nowhere is the working directory's (Hydra names it)
+    import verl.trainer.main_ppo as verl_main
+
+    verl_dir = os.path.dirname(os.path.abspath(verl_main.__file__))
+    (tmp_path / "config").mkdir()
+    assert resolve_path("config") == os.path.join(verl_dir, "config")
+    assert resolve_path("main_ppo.py") == str(tmp_path / "main_ppo.py")  # verl/trainer/main_ppo.py: a file
+    assert resolve_path("main_ppo.py", directory=False) == os.path.join(verl_dir, "main_ppo.py")
 
 SHIPPED = ["grpo_frozen", "grpo_online", "grpo_joint", "ppo_frozen", "ppo_online"]
 SUPER = "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16"

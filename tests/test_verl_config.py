@@ -302,6 +302,9 @@ def test_mode_frozen_without_the_frozen_drafter_sync_is_warned_about(verl_base, 
         assert "VERL_MTP_DRAFTER_SYNC=frozen to load them once" in w
     online = validate_verl_config(make(verl_base, hf_dirs))  # mode online reloads by design: no warning
     assert not [w for w in online.warnings if "VERL_MTP_DRAFTER_SYNC" in w]
+    quiet = validate_verl_config(make(verl_base, hf_dirs, actor_rollout_ref__model__mtp__enable_train=False,
+                                      actor_rollout_ref__model__mtp__enable_rollout=False))  # no drafter to sync
+    assert not [w for w in quiet.warnings if "VERL_MTP_DRAFTER_SYNC" in w]
 
 
 def test_drafter_sync_staging_place_is_checked_at_start_up(verl_base, hf_dirs):

@@ -64,11 +64,12 @@ def check_recipe_file(path: str, overrides: list[str] | None = None, *, strict: 
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path, shipped
     from verl_mtp_plugin.trainer.config import compose_recipe, startup_check
 
-    # a relative path: the working directory's, else the installed package's (the documented recipes/... path);
-    # a shipped recipe's name (grpo_online) when no such file is here
-    if shipped(path) and not os.path.exists(path) and not os.path.exists(path + ".yaml"):
-        path = str(CONFIG_DIR / (path.removesuffix(".yaml") + ".yaml"))
-    path = os.path.abspath(resolve_path(path, suffixes=("", ".yaml")))
+    # a relative path as main_ppo resolves one (verl/trainer's, the working directory's, else the installed
+    # package's: the documented recipes/... path); a shipped recipe's name (grpo_online) when no such file is here
+    path = resolve_path(path, directory=False)
+    if shipped(os.path.basename(path)) and not os.path.isfile(path) and not os.path.isfile(path + ".yaml"):
+        path = str(CONFIG_DIR / (os.path.basename(path).removesuffix(".yaml") + ".yaml"))
+    path = os.path.abspath(path)
     name = os.path.basename(path)
     cfg = compose_recipe(os.path.dirname(path), name[:-5] if name.endswith(".yaml") else name, overrides)
     settings = startup_check(cfg)  # the check both training entry points run

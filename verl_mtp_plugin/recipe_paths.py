@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-__all__ = ["CONFIG_DIR", "PACKAGE_DIR", "RECIPE_DIR", "RECIPES", "resolve_path", "shipped"]
+__all__ = ["CONFIG_DIR", "PACKAGE_DIR", "RECIPE_DIR", "RECIPES", "resolve_path", "shipped", "verl_trainer_dir"]
 
 #: the package folder: ``recipes/...`` relative to it is the shipped recipes folder
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -29,15 +29,31 @@ def shipped(config_name: str) -> bool:
     return config_name.removesuffix(".yaml") in RECIPES
 
 
-def resolve_path(path: str, *, first: tuple[str, ...] = (), suffixes: tuple[str, ...] = ("",)) -> str:
-    """A relative recipe path as users write it: the first of ``first``, ``<working directory>/<path>`` and
-    ``<package>/<path>`` that exists (with one of ``suffixes`` appended), so the documented
-    ``recipes/nemotron3_super_mtp/config`` means the shipped folder from a checkout and from an installed wheel.
-    Absolute paths and URLs are returned as given; when none exists, the first candidate."""
+def verl_trainer_dir() -> str | None:
+    """verl's ``verl/trainer`` folder, where ``python -m verl.trainer.main_ppo`` resolves a relative
+    ``--config-path`` (Hydra: relative to the main module); None when verl is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl.trainer")
+    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
+
+
+def resolve_path(path: str, *, directory: bool = True) -> str:
+    """A relative recipe path as users write it, the same for every entry point and check: the first of
+    ``verl/trainer/<path>`` (what it means for verl's own entry point), ``<working directory>/<path>`` and
+    ``<package>/<path>`` that exists, so the documented ``recipes/nemotron3_super_mtp/config`` means the shipped
+    folder from a checkout and from an installed wheel. ``directory``: a config folder (``--config-path``); else a
+    recipe file, with or without ``.yaml``. Absolute paths and URLs are returned as given; when none exists, the
+    working directory's."""
     if os.path.isabs(path) or "://" in path:
         return path
-    candidates = [*first, os.path.abspath(path), os.path.join(PACKAGE_DIR, path)]
-    for c in candidates:
-        if any(os.path.exists(c + s) for s in suffixes):
-            return os.path.normpath(c)
-    return os.path.normpath(candidates[0])
+    verl_dir = verl_trainer_dir()
+    candidates = [*([os.path.join(verl_dir, path)] if verl_dir else []), os.path.abspath(path),
+                  os.path.join(PACKAGE_DIR, path)]
+
+    def found(c: str) -> bool:
+        if directory:
+            return os.path.isdir(c)
+        return os.path.isfile(c) or (not c.endswith(".yaml") and os.path.isfile(c + ".yaml"))
+
+    return os.path.normpath(next((c for c in candidates if found(c)), os.path.abspath(path)))

@@ -1256,8 +1256,8 @@ def compose_recipe(config_dir: str, config_name: str, overrides: list[str] | Non
     name = config_name.removesuffix(".yaml")
     if not os.path.isfile(os.path.join(config_dir, name + ".yaml")):
         raise MTPConfigError(
-            f"no recipe {name}.yaml in {os.path.abspath(config_dir)} (a relative path is looked up in the working "
-            f"directory, then in the installed package; the shipped recipes: {', '.join(RECIPES)})"
+            f"no recipe {name}.yaml in {os.path.abspath(config_dir)} (the shipped recipes, by name without a path: "
+            f"{', '.join(RECIPES)})"
         )
     GlobalHydra.instance().clear()
     with _quiet_msc_config_source(), initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
@@ -1291,7 +1291,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_mtp_plugin.recipe_paths import resolve_path
 
     try:
-        # a relative --config-path: the working directory's, else the installed package's (recipes/...)
+        # a relative --config-path as main_ppo resolves it (verl/trainer's, the working directory's, the package's)
         cfg = compose_recipe(resolve_path(args.config_path), args.config_name, args.overrides)
         settings = startup_check(cfg)
     except MTPConfigError as e:

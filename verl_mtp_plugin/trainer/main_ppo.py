@@ -149,16 +149,10 @@ def verl_relative_config_path(argv: list[str]) -> list[str]:
     ``--config-path``, a shipped recipe name (``--config-name grpo_online``) reads the shipped folder
     (:data:`verl_mtp_plugin.recipe_paths.CONFIG_DIR`).
     """
-    import os
-
-    import verl.trainer.main_ppo as verl_main
-
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path, shipped
 
-    base = os.path.dirname(os.path.abspath(verl_main.__file__))
-
     def fix(path: str) -> str:
-        return resolve_path(path, first=(os.path.join(base, path),))
+        return resolve_path(path)
 
     out, i, has_path, name = [], 0, False, None
     while i < len(argv):
