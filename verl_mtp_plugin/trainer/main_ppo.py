@@ -151,14 +151,11 @@ def verl_relative_config_path(argv: list[str]) -> list[str]:
     """
     from verl_mtp_plugin.recipe_paths import CONFIG_DIR, resolve_path, shipped
 
-    def fix(path: str) -> str:
-        return resolve_path(path)
-
     out, i, has_path, name = [], 0, False, None
     while i < len(argv):
         arg = argv[i]
         if arg in ("--config-path", "-cp") and i + 1 < len(argv):
-            out += [arg, fix(argv[i + 1])]
+            out += [arg, resolve_path(argv[i + 1])]
             has_path = True
             i += 2
             continue
@@ -166,7 +163,7 @@ def verl_relative_config_path(argv: list[str]) -> list[str]:
             name = argv[i + 1]
         for flag in ("--config-path=", "-cp="):
             if arg.startswith(flag):
-                arg = flag + fix(arg[len(flag) :])
+                arg = flag + resolve_path(arg[len(flag) :])
                 has_path = True
         for flag in ("--config-name=", "-cn="):
             if arg.startswith(flag):
